@@ -1,0 +1,261 @@
+"""The four inputs of every estimate: what is trained, how, on what, and sharded how.
+
+Keyword-only frozen dataclasses, validated once in ``__post_init__``; everything
+downstream trusts them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from .errors import MemplanError
+
+ARCHS = ("llama", "gpt2", "neox", "vit")
+PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "mixed-bf16", "mixed-fp16", "bf16")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adam8bit")
+OPTIMIZER_IMPLS = ("foreach", "fused", "single")
+AC_MODES = ("none", "selective", "full")
+ATTENTIONS = ("sdpa", "eager")
+DEVICES = ("cuda", "cpu")
+OFFLOADS = ("none", "optimizer", "params", "all")
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def _check_choice(value, choices, what):
+    if value not in choices:
+        raise MemplanError(f"{what} {value!r} is not one of: {', '.join(choices)}")
+
+
+def _check_positive(obj, *names):
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise MemplanError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A decoder-only transformer (or a ViT encoder) described by its shapes.
+
+    The family fixes the block's layout: ``llama`` (RMSNorm, SwiGLU, RoPE, GQA, no
+    biases), ``gpt2`` (LayerNorm, GELU, learned positions, biases, dropout, tied head),
+    ``neox`` (LayerNorm, GELU, rotary, parallel residual, biases, untied head),
+    ``vit`` (LayerNorm, GELU, patch embedding, class token, classifier head).
+    """
+
+    name: str = "custom"
+    arch: str = "llama"
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int = 0
+    """0 means as many as ``num_heads`` (no GQA)."""
+    ffn_hidden: int
+    vocab_size: int
+    """Token vocabulary; for ``vit`` the number of classes of the head."""
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+    """Bias on q/k/v only (Qwen2); ``linear_bias`` implies it."""
+    linear_bias: bool = False
+    max_positions: int = 0
+    """Learned position embeddings (gpt2); for ``vit`` the number of patches + 1."""
+    dropout: float = 0.0
+    """Dropout probability on attention probabilities and residual branches."""
+    patch_size: int = 16
+    image_channels: int = 3
+
+    def __post_init__(self):
+        _check_choice(self.arch, ARCHS, "arch")
+        _check_positive(self, "num_layers", "hidden", "num_heads", "ffn_hidden", "vocab_size")
+        if self.num_kv_heads == 0:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        _check_positive(self, "num_kv_heads")
+        if self.hidden % self.num_heads:
+            raise MemplanError(f"hidden {self.hidden} is not divisible by heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise MemplanError(f"heads {self.num_heads} is not divisible by kv-heads {self.num_kv_heads}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise MemplanError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.num_layers > 10_000 or self.hidden > 1_000_000 or self.vocab_size > 10_000_000:
+            raise MemplanError(
+                f"model shape is absurd (layers {self.num_layers}, hidden {self.hidden}, "
+                f"vocab {self.vocab_size}); layers ≤ 10000, hidden ≤ 1e6, vocab ≤ 1e7"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_heads
+
+    @property
+    def kv_hidden(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.arch == "llama"
+
+    @property
+    def norm_params(self) -> int:
+        """One norm: RMSNorm has a weight, LayerNorm a weight and a bias."""
+        return self.hidden if self.arch == "llama" else 2 * self.hidden
+
+    def block_param_counts(self) -> dict[str, int]:
+        """Parameters of one block, per projection (the FSDP unit of every strategy)."""
+        h, kv, f = self.hidden, self.kv_hidden, self.ffn_hidden
+        bias = self.linear_bias
+        qkv_bias = bias or self.qkv_bias
+        counts = {
+            "attn_qkv": h * (h + 2 * kv) + (h + 2 * kv) * qkv_bias,
+            "attn_out": h * h + h * bias,
+            "mlp_in": (2 if self.gated_mlp else 1) * h * f + f * bias * (2 if self.gated_mlp else 1),
+            "mlp_out": f * h + h * bias,
+            "norms": 2 * self.norm_params,
+        }
+        return counts
+
+    def block_params(self) -> int:
+        return sum(self.block_param_counts().values())
+
+    def embedding_params(self) -> int:
+        """Input side: token (or patch) embedding plus learned positions / class token."""
+        h = self.hidden
+        if self.arch == "vit":
+            patch = self.image_channels * self.patch_size**2 * h + h
+            return patch + h + self.max_positions * h  # + class token
+        return self.vocab_size * h + self.max_positions * h
+
+    def head_params(self) -> int:
+        """Output side: final norm plus the LM head (or classifier); 0 extra when tied."""
+        h = self.hidden
+        if self.arch == "vit":
+            return self.norm_params + h * self.vocab_size + self.vocab_size
+        return self.norm_params + (0 if self.tied_embeddings else self.vocab_size * h)
+
+    @property
+    def num_params(self) -> int:
+        return self.embedding_params() + self.num_layers * self.block_params() + self.head_params()
+
+    def describe(self) -> str:
+        gqa = f", kv-heads {self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        return (
+            f"{self.name}: {self.arch}, {self.num_layers} layers, hidden {self.hidden}, "
+            f"heads {self.num_heads}{gqa}, ffn {self.ffn_hidden}, vocab {self.vocab_size}"
+            f"{', tied embeddings' if self.tied_embeddings else ''} "
+            f"= {self.num_params / 1e9:.3f}B parameters"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSpec:
+    """One optimizer step: micro-batches, precision, optimizer and memory-saving switches."""
+
+    seq_len: int = 2048
+    micro_batch: int = 1
+    grad_accum: int = 1
+    precision: str = "mixed-bf16"
+    reduce_dtype: str | None = None
+    """Gradient reduction dtype; None means the policy's default (its compute dtype)."""
+    optimizer: str = "adamw"
+    optimizer_impl: str | None = None
+    """foreach | fused | single; None means torch's default on the device."""
+    activation_checkpointing: str = "none"
+    attention: str = "sdpa"
+    device: str = "cuda"
+
+    def __post_init__(self):
+        _check_positive(self, "seq_len", "micro_batch", "grad_accum")
+        _check_choice(self.precision, PRECISIONS, "precision")
+        _check_choice(self.optimizer, OPTIMIZERS, "optimizer")
+        _check_choice(self.activation_checkpointing, AC_MODES, "activation checkpointing")
+        _check_choice(self.attention, ATTENTIONS, "attention")
+        _check_choice(self.device, DEVICES, "device")
+        if self.reduce_dtype is not None:
+            _check_choice(self.reduce_dtype, REDUCE_DTYPES, "reduce dtype")
+        if self.optimizer_impl is None:
+            # torch picks foreach only when every tensor is on an accelerator
+            # (torch/optim/optimizer.py: _default_to_fused_or_foreach); on CPU a for-loop.
+            object.__setattr__(self, "optimizer_impl", "foreach" if self.device == "cuda" else "single")
+        _check_choice(self.optimizer_impl, OPTIMIZER_IMPLS, "optimizer implementation")
+        if self.seq_len > 10_000_000 or self.micro_batch > 1_000_000:
+            raise MemplanError(
+                f"seq-len {self.seq_len} or micro-batch {self.micro_batch} is absurd; "
+                "seq-len ≤ 1e7, micro-batch ≤ 1e6"
+            )
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.seq_len * self.micro_batch
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """The GPUs: how many, how they are grouped into nodes, and how much memory each has."""
+
+    gpus: int = 1
+    gpus_per_node: int = 0
+    """0 means min(gpus, 8)."""
+    gpu_mem_bytes: int = 80 * 2**30
+    gpu_name: str = "custom"
+    headroom: float = 0.05
+    """Fraction of each GPU's memory kept free."""
+
+    def __post_init__(self):
+        _check_positive(self, "gpus", "gpu_mem_bytes")
+        if self.gpus > 1_000_000:
+            raise MemplanError(f"gpus must be at most 1000000, got {self.gpus}")
+        if self.gpus_per_node == 0:
+            object.__setattr__(self, "gpus_per_node", min(self.gpus, 8))
+        _check_positive(self, "gpus_per_node")
+        if self.gpus % self.gpus_per_node:
+            raise MemplanError(
+                f"gpus {self.gpus} is not a multiple of gpus-per-node {self.gpus_per_node}"
+            )
+        if not (isinstance(self.headroom, (int, float)) and 0.0 <= self.headroom < 1.0) or math.isnan(self.headroom):
+            raise MemplanError(f"headroom must be a fraction in [0, 1), got {self.headroom!r}")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.gpus // self.gpus_per_node
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.gpu_mem_bytes * (1.0 - self.headroom))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """How the step is distributed: a strategy id and what is offloaded to host RAM."""
+
+    strategy: str = "fsdp-full-shard"
+    offload: str = "none"
+
+    def __post_init__(self):
+        from .strategies import STRATEGIES
+
+        _check_choice(self.strategy, tuple(STRATEGIES), "strategy")
+        _check_choice(self.offload, OFFLOADS, "offload")
+        if self.offload != "none" and not STRATEGIES[self.strategy].supports_offload(self.offload):
+            raise MemplanError(
+                f"offload {self.offload!r} is not available with {self.strategy}; "
+                f"it needs {STRATEGIES[self.strategy].offload_hint()}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """Everything one estimate needs."""
+
+    model: ModelSpec
+    train: TrainSpec = field(default_factory=TrainSpec)
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    plan: Plan = field(default_factory=Plan)
+
+    def with_(self, **changes) -> "Job":
+        """Copy with fields of the nested specs changed by name, e.g. ``with_(gpus=16, micro_batch=2)``."""
+        parts = {"model": self.model, "train": self.train, "cluster": self.cluster, "plan": self.plan}
+        for key, value in changes.items():
+            owner = next((k for k, v in parts.items() if key in v.__dataclass_fields__), None)
+            if owner is None:
+                raise MemplanError(f"unknown setting {key!r}")
+            parts[owner] = replace(parts[owner], **{key: value})
+        return Job(**parts)
