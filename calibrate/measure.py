@@ -1,0 +1,250 @@
+"""Run a few real training steps of a memplan Job in this process and measure them.
+
+The process group must already be initialised (``gloo``/``nccl`` for a real job,
+``fake`` for an emulated rank of a larger one); see ``calibrate.launch``.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from memplan.specs import Job
+from memplan.strategies import STRATEGIES
+
+from .workloads import blocks, build_model
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class Unsupported(ValueError):
+    """A configuration this harness cannot run here (e.g. DeepSpeed not installed)."""
+
+
+@dataclass
+class Measurement:
+    peak_allocated_bytes: int
+    phase: str
+    categories: dict[str, int]
+    step_time_s: float
+    tokens_per_s: float
+    device: str
+    world_size: int
+    emulated: bool
+    torch_version: str = torch.__version__
+    peak_reserved_bytes: int | None = None
+    device_used_bytes: int | None = None
+    num_alloc_retries: int | None = None
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    return DTYPES[precision.split("-")[-1]] if precision != "fp32" else torch.float32
+
+
+def _wrap(model: nn.Module, job: Job, emulated: bool) -> nn.Module:
+    strategy = STRATEGIES[job.plan.strategy]
+    precision = job.train.precision
+    if strategy.framework == "deepspeed":
+        raise Unsupported(f"{strategy.id} needs DeepSpeed, which this harness does not drive")
+    if precision.startswith("mixed") and strategy.framework != "fsdp":
+        raise Unsupported(f"{precision} under {strategy.id} has no native torch implementation")
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    if strategy.framework == "ddp":
+        return _wrap_ddp(model, emulated)
+    return _wrap_fsdp(model, job)
+
+
+def _wrap_ddp(model: nn.Module, emulated: bool) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model)
+    if emulated:
+        # the fake backend's all-reduce returns no tensor: hand the bucket back unchanged
+        def keep_bucket(_, bucket):
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        ddp.register_comm_hook(None, keep_bucket)
+    return ddp
+
+
+def _wrap_fsdp(model: nn.Module, job: Job) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    strategy = STRATEGIES[job.plan.strategy]
+    world = dist.get_world_size()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if strategy.id == "fsdp-no-shard":
+        mesh = init_device_mesh(device, (world, 1), mesh_dim_names=("replicate", "shard"))
+    elif strategy.shard_group == "node":
+        per_node = job.cluster.gpus_per_node
+        mesh = init_device_mesh(device, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device, (world,))
+    kwargs = {"mesh": mesh, "reshard_after_forward": strategy.reshard_after_forward}
+    if job.train.precision.startswith("mixed"):
+        reduce = job.train.reduce_dtype
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=compute_dtype(job.train.precision),
+            reduce_dtype=DTYPES[reduce] if reduce else None,
+        )
+    if job.plan.offload != "none":
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for block in blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _optimizer(model: nn.Module, job: Job) -> torch.optim.Optimizer:
+    name, impl = job.train.optimizer, job.train.optimizer_impl
+    flags = {"foreach": impl == "foreach", "fused": impl == "fused" or None}
+    if impl == "fused":
+        flags["foreach"] = None
+    params = model.parameters()
+    if name in ("adamw", "adam"):
+        cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+        return cls(params, lr=1e-4, **flags)
+    if name in ("sgd", "sgd-momentum"):
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if name == "sgd-momentum" else 0.0, **flags)
+    raise Unsupported(f"optimizer {name} is not available in the calibration harness")
+
+
+class _CpuMeter:
+    """Peak live tensor bytes by category from torch's MemTracker (CPU ground truth)."""
+
+    def __init__(self):
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        self.tracker = MemTracker()
+        self.device = torch.device("cpu")
+
+    def __enter__(self):
+        self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.tracker.__exit__(*exc)
+
+    def new_step(self):
+        self.tracker.reset_mod_stats()
+
+    def reset_peak(self):
+        current = self.tracker.get_tracker_snapshot("current").get(self.device, {})
+        self.tracker._peak_mem = {self.device: current.get("Total", 0)}
+        self.tracker._peak_mem_snap = {self.device: dict(current)}
+
+    def peak(self) -> int:
+        return self.tracker._peak_mem.get(self.device, 0)
+
+    def categories(self) -> dict[str, int]:
+        snap = self.tracker.get_tracker_snapshot("peak").get(self.device, {})
+        return {getattr(k, "value", str(k)): v for k, v in snap.items() if k != "Total"}
+
+    def extra(self) -> dict:
+        return {}
+
+
+class _CudaMeter:
+    """torch.cuda's allocator statistics (GPU ground truth)."""
+
+    def __init__(self):
+        self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def new_step(self):
+        return None
+
+    def reset_peak(self):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+    def peak(self) -> int:
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+    def categories(self) -> dict[str, int]:
+        return {}
+
+    def extra(self) -> dict:
+        free, total = torch.cuda.mem_get_info()
+        stats = torch.cuda.memory_stats()
+        return {
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+            "device_used_bytes": total - free,
+            "num_alloc_retries": stats.get("num_alloc_retries", 0),
+        }
+
+
+def run(job: Job, *, steps: int = 3, warmup: int = 2, emulated: bool = False) -> Measurement:
+    """Build, wrap and train the job's model; measure the last of ``steps`` steps."""
+    if steps <= warmup:
+        raise ValueError("steps must exceed warmup: the measured step needs optimizer states")
+    torch.manual_seed(dist.get_rank() if dist.is_initialized() else 0)
+    on_cuda = torch.cuda.is_available() and job.train.device == "cuda"
+    meter = _CudaMeter() if on_cuda else _CpuMeter()
+    train = job.train
+    ids = torch.randint(0, job.model.vocab_size, (train.micro_batch, train.seq_len), device=meter.device)
+    autocast = (
+        torch.autocast(meter.device.type, dtype=compute_dtype(train.precision))
+        if train.precision.startswith("amp") else contextlib.nullcontext()
+    )
+    with meter:
+        with torch.device(meter.device):
+            model = build_model(job.model, attention=train.attention, ac=train.activation_checkpointing)
+        model = _wrap(model, job, emulated)
+        optimizer = _optimizer(model, job)
+        phase_peaks: dict[str, int] = {}
+        times = []
+        for step in range(steps):
+            meter.new_step()
+            measured = step == steps - 1
+            if measured:
+                meter.reset_peak()
+            start = time.perf_counter()
+            for _ in range(train.grad_accum):
+                with autocast:
+                    loss, logits = model(ids, ids)
+                if measured:
+                    phase_peaks["forward"] = max(phase_peaks.get("forward", 0), meter.peak())
+                (loss / train.grad_accum).backward()
+                del loss, logits
+                if measured:
+                    phase_peaks["backward"] = max(phase_peaks.get("backward", 0), meter.peak())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if on_cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            if measured:
+                phase_peaks["optimizer"] = meter.peak()
+        peak = meter.peak()
+        categories = meter.categories()
+        extra = meter.extra()
+    phase = next(p for p in ("forward", "backward", "optimizer") if phase_peaks[p] == peak)
+    step_s = times[-1]
+    return Measurement(
+        peak_allocated_bytes=peak,
+        phase=phase,
+        categories=categories,
+        step_time_s=step_s,
+        tokens_per_s=train.tokens_per_micro_batch * train.grad_accum / step_s,
+        device=torch.cuda.get_device_name() if on_cuda else "cpu",
+        world_size=dist.get_world_size() if dist.is_initialized() else 1,
+        emulated=emulated,
+        phase_peaks=phase_peaks,
+        **extra,
+    )

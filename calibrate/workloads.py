@@ -1,0 +1,178 @@
+"""Real torch models built from memplan's ModelSpec, written like the Hugging Face
+reference implementations (modeling_llama.py, modeling_gpt2.py) so that their saved
+tensors are the ones memplan's activation model counts."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from memplan.specs import ModelSpec
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x):  # LlamaRMSNorm: normalise in fp32, scale in the input dtype
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary_tables(seq_len: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    freqs = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x, cos, sin):
+    return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, *, attention: str, selective_ac: bool):
+        super().__init__()
+        self.spec = spec
+        h, kv = spec.hidden, spec.kv_hidden
+        qkv_bias = spec.linear_bias or spec.qkv_bias
+        self.fused_qkv = spec.arch != "llama"  # HF gpt2 c_attn, gpt_neox query_key_value
+        if self.fused_qkv:
+            self.qkv_proj = nn.Linear(h, h + 2 * kv, bias=qkv_bias)
+        else:
+            self.q_proj = nn.Linear(h, h, bias=qkv_bias)
+            self.k_proj = nn.Linear(h, kv, bias=qkv_bias)
+            self.v_proj = nn.Linear(h, kv, bias=qkv_bias)
+        self.o_proj = nn.Linear(h, h, bias=spec.linear_bias)
+        self.attention = attention
+        self.selective_ac = selective_ac
+        self.resid_dropout = nn.Dropout(spec.dropout)
+
+    def core(self, q, k, v):
+        p = self.spec.dropout if self.training else 0.0
+        if self.attention == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                  enable_gqa=k.shape[1] != q.shape[1])
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:  # repeat_kv of modeling_llama.py
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(q.shape[-1])
+        s = q.shape[2]
+        mask = torch.full((s, s), float("-inf"), device=q.device).triu(1)
+        probs = F.softmax(scores + mask.to(scores.dtype), dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = F.dropout(probs, p=p, training=self.training)
+        return torch.matmul(probs, v)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        d = self.spec.head_dim
+        if self.fused_qkv:
+            q, k, v = self.qkv_proj(x).split([self.spec.hidden, self.spec.kv_hidden, self.spec.kv_hidden], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = (t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v))
+        if cos is not None:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.selective_ac:
+            out = checkpoint(self.core, q, k, v, use_reentrant=False)
+        else:
+            out = self.core(q, k, v)
+        out = out.transpose(1, 2).reshape(b, s, -1)
+        return self.resid_dropout(self.o_proj(out))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, f, bias = spec.hidden, spec.ffn_hidden, spec.linear_bias
+        self.gated = spec.gated_mlp
+        if self.gated:
+            self.gate_proj = nn.Linear(h, f, bias=bias)
+        self.up_proj = nn.Linear(h, f, bias=bias)
+        self.down_proj = nn.Linear(f, h, bias=bias)
+        self.dropout = nn.Dropout(spec.dropout)
+
+    def forward(self, x):
+        if self.gated:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.dropout(self.down_proj(F.gelu(self.up_proj(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec, *, attention: str, selective_ac: bool):
+        super().__init__()
+        norm = (lambda: RMSNorm(spec.hidden)) if spec.arch == "llama" else (lambda: nn.LayerNorm(spec.hidden))
+        self.input_norm = norm()
+        self.attn = Attention(spec, attention=attention, selective_ac=selective_ac)
+        self.post_attention_norm = norm()
+        self.mlp = MLP(spec)
+        self.parallel = spec.arch == "neox"
+
+    def forward(self, x, cos=None, sin=None):
+        if self.parallel:  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x))
+            return x + self.attn(self.input_norm(x), cos, sin) + self.mlp(self.post_attention_norm(x))
+        x = x + self.attn(self.input_norm(x), cos, sin)
+        return x + self.mlp(self.post_attention_norm(x))
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM; forward returns (loss, logits) like a HF CausalLMOutput."""
+
+    def __init__(self, spec: ModelSpec, *, attention: str = "sdpa", ac: str = "none"):
+        super().__init__()
+        if spec.arch == "vit":
+            raise ValueError("vit workloads are not built by calibrate; use a decoder family")
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden)
+        self.embed_positions = nn.Embedding(spec.max_positions, spec.hidden) if spec.max_positions else None
+        self.dropout = nn.Dropout(spec.dropout)
+        self.layers = nn.ModuleList(
+            Block(spec, attention=attention, selective_ac=ac == "selective") for _ in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden) if spec.arch == "llama" else nn.LayerNorm(spec.hidden)
+        self.lm_head = nn.Linear(spec.hidden, spec.vocab_size, bias=False)
+        if spec.tied_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = spec.arch in ("llama", "neox")
+
+    def forward(self, input_ids, labels):
+        b, s = input_ids.shape
+        x = self.embed_tokens(input_ids)
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(torch.arange(s, device=input_ids.device))
+        x = self.dropout(x)
+        cos, sin = rotary_tables(s, self.spec.head_dim, x.device) if self.rotary else (None, None)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        # ForCausalLMLoss: cross-entropy on logits upcast to fp32
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
+        return loss, logits
+
+
+def build_model(spec: ModelSpec, *, attention: str, ac: str) -> CausalLM:
+    model = CausalLM(spec, attention=attention, ac=ac)
+    if ac == "full":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(layer)
+    return model
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: the FSDP units and the AC units."""
+    return list(model.layers)

@@ -1,0 +1,138 @@
+"""Tensors autograd saves for backward, counted from the implementations themselves.
+
+Every count below was read off torch's saved-tensor hooks on the Hugging Face-style
+blocks of ``calibrate/workloads.py`` (modeling_llama.py / modeling_gpt2.py layouts);
+``tests/test_activations.py`` re-reads them and compares byte for byte.
+
+Symbols: b micro-batch, s sequence, h hidden, kv the k/v width (GQA), a heads, d head
+dim, f ffn width, V vocabulary; c compute bytes, r residual-stream bytes, m dropout-mask
+bytes (CUDA's fused dropout keeps a 1-byte mask, CPU's composite dropout a mask in the
+input dtype).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .precision import POLICIES
+from .specs import ModelSpec, TrainSpec
+
+
+@dataclass(frozen=True)
+class Saved:
+    name: str
+    formula: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Shapes:
+    b: int
+    s: int
+    h: int
+    kv: int
+    a: int
+    d: int
+    f: int
+    V: int
+    c: int
+    r: int
+    m: int
+    p: float
+    autocast: bool
+    attention: str
+    """flash (sdpa's fused kernels), eager, or math-fp32: CPU sdpa with dropout falls back
+    to the math path (the CPU flash kernel has no dropout), which upcasts to fp32 (measured)."""
+
+    @property
+    def tokens(self) -> int:
+        return self.b * self.s
+
+
+def shapes(model: ModelSpec, train: TrainSpec) -> Shapes:
+    policy = POLICIES[train.precision]
+    on_cpu = train.device == "cpu"
+    attention = train.attention
+    if attention == "sdpa":
+        attention = "math-fp32" if on_cpu and model.dropout > 0 else "flash"
+    c = policy.compute_bytes
+    return Shapes(
+        b=train.micro_batch, s=train.seq_len, h=model.hidden, kv=model.kv_hidden, a=model.num_heads,
+        d=model.head_dim, f=model.ffn_hidden, V=model.vocab_size, c=c, r=policy.stream_bytes,
+        m=c if on_cpu else 1, p=model.dropout, autocast=policy.autocast, attention=attention,
+    )
+
+
+def _norm(model: ModelSpec, x: Shapes, label: str) -> list[Saved]:
+    t = x.tokens
+    if model.arch == "llama":
+        # LlamaRMSNorm: x.to(fp32) kept by pow/mul, rsqrt kept, normalised x.to(dtype) kept by weight*
+        return [Saved(f"{label}: fp32 input", "4·b·s·h", 4 * t * x.h),
+                Saved(f"{label}: normalised", "r·b·s·h", x.r * t * x.h),
+                Saved(f"{label}: rstd", "4·b·s", 4 * t)]
+    # LayerNorm keeps its input plus mean and rstd per token (fp32 on CUDA; the input
+    # dtype on CPU, measured)
+    stat = x.r if x.m == x.c else 4
+    return [Saved(f"{label}: mean, rstd", "2·4·b·s", 2 * stat * t)]
+
+
+def _linear_inputs(model: ModelSpec, x: Shapes) -> list[Saved]:
+    t = x.tokens
+    if x.autocast:
+        # autocast casts the fp32 input once per linear, and each cast is saved
+        casts = 5 if model.arch == "llama" else 2  # q,k,v,gate,up | fused qkv, up
+        return [Saved("autocast input casts", f"{casts}·c·b·s·h", casts * x.c * t * x.h)]
+    return [Saved("norm outputs (linear inputs)", "2·r·b·s·h", 2 * x.r * t * x.h)]
+
+
+def _attention_core(model: ModelSpec, x: Shapes) -> list[Saved]:
+    """What sdpa / eager attention keep beyond q, k, v and the output."""
+    t, a, s = x.tokens, x.a, x.s
+    if x.attention == "flash":
+        return [Saved("sdpa logsumexp", "4·b·a·s", 4 * x.b * a * s)]
+    c, m = (4, 4) if x.attention == "math-fp32" else (x.c, x.m)
+    out = [Saved("softmax output (fp32)", "4·b·a·s²", 4 * t * a * s)]
+    if c < 4 or x.p > 0:  # the probs cast back to the compute dtype, or the dropped probs
+        out.append(Saved("attention probs (compute dtype)", "c·b·a·s²", c * t * a * s))
+    if x.p > 0:
+        out.append(Saved("attention dropout mask", "m·b·a·s²", m * t * a * s))
+    return out
+
+
+def _qkv_out(model: ModelSpec, x: Shapes) -> list[Saved]:
+    t = x.tokens
+    kv = x.h if x.attention != "flash" else x.kv  # repeat_kv materialises k, v outside sdpa's GQA
+    c = 4 if x.attention == "math-fp32" else x.c
+    saved = [Saved("q, k, v", "c·b·s·(h + 2·kv)", c * t * (x.h + 2 * kv)),
+             Saved("attention output", "c·b·s·h", x.c * t * x.h)]
+    if model.arch == "neox" and x.attention == "flash":
+        # rotary makes new q, k while sdpa keeps v: a view that pins the whole fused qkv output
+        saved.append(Saved("fused qkv output pinned by v", "c·b·s·(h + kv)", x.c * t * (x.h + x.kv)))
+    return saved
+
+
+def block_saved(model: ModelSpec, train: TrainSpec) -> list[Saved]:
+    """Bytes one transformer block keeps from its forward for its backward (no AC)."""
+    x = shapes(model, train)
+    t = x.tokens
+    saved: list[Saved] = []
+    if model.arch != "llama":
+        saved.append(Saved("block input (norm input)", "r·b·s·h", x.r * t * x.h))
+        if model.arch == "gpt2":
+            saved.append(Saved("residual after attention (norm input)", "r·b·s·h", x.r * t * x.h))
+    saved += _norm(model, x, "norm 1") + _norm(model, x, "norm 2")
+    saved += _linear_inputs(model, x)
+    if model.arch in ("llama", "neox") and x.c < 4:
+        # cos/sin cast to the compute dtype for q and for k: 4 tables of s×d
+        saved.append(Saved("rotary cos/sin casts", "4·c·s·d", 4 * x.c * x.s * x.d))
+    saved += _qkv_out(model, x) + _attention_core(model, x)
+    if model.gated_mlp:
+        saved.append(Saved("SwiGLU gate, silu, up, product", "4·c·b·s·f", 4 * x.c * t * x.f))
+    else:
+        saved.append(Saved("MLP up output, GELU output", "2·c·b·s·f", 2 * x.c * t * x.f))
+    if x.p > 0:
+        saved.append(Saved("residual dropout masks", "2·m·b·s·h", 2 * x.m * t * x.h))
+    if x.autocast:
+        # autocast caches one low-precision copy of every linear weight (not bias) per forward
+        weights = x.h * (2 * x.h + 2 * x.kv) + (3 if model.gated_mlp else 2) * x.h * x.f
+        saved.append(Saved("autocast weight copies", "c·(block weight matrices)", x.c * weights))
+    return saved

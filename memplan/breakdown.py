@@ -1,0 +1,86 @@
+"""The one result shape every estimate returns: integer bytes by component at the
+peak moment, with the terms that add up to them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Component(str, Enum):
+    PARAMS = "params"
+    GRADIENTS = "gradients"
+    OPTIMIZER = "optimizer"
+    ACTIVATIONS = "activations"
+    BUFFERS = "buffers"
+
+
+@dataclass(frozen=True)
+class Term:
+    """One named quantity of bytes with the formula that produced it (for ``explain``)."""
+
+    component: Component
+    name: str
+    formula: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Moment:
+    """Live bytes at one instant of the step (a candidate for the peak)."""
+
+    phase: str
+    """forward | backward | optimizer"""
+    label: str
+    terms: tuple[Term, ...]
+
+    @property
+    def by_component(self) -> dict[Component, int]:
+        out = dict.fromkeys(Component, 0)
+        for term in self.terms:
+            out[term.component] += term.bytes
+        return out
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(t.bytes for t in self.terms)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Peak per-GPU memory of one configuration."""
+
+    job: "object"
+    peak: Moment
+    moments: tuple[Moment, ...]
+    overhead: tuple[Term, ...]
+    host_bytes: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def phase(self) -> str:
+        return self.peak.phase
+
+    @property
+    def by_component(self) -> dict[Component, int]:
+        return self.peak.by_component
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.peak.allocated_bytes
+
+    @property
+    def overhead_bytes(self) -> int:
+        return sum(t.bytes for t in self.overhead)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.allocated_bytes + self.overhead_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        """Usable memory (capacity less the headroom fraction) minus total; negative: does not fit."""
+        return self.job.cluster.usable_bytes - self.total_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_bytes >= 0
