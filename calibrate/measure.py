@@ -189,7 +189,7 @@ class _CudaMeter:
         }
 
 
-def run(job: Job, *, steps: int = 3, warmup: int = 2, emulated: bool = False) -> Measurement:
+def run(job: Job, *, steps: int = 3, warmup: int = 2, emulated: bool = False, workload: str = "native") -> Measurement:
     """Build, wrap and train the job's model; measure the last of ``steps`` steps."""
     if steps <= warmup:
         raise ValueError("steps must exceed warmup: the measured step needs optimizer states")
@@ -204,18 +204,19 @@ def run(job: Job, *, steps: int = 3, warmup: int = 2, emulated: bool = False) ->
     )
     with meter:
         with torch.device(meter.device):
-            model = build_model(job.model, attention=train.attention, ac=train.activation_checkpointing)
+            model = build_model(job.model, attention=train.attention, ac=train.activation_checkpointing,
+                                workload=workload)
         model = _wrap(model, job, emulated)
         optimizer = _optimizer(model, job)
         phase_peaks: dict[str, int] = {}
         times = []
         for step in range(steps):
-            meter.new_step()
             measured = step == steps - 1
             if measured:
                 meter.reset_peak()
             start = time.perf_counter()
             for _ in range(train.grad_accum):
+                meter.new_step()
                 with autocast:
                     loss, logits = model(ids, ids)
                 if measured:

@@ -94,9 +94,15 @@ class Attention(nn.Module):
         return self.resid_dropout(self.o_proj(out))
 
 
+def gelu_new(x):
+    """NewGELUActivation of transformers (GPT-2's gelu_new), written out as there."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
+        self.act = gelu_new if spec.activation == "gelu_new" else (lambda x: F.gelu(x))
         h, f, bias = spec.hidden, spec.ffn_hidden, spec.linear_bias
         self.gated = spec.gated_mlp
         if self.gated:
@@ -108,7 +114,7 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.gated:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.dropout(self.down_proj(F.gelu(self.up_proj(x), approximate="tanh")))
+        return self.dropout(self.down_proj(self.act(self.up_proj(x))))
 
 
 class Block(nn.Module):
@@ -163,7 +169,10 @@ class CausalLM(nn.Module):
         return loss, logits
 
 
-def build_model(spec: ModelSpec, *, attention: str, ac: str) -> CausalLM:
+def build_model(spec: ModelSpec, *, attention: str, ac: str, workload: str = "native") -> nn.Module:
+    """``native``: the reference blocks above; ``hf``: the transformers model of the same shapes."""
+    if workload == "hf":
+        return HFCausalLM(spec, attention=attention, ac=ac)
     model = CausalLM(spec, attention=attention, ac=ac)
     if ac == "full":
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -176,3 +185,53 @@ def build_model(spec: ModelSpec, *, attention: str, ac: str) -> CausalLM:
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks: the FSDP units and the AC units."""
     return list(model.layers)
+
+
+_HF_TYPES = {"llama": "llama", "gpt2": "gpt2", "neox": "gpt_neox"}
+
+
+def hf_config(spec: ModelSpec, *, attention: str):
+    """A transformers config with the spec's shapes (random weights, nothing downloaded)."""
+    from transformers import AutoConfig
+
+    if spec.arch not in _HF_TYPES:
+        raise ValueError(f"no Hugging Face workload for arch {spec.arch}")
+    common = dict(vocab_size=spec.vocab_size, tie_word_embeddings=spec.tied_embeddings)
+    if spec.arch == "gpt2":
+        shape = dict(n_layer=spec.num_layers, n_embd=spec.hidden, n_head=spec.num_heads, n_inner=spec.ffn_hidden,
+                     activation_function=spec.activation,
+                     n_positions=spec.max_positions, resid_pdrop=spec.dropout, embd_pdrop=spec.dropout,
+                     attn_pdrop=spec.dropout)
+    else:
+        shape = dict(num_hidden_layers=spec.num_layers, hidden_size=spec.hidden, num_attention_heads=spec.num_heads,
+                     intermediate_size=spec.ffn_hidden, attention_dropout=spec.dropout)
+        if spec.arch == "llama":
+            shape.update(num_key_value_heads=spec.num_kv_heads, attention_bias=spec.qkv_bias)
+        else:
+            shape.update(rotary_pct=1.0, hidden_dropout=spec.dropout, hidden_act=spec.activation)
+    config = AutoConfig.for_model(_HF_TYPES[spec.arch], **common, **shape)
+    config._attn_implementation = attention
+    return config
+
+
+class HFCausalLM(nn.Module):
+    """A transformers AutoModelForCausalLM built from a config, returning (loss, logits)."""
+
+    def __init__(self, spec: ModelSpec, *, attention: str, ac: str):
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        if ac == "selective":
+            raise ValueError("Hugging Face models offer full activation checkpointing only")
+        self.hf = AutoModelForCausalLM.from_config(hf_config(spec, attention=attention))
+        if ac == "full":
+            self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    @property
+    def layers(self):
+        base = self.hf.base_model
+        return base.h if hasattr(base, "h") else base.layers
+
+    def forward(self, input_ids, labels):
+        out = self.hf(input_ids=input_ids, labels=labels)
+        return out.loss, out.logits

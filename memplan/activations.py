@@ -129,6 +129,9 @@ def block_saved(model: ModelSpec, train: TrainSpec) -> list[Saved]:
         saved.append(Saved("SwiGLU gate, silu, up, product", "4·c·b·s·f", 4 * x.c * t * x.f))
     else:
         saved.append(Saved("MLP up output, GELU output", "2·c·b·s·f", 2 * x.c * t * x.f))
+    if model.activation == "gelu_new":
+        # 0.5·x·(1 + tanh(√(2/π)(x + 0.044715x³))): tanh output, 0.5·x and 1 + tanh are kept
+        saved.append(Saved("gelu_new intermediates", "3·c·b·s·f", 3 * x.c * t * x.f))
     if x.p > 0:
         saved.append(Saved("residual dropout masks", "2·m·b·s·h", 2 * x.m * t * x.h))
     if x.autocast:
@@ -136,3 +139,72 @@ def block_saved(model: ModelSpec, train: TrainSpec) -> list[Saved]:
         weights = x.h * (2 * x.h + 2 * x.kv) + (3 if model.gated_mlp else 2) * x.h * x.f
         saved.append(Saved("autocast weight copies", "c·(block weight matrices)", x.c * weights))
     return saved
+
+
+def _attention_internals(model: ModelSpec, train: TrainSpec) -> list[Saved]:
+    return _attention_core(model, shapes(model, train))
+
+
+def block_kept(model: ModelSpec, train: TrainSpec) -> list[Saved]:
+    """What each block holds from its forward until its backward, under the AC mode."""
+    x = shapes(model, train)
+    mode = train.activation_checkpointing
+    if mode == "full":
+        # checkpoint keeps only the block's input; everything else is recomputed in backward
+        return [Saved("checkpointed block input", "r·b·s·h", x.r * x.tokens * x.h)]
+    saved = block_saved(model, train)
+    if mode == "selective":
+        core = {s.name for s in _attention_core(model, x)}
+        saved = [s for s in saved if s.name not in core]
+    return saved
+
+
+def block_backward_transient(model: ModelSpec, train: TrainSpec) -> list[Saved]:
+    """Extra bytes live while one block runs its backward: recomputed activations under
+    AC, plus gradient temporaries (measured: the SwiGLU/GELU backward holds two
+    gradients of ffn width beyond the saved tensors; one under autocast)."""
+    x = shapes(model, train)
+    k = 1 if x.autocast else 2
+    out = [Saved("block backward gradient temporaries", f"{k}·c·b·s·f", k * x.c * x.tokens * x.f)]
+    mode = train.activation_checkpointing
+    if mode == "full":
+        out += block_saved(model, train)
+    elif mode == "selective":
+        out += _attention_core(model, x)
+    return out
+
+
+def model_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[Saved]]:
+    """Saved outside the blocks: before them (embeddings) and after (final norm, head input, logits)."""
+    x = shapes(model, train)
+    t = x.tokens
+    pre = []
+    if x.p > 0:
+        pre.append(Saved("embedding dropout mask", "m·b·s·h", x.m * t * x.h))
+    post = []
+    if model.arch == "llama":
+        post += _norm(model, x, "final norm")
+    else:
+        post += [Saved("final norm input", "r·b·s·h", x.r * t * x.h)] + _norm(model, x, "final norm")
+    if x.autocast:
+        post.append(Saved("head input cast", "c·b·s·h", x.c * t * x.h))
+        post.append(Saved("autocast head weight copy", "c·V·h", x.c * x.V * x.h))
+    else:
+        post.append(Saved("final norm output (head input)", "r·b·s·h", x.r * t * x.h))
+    logits_bytes = x.c
+    post.append(Saved("logits (held by the caller)", f"{logits_bytes}·b·s·V", logits_bytes * t * x.V))
+    return pre, post
+
+
+def loss_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[Saved]]:
+    """Cross-entropy on fp32 logits: what is live while the loss runs forward, and while
+    its backward starts (ForCausalLMLoss upcasts logits; log_softmax keeps its output)."""
+    x = shapes(model, train)
+    t, V = x.tokens, x.V
+    lsm = Saved("log_softmax output (fp32)", "4·b·s·V", 4 * t * V)
+    forward = [lsm]
+    if x.c < 4:
+        forward.append(Saved("fp32 copy of logits", "4·b·s·V", 4 * t * V))
+    # nll_loss backward makes a b·s·V gradient, log_softmax backward another
+    backward = [lsm, Saved("loss gradients (nll, log_softmax)", "2·4·b·s·V", 8 * t * V)]
+    return forward, backward

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from .errors import MemplanError
 
 ARCHS = ("llama", "gpt2", "neox", "vit")
+ACTIVATIONS = ("silu", "gelu", "gelu_new")
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "mixed-bf16", "mixed-fp16", "bf16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adam8bit")
 OPTIMIZER_IMPLS = ("foreach", "fused", "single")
@@ -63,9 +64,19 @@ class ModelSpec:
     """Dropout probability on attention probabilities and residual branches."""
     patch_size: int = 16
     image_channels: int = 3
+    activation: str = ""
+    """MLP activation: silu (SwiGLU), gelu (fused kernel) or gelu_new (HF GPT-2's tanh
+    formula in Python, which saves three more ffn-wide tensors); "" means the family's."""
 
     def __post_init__(self):
         _check_choice(self.arch, ARCHS, "arch")
+        if not self.activation:
+            default = {"llama": "silu", "gpt2": "gelu_new"}.get(self.arch, "gelu")
+            object.__setattr__(self, "activation", default)
+        _check_choice(self.activation, ACTIVATIONS, "activation")
+        if (self.activation == "silu") != (self.arch == "llama"):
+            raise MemplanError(f"activation {self.activation!r} does not fit arch {self.arch!r}: "
+                               "llama uses silu, the others gelu or gelu_new")
         _check_positive(self, "num_layers", "hidden", "num_heads", "ffn_hidden", "vocab_size")
         if self.num_kv_heads == 0:
             object.__setattr__(self, "num_kv_heads", self.num_heads)

@@ -1,0 +1,46 @@
+"""Bytes outside the allocator's tensors: what ``total`` adds to ``allocated``.
+
+Defaults until calibration replaces them. CPU jobs have none of these.
+"""
+from __future__ import annotations
+
+from .breakdown import Component, Moment, Term
+from .specs import Job
+
+MIB = 2**20
+# NVML "used" minus the allocator's pool on the V100 of shared/published (1343 MiB);
+# the CUDA context grows with the driver's kernel images, so this is the documented default.
+CUDA_CONTEXT_BYTES = 1343 * MIB
+# NCCL: NCCL_BUFFSIZE (4 MiB) per channel per peer ring/tree buffers, a few hundred MiB
+# per communicator at 8 GPUs; 512 MiB default until calibrated.
+NCCL_BYTES = 512 * MIB
+# caching-allocator slack: reserved exceeds allocated by 5–20 % under FSDP (shared/published README)
+ALLOCATOR_SLACK = 0.10
+
+
+def overhead_terms(job: Job, peak: Moment) -> list[Term]:
+    if job.train.device == "cpu":
+        return []
+    B = Component.BUFFERS
+    terms = [Term(B, "CUDA context + cuBLAS", "documented default", CUDA_CONTEXT_BYTES)]
+    if job.cluster.gpus > 1:
+        terms.append(Term(B, "NCCL buffers", "documented default", NCCL_BYTES))
+    slack = int(peak.allocated_bytes * ALLOCATOR_SLACK)
+    terms.append(Term(B, "caching-allocator slack", f"{ALLOCATOR_SLACK:.0%} of allocated", slack))
+    return terms
+
+
+def host_bytes(job: Job) -> int:
+    """Host RAM the offloaded states need per GPU."""
+    from .memory import _Step
+
+    if job.plan.offload == "none":
+        return 0
+    step = _Step(job)
+    job_on_gpu = Job(model=job.model, train=job.train, cluster=job.cluster,
+                     plan=type(job.plan)(strategy=job.plan.strategy))
+    kept = _Step(job_on_gpu)
+    terms = kept.optimizer_terms()
+    if job.plan.offload in ("params", "all") or step.fsdp:
+        terms += kept.param_terms() + kept.grad_terms()
+    return sum(t.bytes for t in terms)
