@@ -2,16 +2,19 @@
 
 A step is walked through the instants where live memory can peak; each instant is a
 ``Moment`` made of named terms, and the estimate is the largest. Between these instants
-memory moves linearly (activations freed, gradients produced block by block), so the
-maximum over the step is at one of them.
+memory moves monotonically (activations freed and gradients produced block by block), so
+the maximum over the step is at one of them. Which instant wins, and by how much, was
+checked against real DDP / FSDP2 steps (``calibrate/matrix.py``, README).
 """
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from .activations import Saved, block_backward_transient, block_kept, loss_saved, model_saved
 from .breakdown import Component, Estimate, Moment, Term
-from .overheads import host_bytes, overhead_terms
+from .catalog import deepspeed_defaults
+from .overheads import overhead_terms
 from .precision import ADAM8BIT_BYTES_PER_PARAM, DTYPE_BYTES, OPTIMIZER_STATES, POLICIES
 from .specs import Job
 from .strategies import STRATEGIES
@@ -20,89 +23,98 @@ P, G, O, A, B = (Component.PARAMS, Component.GRADIENTS, Component.OPTIMIZER,
                  Component.ACTIVATIONS, Component.BUFFERS)
 
 
-def _t(component, name, formula, num_bytes) -> Term:
+def _t(component: Component, name: str, formula: str, num_bytes) -> Term:
     return Term(component, name, formula, int(num_bytes))
 
 
+def _terms(component: Component, saved: list[Saved]) -> list[Term]:
+    return [_t(component, s.name, s.formula, s.bytes) for s in saved]
+
+
 class _Step:
-    """The quantities one job's moments are built from (all per GPU, in bytes)."""
+    """The quantities one job's moments are built from (per GPU, in bytes)."""
 
     def __init__(self, job: Job):
         self.job = job
         model, train, cluster = job.model, job.train, job.cluster
-        self.strategy = STRATEGIES[job.plan.strategy]
-        self.policy = POLICIES[train.precision]
-        self.n = self.strategy.shard_degree(cluster.gpus, cluster.gpus_per_node)
+        self.strategy = s = STRATEGIES[job.plan.strategy]
+        self.policy = pol = POLICIES[train.precision]
+        self.n = s.shard_degree(cluster.gpus, cluster.gpus_per_node)
         self.params = model.num_params
         self.block_params = model.block_params()
         self.root_params = self.params - model.num_layers * self.block_params
-        self.fsdp = self.strategy.framework == "fsdp"
-        self.offload = job.plan.offload
-        c = self.policy.compute_bytes
-        # FSDP gathers parameters in MixedPrecisionPolicy.param_dtype, else in their own dtype
-        self.c = c if self.policy.master_bytes else self.policy.param_bytes
+        self.framework = s.framework
+        offload = job.plan.offload
+        # FSDP's CPUOffloadPolicy moves parameters, gradients and the optimizer step together
+        fsdp_offload = s.framework == "fsdp" and offload != "none"
+        self.states_on_host = fsdp_offload or offload in ("optimizer", "all")
+        self.params_on_host = fsdp_offload or offload in ("params", "all")
+        # FSDP MixedPrecisionPolicy: the fp32 shard is the master copy; gathered in param_dtype
+        self.fsdp_master = s.framework == "fsdp" and pol.master_bytes > 0
+        self.gather_bytes = pol.compute_bytes if pol.master_bytes else pol.param_bytes
         reduce = train.reduce_dtype
-        self.reduce_bytes = DTYPE_BYTES[reduce] if reduce else (c if self.policy.low_precision_params else 4)
+        self.reduce_bytes = DTYPE_BYTES[reduce] if reduce else self.gather_bytes
 
-    def shard(self, count: int, sharded: bool) -> int:
+    def local(self, count: int, sharded: bool) -> int:
         return math.ceil(count / self.n) if sharded else count
 
-    # -- model states -------------------------------------------------------------
+    def _div(self, sharded: bool) -> str:
+        return f"/{self.n}" if sharded and self.n > 1 else ""
+
+    # -- model states ----------------------------------------------------------------
     def param_terms(self) -> list[Term]:
-        s, pol = self.strategy, self.policy
-        if self.fsdp and self.offload != "none":
-            return [_t(P, "parameters", "offloaded to host RAM", 0)]
-        if self.fsdp and pol.low_precision_params and pol.master_bytes:
-            # FSDP MixedPrecision keeps the sharded parameter in fp32: it is the master copy
-            count = self.shard(self.params, s.shards_params)
-            return [_t(P, "sharded fp32 parameters (also the master copy)", f"4·P/{self.n}", 4 * count)]
-        count = self.shard(self.params, s.shards_params)
-        return [_t(P, "parameters", f"{pol.param_bytes}·P/{self.n if s.shards_params else 1}",
-                   pol.param_bytes * count)]
+        sharded = self.strategy.shards_params
+        if self.params_on_host:
+            return [_t(P, "parameters (in host RAM)", "offloaded", 0)]
+        nbytes = 4 if self.fsdp_master else self.policy.param_bytes
+        name = "fp32 parameter shards (the master copy)" if self.fsdp_master else "parameters"
+        return [_t(P, name, f"{nbytes}·P{self._div(sharded)}", nbytes * self.local(self.params, sharded))]
 
     def grad_terms(self) -> list[Term]:
-        s, pol = self.strategy, self.policy
-        count = self.shard(self.params, s.shards_grads)
-        if self.fsdp and self.offload != "none":
-            return [_t(G, "gradients", "offloaded to host RAM", 0)]
-        if self.fsdp and pol.low_precision_params and pol.master_bytes:
-            return [_t(G, "sharded fp32 gradients", f"4·P/{self.n}", 4 * count)]
-        return [_t(G, "gradients", f"{pol.grad_bytes}·P/{self.n if s.shards_grads else 1}",
-                   pol.grad_bytes * count)]
+        sharded = self.strategy.shards_grads
+        if self.framework == "fsdp" and self.params_on_host:
+            return [_t(G, "gradients (in host RAM)", "offloaded", 0)]
+        nbytes = 4 if self.fsdp_master else self.policy.grad_bytes
+        return [_t(G, "gradients", f"{nbytes}·P{self._div(sharded)}", nbytes * self.local(self.params, sharded))]
 
     def optimizer_terms(self) -> list[Term]:
-        s, pol, train = self.strategy, self.policy, self.job.train
-        if self.offload in ("optimizer", "all") or (self.fsdp and self.offload != "none"):
-            return [_t(O, "optimizer states", "offloaded to host RAM", 0)]
-        count = self.shard(self.params, s.shards_optimizer)
-        div = self.n if s.shards_optimizer else 1
+        train, pol, sharded = self.job.train, self.policy, self.strategy.shards_optimizer
+        if self.states_on_host:
+            return [_t(O, "optimizer states (in host RAM)", "offloaded", 0)]
+        count, div = self.local(self.params, sharded), self._div(sharded)
         terms = []
         if train.optimizer == "adam8bit":
-            terms.append(_t(O, "8-bit Adam states", f"2·(1 + 4/256)·P/{div}", ADAM8BIT_BYTES_PER_PARAM * count))
+            terms.append(_t(O, "8-bit Adam states", f"2·(1 + 4/256)·P{div}", ADAM8BIT_BYTES_PER_PARAM * count))
         elif OPTIMIZER_STATES[train.optimizer]:
             k = OPTIMIZER_STATES[train.optimizer]
-            terms.append(_t(O, f"{train.optimizer} states", f"{k:g}·{pol.state_bytes}·P/{div}",
+            terms.append(_t(O, f"{train.optimizer} states", f"{k:g}·{pol.state_bytes}·P{div}",
                             k * pol.state_bytes * count))
-        if pol.master_bytes and not self.fsdp:
-            terms.append(_t(O, "fp32 master weights", f"4·P/{div}", 4 * count))
+        if pol.master_bytes and not self.fsdp_master:
+            terms.append(_t(O, "fp32 master weights", f"4·P{div}", 4 * count))
         return terms
 
-    def optimizer_step_transient(self) -> list[Term]:
-        """Temporaries of optimizer.step() (torch/optim/adamw.py)."""
-        train, pol = self.job.train, self.policy
-        if train.optimizer not in ("adamw", "adam") or self.offload in ("optimizer", "all"):
+    def step_transient(self) -> list[Term]:
+        """Temporaries of optimizer.step() on the GPU."""
+        train, pol, sharded = self.job.train, self.policy, self.strategy.shards_optimizer
+        if self.states_on_host:
             return []
-        if self.fsdp and self.offload != "none":
-            return []
-        count = self.shard(self.params, self.strategy.shards_optimizer)
+        terms = []
+        if self.framework == "deepspeed" and pol.master_bytes:
+            # stage_1_and_2.py: reduced bf16 gradients are copied into an fp32 partition for the step
+            terms.append(_t(B, "fp32 gradient partition", f"4·P{self._div(sharded)}",
+                            4 * self.local(self.params, sharded)))
+        if train.optimizer not in ("adamw", "adam"):
+            return terms
+        count = self.local(self.params, sharded)
         if train.optimizer_impl == "foreach":
-            # _multi_tensor_adam: exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs) for the whole group
-            return [_t(B, "foreach sqrt(v) temporaries", f"{pol.state_bytes}·P_local", pol.state_bytes * count)]
-        if train.optimizer_impl == "single":
-            # _single_tensor_adam: exp_avg_sq.sqrt() / bias_correction2_sqrt: two live copies of the largest tensor
-            largest = self.shard(self.largest_param(), self.strategy.shards_optimizer)
-            return [_t(B, "single-tensor sqrt(v) temporaries", "2·state·largest param", 2 * pol.state_bytes * largest)]
-        return []
+            # _multi_tensor_adam: exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs) over the whole group
+            terms.append(_t(B, "foreach sqrt(v) temporaries", f"{pol.state_bytes}·P_local", pol.state_bytes * count))
+        elif train.optimizer_impl == "single":
+            # _single_tensor_adam: exp_avg_sq.sqrt() / bias_correction2_sqrt, two copies of one tensor
+            largest = self.local(self.largest_param(), sharded)
+            terms.append(_t(B, "single-tensor sqrt(v) temporaries", f"2·{pol.state_bytes}·largest tensor",
+                            2 * pol.state_bytes * largest))
+        return terms
 
     def largest_param(self) -> int:
         m = self.job.model
@@ -111,84 +123,109 @@ class _Step:
 
     # -- framework buffers ------------------------------------------------------------
     def persistent_buffers(self) -> list[Term]:
-        if self.strategy.framework == "ddp":
+        if self.framework == "ddp":
             # Reducer buckets: with gradient_as_bucket_view=False a second copy of every gradient
-            return [_t(B, "DDP gradient buckets", f"{self.policy.grad_bytes}·P", self.policy.grad_bytes * self.params)]
+            nbytes = self.policy.grad_bytes
+            return [_t(B, "DDP gradient buckets", f"{nbytes}·P", nbytes * self.params)]
         return []
 
-    def unsharded(self, count: int, name: str) -> Term:
-        return _t(B, name, f"{self.c}·{count:,} params", self.c * count)
+    def _gathered(self, count: int, name: str) -> Term:
+        return _t(B, name, f"{self.gather_bytes}·{count:,}", self.gather_bytes * count)
 
-    # -- moments -------------------------------------------------------------------------
+    def gathered(self, instant: str) -> list[Term]:
+        """Unsharded parameters and gradient buffers held at ``instant``: forward,
+        loss (start of backward) or block (inside a block's backward)."""
+        if self.framework == "fsdp":
+            return self._fsdp_gathered(instant)
+        if self.framework == "deepspeed":
+            return self._zero_buffers(instant)
+        return []
+
+    def _fsdp_gathered(self, instant: str) -> list[Term]:
+        s, L = self.strategy, self.job.model.num_layers
+        # FSDP2 does not reshard the root unit after forward: backward needs it at once
+        terms = [self._gathered(self.root_params, "unsharded root unit (embeddings, head)")]
+        if not s.reshard_after_forward:
+            terms.append(self._gathered(L * self.block_params, f"unsharded {L} blocks (forward→backward)"))
+        elif instant == "loss":
+            # the root's pre-backward hook prefetches the last block's all-gather (measured)
+            terms.append(self._gathered(self.block_params, "unsharded last block (backward prefetch)"))
+        elif instant == "block":
+            terms.append(self._gathered(2 * self.block_params, "unsharded block + prefetched block"))
+        if instant == "block":
+            terms.append(_t(B, "unsharded block gradients + reduce-scatter input",
+                            f"({self.gather_bytes} + {self.reduce_bytes})·block params",
+                            (self.gather_bytes + self.reduce_bytes) * self.block_params))
+        return terms
+
+    def _zero_buffers(self, instant: str) -> list[Term]:
+        ds, s = deepspeed_defaults(), self.strategy
+        terms = []
+        if s.shards_params:
+            prefetch = min(ds["stage3_prefetch_bucket_size"], self.block_params)
+            live = self.block_params if instant != "loss" else max(self.block_params, self.root_params)
+            terms.append(self._gathered(live + prefetch, "gathered unit + prefetch bucket (ZeRO-3)"))
+        if instant != "forward":
+            # backward() allocates an ipg bucket of reduce_bucket_size elements (contiguous_gradients)
+            bucket = ds["reduce_bucket_size"]
+            terms.append(_t(B, "ipg reduce bucket", f"{self.policy.grad_bytes}·reduce_bucket_size ({bucket:.0e})",
+                            self.policy.grad_bytes * bucket))
+        return terms
+
+    # -- moments ----------------------------------------------------------------------
     def moments(self) -> list[Moment]:
-        job = self.job
-        model, train = job.model, job.train
+        model, train = self.job.model, self.job.train
         L = model.num_layers
         states = self.param_terms() + self.optimizer_terms() + self.persistent_buffers()
         grads = self.grad_terms()
-        carried_grads = grads if train.grad_accum > 1 else []
-        blk = block_saved_total(job)
-        saved_blocks = [_t(A, f"saved activations of {L} blocks", f"{L} × {blk.bytes:,} ({blk.formula})", L * blk.bytes)]
+        # with accumulation, earlier micro-batches' gradients are live during forward
+        carried = grads if train.grad_accum > 1 else []
+        kept = block_kept(model, train)
+        per_block = sum(s.bytes for s in kept)
+        formula = " + ".join(s.formula for s in kept)
+        all_blocks = [_t(A, f"kept activations of {L} blocks", f"{L} × ({formula})", L * per_block)]
+        one_block = [_t(A, "kept activations of the first block", formula, per_block)]
         pre, post = model_saved(model, train)
+        outside = _terms(A, pre + post)
+        logits = [t for t in outside if t.name.startswith("logits")]
         loss_fwd, loss_bwd = loss_saved(model, train)
-        fwd_live = [_t(A, s.name, s.formula, s.bytes) for s in (*pre, *post)]
-        fsdp_fwd = self.fsdp_gathered(forward=True)
-        fsdp_loss = self.fsdp_gathered(forward=True, loss_backward=True)
-        out = [Moment("forward", "end of forward (cross-entropy)",
-                      tuple(states + carried_grads + saved_blocks + fwd_live + fsdp_fwd +
-                            [_t(A, s.name, s.formula, s.bytes) for s in loss_fwd]))]
-        out.append(Moment("backward", "start of backward (loss gradient)",
-                          tuple(states + carried_grads + saved_blocks + fwd_live + fsdp_loss +
-                                [_t(A, s.name, s.formula, s.bytes) for s in loss_bwd])))
-        transient = [_t(A, s.name, s.formula, s.bytes) for s in block_backward_transient(model, train)]
+        transient = _terms(A, block_backward_transient(model, train))
         head_grads = self.grad_share(self.root_params)
-        logits_held = [t for t in fwd_live if t.name.startswith("logits")]
-        out.append(Moment("backward", "backward of the last block",
-                          tuple(states + (grads if train.grad_accum > 1 else head_grads) + saved_blocks +
-                                logits_held + self.fsdp_gathered(forward=False, first=True) + transient)))
-        one_block = [_t(A, "saved activations of block 1", blk.formula, blk.bytes)]
-        out.append(Moment("backward", "backward of the first block",
-                          tuple(states + grads + one_block + logits_held +
-                                self.fsdp_gathered(forward=False, first=False) + transient)))
-        out.append(Moment("optimizer", "optimizer step",
-                          tuple(states + grads + self.optimizer_step_transient())))
-        return out
+        return [
+            Moment("forward", "end of forward (cross-entropy)",
+                   tuple(states + carried + all_blocks + outside + self.gathered("forward") + _terms(A, loss_fwd))),
+            Moment("backward", "start of backward (loss gradient)",
+                   tuple(states + carried + all_blocks + outside + self.gathered("loss") + _terms(A, loss_bwd))),
+            Moment("backward", "backward of the last block",
+                   tuple(states + (grads if carried else head_grads) + all_blocks + logits +
+                         self.gathered("block") + transient)),
+            Moment("backward", "backward of the first block",
+                   tuple(states + grads + one_block + logits + self.gathered("block") + transient)),
+            Moment("optimizer", "optimizer step", tuple(states + grads + self.step_transient())),
+        ]
 
     def grad_share(self, count: int) -> list[Term]:
         full = self.grad_terms()[0]
-        return [_t(G, f"gradients of {count:,} params", "share of " + full.formula,
+        return [_t(G, f"gradients of {count:,} embedding/head params", f"{full.formula} × share",
                    full.bytes * count // max(self.params, 1))]
 
-    def fsdp_gathered(self, *, forward: bool, first: bool = False, loss_backward: bool = False) -> list[Term]:
-        """Unsharded parameters (and gradients before reduce-scatter) that FSDP holds."""
-        s = self.strategy
-        if not self.fsdp:
+    def host_terms(self) -> list[Term]:
+        """Host RAM per GPU for what is offloaded."""
+        if self.job.plan.offload == "none":
             return []
-        L = self.job.model.num_layers
-        # the root unit (embeddings, final norm, head) is not resharded after forward (FSDP2 heuristic)
-        terms = [self.unsharded(self.root_params, "unsharded root unit (embeddings, head)")]
-        if not s.reshard_after_forward:
-            terms.append(self.unsharded(L * self.block_params, f"unsharded {L} blocks (kept forward→backward)"))
-        elif loss_backward:
-            # the root's pre-backward hook prefetches the last block's all-gather
-            terms.append(self.unsharded(self.block_params, "unsharded last block (backward prefetch)"))
-        elif not forward:
-            terms.append(self.unsharded(2 * self.block_params, "unsharded block + prefetched block"))
-        if not forward:
-            terms.append(_t(B, "unsharded block gradients + reduce-scatter input",
-                            f"({self.c} + {self.reduce_bytes})·block params",
-                            (self.c + self.reduce_bytes) * self.block_params))
+        on_gpu = _Step(self.job.with_(offload="none"))
+        terms = on_gpu.optimizer_terms() if self.states_on_host else []
+        if self.params_on_host:
+            terms += on_gpu.param_terms() + (on_gpu.grad_terms() if self.framework == "fsdp" else [])
         return terms
 
 
-def block_saved_total(job: Job) -> Saved:
-    saved = block_kept(job.model, job.train)
-    return Saved("block", " + ".join(s.formula for s in saved), sum(s.bytes for s in saved))
-
-
+@lru_cache(maxsize=4096)
 def estimate(job: Job) -> Estimate:
     """Peak per-GPU memory of one configuration: the largest of the step's moments."""
-    moments = _Step(job).moments()
+    step = _Step(job)
+    moments = step.moments()
     peak = max(moments, key=lambda m: m.allocated_bytes)
+    host = sum(t.bytes for t in step.host_terms())
     return Estimate(job=job, peak=peak, moments=tuple(moments), overhead=tuple(overhead_terms(job, peak)),
-                    host_bytes=host_bytes(job))
+                    host_bytes=host)

@@ -28,19 +28,3 @@ def overhead_terms(job: Job, peak: Moment) -> list[Term]:
     slack = int(peak.allocated_bytes * ALLOCATOR_SLACK)
     terms.append(Term(B, "caching-allocator slack", f"{ALLOCATOR_SLACK:.0%} of allocated", slack))
     return terms
-
-
-def host_bytes(job: Job) -> int:
-    """Host RAM the offloaded states need per GPU."""
-    from .memory import _Step
-
-    if job.plan.offload == "none":
-        return 0
-    step = _Step(job)
-    job_on_gpu = Job(model=job.model, train=job.train, cluster=job.cluster,
-                     plan=type(job.plan)(strategy=job.plan.strategy))
-    kept = _Step(job_on_gpu)
-    terms = kept.optimizer_terms()
-    if job.plan.offload in ("params", "all") or step.fsdp:
-        terms += kept.param_terms() + kept.grad_terms()
-    return sum(t.bytes for t in terms)

@@ -1,0 +1,188 @@
+"""A ModelSpec from a Hugging Face ``config.json`` (a path or an already-loaded dict).
+
+Each supported ``model_type`` maps onto one ModelSpec family; the shapes are read
+through a table of key aliases (GPT-2 spells them ``n_layer``/``n_embd``/...), and
+every flag that is absent takes the default of the transformers config class.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import MemplanError
+from .specs import ModelSpec
+
+# ModelSpec field -> config.json keys, the Hugging Face standard name first, GPT-2's second.
+SHAPE_KEYS = {
+    "num_layers": ("num_hidden_layers", "n_layer"),
+    "hidden": ("hidden_size", "n_embd"),
+    "num_heads": ("num_attention_heads", "n_head"),
+    "ffn_hidden": ("intermediate_size", "n_inner"),
+    "vocab_size": ("vocab_size",),
+}
+ACTIVATION_KEYS = ("hidden_act", "activation_function")
+# transformers' ACT2FN name -> ModelSpec activation ("gelu_pytorch_tanh" is one fused kernel).
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu",
+               "gelu_new": "gelu_new"}
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: str
+    tied: bool
+    """transformers' default for tie_word_embeddings."""
+    dropouts: dict[str, float]
+    """Dropout keys and their defaults; ModelSpec.dropout is their maximum."""
+    biases: Callable[[dict], tuple[bool, bool]] = lambda cfg: (False, False)
+    """(qkv_bias, linear_bias) from the config."""
+    extra: Callable[[dict], dict[str, Any]] = lambda cfg: {}
+    """Family-specific ModelSpec fields; they take precedence over SHAPE_KEYS."""
+
+
+def _flag(cfg: dict, key: str, default: bool) -> bool:
+    return read(cfg, (key,), bool, default)
+
+
+def _llama_biases(cfg: dict) -> tuple[bool, bool]:
+    # LlamaAttention puts attention_bias on q/k/v *and* o_proj, LlamaMLP mlp_bias on all three
+    # projections; ModelSpec only has "q/k/v" and "every linear", so attention_bias alone
+    # undercounts o_proj's bias (hidden per layer) and mlp_bias alone is ignored.
+    attention = _flag(cfg, "attention_bias", False)
+    return attention, attention and _flag(cfg, "mlp_bias", False)
+
+
+def _gpt2_extra(cfg: dict) -> dict[str, Any]:
+    hidden = read(cfg, SHAPE_KEYS["hidden"], int)
+    return {
+        "max_positions": read(cfg, ("n_positions",), int),
+        # GPT2MLP: n_inner None means 4 * n_embd (modeling_gpt2.py, GPT2Block).
+        "ffn_hidden": read(cfg, SHAPE_KEYS["ffn_hidden"], int, 4 * hidden),
+    }
+
+
+def _vit_extra(cfg: dict) -> dict[str, Any]:
+    patch = read(cfg, ("patch_size",), int)
+    side = read(cfg, ("image_size",), int)
+    labels = cfg.get("id2label")
+    num_labels = len(labels) if isinstance(labels, dict) else read(cfg, ("num_labels",), int, 2)
+    return {
+        "patch_size": patch,
+        "image_channels": read(cfg, ("num_channels",), int, 3),
+        "max_positions": (side // patch) ** 2 + 1,  # ViTEmbeddings: one per patch + the class token
+        "vocab_size": num_labels,  # ViTForImageClassification's head has num_labels outputs
+    }
+
+
+FAMILIES = {
+    "llama": Family("llama", False, {"attention_dropout": 0.0}, _llama_biases),
+    "mistral": Family("llama", False, {"attention_dropout": 0.0}),
+    # Qwen2Attention: q/k/v always have a bias, o_proj and the MLP never (modeling_qwen2.py).
+    "qwen2": Family("llama", False, {"attention_dropout": 0.0}, lambda cfg: (True, False)),
+    "gpt2": Family("gpt2", True, {"attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1},
+                   lambda cfg: (False, True), _gpt2_extra),
+    # GPTNeoXAttention's attention_bias=False (rare) drops the q/k/v/dense biases, which ModelSpec
+    # cannot express: they are still counted (4 * hidden per layer). use_parallel_residual=False
+    # changes no parameter; ModelSpec's neox family always assumes the parallel residual.
+    "gpt_neox": Family("neox", False, {"attention_dropout": 0.0, "hidden_dropout": 0.0},
+                       lambda cfg: (False, True)),
+    # ViTLayer: qkv_bias=False drops only the q/k/v biases; likewise still counted (3 * hidden).
+    "vit": Family("vit", False, {"attention_probs_dropout_prob": 0.0, "hidden_dropout_prob": 0.0},
+                  lambda cfg: (False, True), _vit_extra),
+}
+
+
+def read(cfg: dict, keys: tuple[str, ...], kind: type, default: Any = _MISSING) -> Any:
+    """The first of ``keys`` that is set (null counts as unset), checked to be a ``kind``."""
+    key = next((k for k in keys if cfg.get(k) is not None), None)
+    if key is None:
+        if default is _MISSING:
+            aliases = f" (or {' or '.join(keys[1:])})" if keys[1:] else ""
+            raise MemplanError(f"config.json has no {keys[0]}{aliases}")
+        return default
+    value = cfg[key]
+    if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise MemplanError(f"config.json {key} must be a positive integer, got {value!r}")
+    if kind is float and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+        raise MemplanError(f"config.json {key} must be a number, got {value!r}")
+    if kind is bool and not isinstance(value, bool):
+        raise MemplanError(f"config.json {key} must be true or false, got {value!r}")
+    if kind is str and not isinstance(value, str):
+        raise MemplanError(f"config.json {key} must be a string, got {value!r}")
+    return value
+
+
+def load_config(source: str | Path | dict) -> tuple[dict, Path | None]:
+    """The config as a dict, and the file it came from (None for a dict)."""
+    if isinstance(source, dict):
+        return source, None
+    if not isinstance(source, (str, Path)):
+        raise MemplanError(f"config source must be a path or a dict, got {type(source).__name__}")
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise MemplanError(f"config file {str(path)!r} does not exist; pass a Hugging Face config.json "
+                           "or the folder holding one") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise MemplanError(f"cannot read config file {str(path)!r}: {err}") from None
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise MemplanError(f"{str(path)!r} is not valid JSON: {err.msg} at line {err.lineno} "
+                           f"column {err.colno}") from None
+    if not isinstance(cfg, dict):
+        raise MemplanError(f"{str(path)!r} holds a JSON {type(cfg).__name__}, not an object; "
+                           'a config.json is an object like {"model_type": "llama", ...}')
+    return cfg, path
+
+
+def model_from_hf_config(source: str | Path | dict, *, name: str | None = None) -> ModelSpec:
+    """A ModelSpec equivalent to ``source``, a Hugging Face config.json path or dict.
+
+    The parameter count equals that of the transformers model (``AutoModelForCausalLM``,
+    or ``ViTForImageClassification`` for vit) built from the same config.
+    """
+    cfg, path = load_config(source)
+    model_type = read(cfg, ("model_type",), str)
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise MemplanError(f"model_type {model_type!r} is not supported; supported: "
+                           + ", ".join(sorted(FAMILIES)))
+    fields = family.extra(cfg)
+    for spec_field, keys in SHAPE_KEYS.items():
+        if spec_field not in fields:
+            fields[spec_field] = read(cfg, keys, int)
+    heads = fields["num_heads"]
+    fields["num_kv_heads"] = read(cfg, ("num_key_value_heads",), int, heads)  # absent: no GQA
+    head_dim = read(cfg, ("head_dim",), int, fields["hidden"] // heads)
+    if head_dim * heads != fields["hidden"]:
+        # Llama 3.2 / Qwen3 / Mistral-Nemo decouple head_dim from hidden; ModelSpec cannot yet.
+        raise MemplanError(f"config.json head_dim {head_dim} differs from hidden_size/num_attention_heads "
+                           f"= {fields['hidden']}/{heads}; only head_dim == hidden/heads is supported yet")
+    act = read(cfg, ACTIVATION_KEYS, str, "")
+    if act and act not in ACTIVATIONS:
+        raise MemplanError(f"config.json activation {act!r} is not supported; supported: "
+                           + ", ".join(ACTIVATIONS))
+    qkv_bias, linear_bias = family.biases(cfg)
+    return ModelSpec(
+        name=name or _default_name(cfg, path, model_type),
+        arch=family.arch,
+        tied_embeddings=family.arch != "vit" and _flag(cfg, "tie_word_embeddings", family.tied),
+        dropout=max(float(read(cfg, (key,), float, default)) for key, default in family.dropouts.items()),
+        activation=ACTIVATIONS.get(act, ""),
+        qkv_bias=qkv_bias,
+        linear_bias=linear_bias,
+        **fields,
+    )
+
+
+def _default_name(cfg: dict, path: Path | None, model_type: str) -> str:
+    given = cfg.get("_name_or_path")
+    if isinstance(given, str) and given:
+        return given
+    return path.resolve().parent.name if path is not None else model_type
