@@ -168,7 +168,11 @@ def block_backward_transient(model: ModelSpec, train: TrainSpec) -> list[Saved]:
     out = [Saved("block backward gradient temporaries", f"{k}·c·b·s·f", k * x.c * x.tokens * x.f)]
     mode = train.activation_checkpointing
     if mode == "full":
-        out += block_saved(model, train)
+        # the recompute saves the checkpointed input itself (no copy) where a norm keeps it as is
+        shared = "norm 1: fp32 input" if x.r == 4 else None
+        if model.arch != "llama":
+            shared = "block input (norm input)"
+        out += [s for s in block_saved(model, train) if s.name != shared]
     elif mode == "selective":
         out += _attention_core(model, x)
     return out

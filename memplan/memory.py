@@ -15,7 +15,7 @@ from .activations import Saved, block_backward_transient, block_kept, loss_saved
 from .breakdown import Component, Estimate, Moment, Term
 from .catalog import deepspeed_defaults
 from .overheads import overhead_terms
-from .precision import ADAM8BIT_BYTES_PER_PARAM, DTYPE_BYTES, OPTIMIZER_STATES, POLICIES
+from .precision import ADAM8BIT_BYTES_PER_PARAM, DTYPE_BYTES, OPTIMIZER_STATES, POLICIES, Policy
 from .specs import Job
 from .strategies import STRATEGIES
 
@@ -34,11 +34,11 @@ def _terms(component: Component, saved: list[Saved]) -> list[Term]:
 class _Step:
     """The quantities one job's moments are built from (per GPU, in bytes)."""
 
-    def __init__(self, job: Job):
+    def __init__(self, job: Job, policy: Policy | None = None):
         self.job = job
         model, train, cluster = job.model, job.train, job.cluster
         self.strategy = s = STRATEGIES[job.plan.strategy]
-        self.policy = pol = POLICIES[train.precision]
+        self.policy = pol = policy or POLICIES[train.precision]
         self.n = s.shard_degree(cluster.gpus, cluster.gpus_per_node)
         self.params = model.num_params
         self.block_params = model.block_params()
@@ -218,6 +218,16 @@ class _Step:
         if self.params_on_host:
             terms += on_gpu.param_terms() + (on_gpu.grad_terms() if self.framework == "fsdp" else [])
         return terms
+
+
+def model_states(job: Job, policy: Policy | None = None) -> dict[Component, int]:
+    """Parameters, gradients and optimizer states per GPU, optionally under a policy
+    other than the six named ones (to redo a document's arithmetic on its own terms)."""
+    step = _Step(job, policy)
+    out = dict.fromkeys((P, G, O), 0)
+    for term in step.param_terms() + step.grad_terms() + step.optimizer_terms():
+        out[term.component] += term.bytes
+    return out
 
 
 @lru_cache(maxsize=4096)

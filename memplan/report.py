@@ -88,7 +88,7 @@ def render_table(choice: ModelChoice, estimates: list[Estimate]) -> str:
                      est.phase, *(_g(by[c]) for c in Component), _g(est.allocated_bytes), _g(est.overhead_bytes),
                      _g(est.total_bytes), "yes" if est.fits else "NO", _g(est.headroom_bytes)])
     table = tabulate(rows, headers=["strategy", "peak in", *COMPONENTS, "allocated", "overhead", "total", "fits",
-                                    "headroom"], tablefmt="simple", disablenumparse=True, colalign=("left", "left"))
+                                    "headroom"], tablefmt="simple", disable_numparse=True, colalign=("left", "left"))
     return "\n".join(header + ["", "GiB per GPU at the peak moment of a steady-state step", table, "",
                                fits_line(estimates)])
 

@@ -55,7 +55,10 @@ def test_more_sharding_never_raises_memory(model, train, log_gpus):
     def alloc(strategy):
         return estimate(job(model, train, gpus=2**log_gpus, strategy=strategy)).allocated_bytes
 
-    assert alloc("fsdp-no-shard") >= alloc("fsdp-shard-grad-op") >= alloc("fsdp-full-shard")
+    # no-shard against shard-grad-op has no order: no-shard reshards blocks after forward,
+    # shard-grad-op keeps them all, which outweighs half the states in a tiny model.
+    assert alloc("fsdp-no-shard") >= alloc("fsdp-full-shard")
+    assert alloc("fsdp-shard-grad-op") >= alloc("fsdp-full-shard")
     assert alloc("zero1") >= alloc("zero2")
 
 
@@ -69,11 +72,16 @@ def test_checkpointing_never_raises_activation_memory(model, train, strategy):
     none, selective, full = run("none"), run("selective"), run("full")
     kept = [max(m.by_component[Component.ACTIVATIONS] for m in e.moments) for e in (none, selective, full)]
     assert kept[0] >= kept[1] >= kept[2]
-    assert none.allocated_bytes >= full.allocated_bytes
+    # full AC keeps each block's input until that block's backward, a tensor no AC frees right
+    # after the forward: where gradients, not activations, make the peak, that one input is extra
+    block_input_bytes = 4 * train.micro_batch * train.seq_len * model.hidden
+    assert full.allocated_bytes <= none.allocated_bytes + block_input_bytes
 
 
 @settings(max_examples=150, deadline=None)
-@given(models(), trains(precision="fp32"), st.sampled_from(SHARDED + ("ddp", "fsdp-no-shard")))
+# eager attention is excluded: in bf16 it keeps the fp32 softmax *and* the bf16 probs (6 bytes
+# per score against fp32's 4, measured), so a long-sequence tiny model really grows in bf16
+@given(models(), trains(precision="fp32", attention="sdpa"), st.sampled_from(SHARDED + ("ddp", "fsdp-no-shard")))
 def test_bf16_never_exceeds_fp32(model, train, strategy):
     fp32 = estimate(job(model, train, strategy=strategy))
     bf16 = estimate(job(model, TrainSpec(**{**train.__dict__, "precision": "bf16"}), strategy=strategy))

@@ -1,0 +1,114 @@
+"""The data tables shipped in ``tables/``: model presets, GPU datasheets, DeepSpeed defaults."""
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from .errors import MemplanError
+from .specs import ModelSpec
+
+_INSTALLED = Path(__file__).with_name("_tables")
+TABLES_DIR = _INSTALLED if _INSTALLED.is_dir() else Path(__file__).resolve().parent.parent / "tables"
+_MIB = 2**20
+_TFLOPS = 10**12
+_GBS = 10**9
+
+
+def read_table(name: str) -> list[dict[str, str]]:
+    with open(TABLES_DIR / name, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuSpec:
+    """One accelerator as its vendor's datasheet describes it (dense, no sparsity)."""
+
+    name: str
+    aliases: tuple[str, ...]
+    memory_bytes: int
+    """What the device reports as total memory (nvidia-smi's MiB), not the marketing GB."""
+    peak_bf16_flops: float | None
+    """None: no bf16 (V100)."""
+    peak_fp16_flops: float
+    peak_fp32_flops: float
+    memory_bw_bytes_s: float
+    interconnect: str
+    """nvlink | pcie | infinity-fabric: how GPUs of one node talk."""
+    intra_node_bw_bytes_s: float
+    """The datasheet's GPU-to-GPU figure, both directions together."""
+    host_link_bw_bytes_s: float
+    """The datasheet's PCIe figure, both directions together."""
+    source: str
+
+    def peak_flops(self, precision: str) -> float:
+        """Peak dense FLOPS of the matmuls a precision policy runs in."""
+        if precision == "fp32":
+            return self.peak_fp32_flops
+        if "bf16" in precision:
+            if self.peak_bf16_flops is None:
+                raise MemplanError(f"{self.name} has no bf16 support; use --precision fp32, amp-fp16 or mixed-fp16")
+            return self.peak_bf16_flops
+        return self.peak_fp16_flops
+
+
+def _gpu_row(row: dict[str, str]) -> GpuSpec:
+    return GpuSpec(
+        name=row["name"], aliases=tuple(a for a in row["aliases"].split("|") if a),
+        memory_bytes=int(row["memory_mib"]) * _MIB,
+        peak_bf16_flops=float(row["peak_bf16_tflops"]) * _TFLOPS if row["peak_bf16_tflops"] else None,
+        peak_fp16_flops=float(row["peak_fp16_tflops"]) * _TFLOPS,
+        peak_fp32_flops=float(row["peak_fp32_tflops"]) * _TFLOPS,
+        memory_bw_bytes_s=float(row["memory_bw_gbs"]) * _GBS, interconnect=row["interconnect"],
+        intra_node_bw_bytes_s=float(row["intra_node_bw_gbs"]) * _GBS,
+        host_link_bw_bytes_s=float(row["host_link_bw_gbs"]) * _GBS, source=row["source"],
+    )
+
+
+def _model_row(row: dict[str, str]) -> ModelSpec:
+    return ModelSpec(
+        name=row["name"], arch=row["arch"], num_layers=int(row["layers"]), hidden=int(row["hidden"]),
+        num_heads=int(row["heads"]), num_kv_heads=int(row["kv_heads"]), ffn_hidden=int(row["ffn"]),
+        vocab_size=int(row["vocab"]), tied_embeddings=row["tied"] == "1", qkv_bias=row["qkv_bias"] == "1",
+        linear_bias=row["linear_bias"] == "1", max_positions=int(row["max_positions"]),
+        dropout=float(row["dropout"]), activation=row["activation"], patch_size=int(row["patch_size"]) or 16,
+    )
+
+
+@cache
+def gpus() -> dict[str, GpuSpec]:
+    return {row["name"]: _gpu_row(row) for row in read_table("gpus.csv")}
+
+
+@cache
+def models() -> dict[str, ModelSpec]:
+    return {row["name"]: _model_row(row) for row in read_table("models.csv")}
+
+
+@cache
+def published_params() -> dict[str, tuple[int, str]]:
+    """Preset name -> (published parameter total, where it is published)."""
+    return {row["name"]: (int(row["published_params"]), row["source"]) for row in read_table("models.csv")}
+
+
+def _lookup(table: dict, name: str, what: str, flag: str, aliases=lambda v: ()):
+    key = str(name).strip().lower()
+    for canonical, value in table.items():
+        if key == canonical or key in aliases(value):
+            return value
+    raise MemplanError(f"{flag} {name!r} is not a known {what}; known: {', '.join(table)}")
+
+
+def gpu(name: str) -> GpuSpec:
+    return _lookup(gpus(), name, "GPU", "--gpu", lambda g: g.aliases)
+
+
+def model_preset(name: str) -> ModelSpec:
+    return _lookup(models(), name, "model preset", "--model")
+
+
+@cache
+def deepspeed_defaults() -> dict[str, int]:
+    """DeepSpeed ZeRO's buffer sizes (in elements) when its config leaves them unset."""
+    return {row["key"]: int(row["value"]) for row in read_table("deepspeed.csv")}
