@@ -32,7 +32,7 @@ def main(runs: int = 10) -> None:
           f"min {times[0]:.3f} s, max {times[-1]:.3f} s over {runs} fresh processes")
     bare = sorted(wall_s(["--version"]) for _ in range(runs))
     print(f"memplan --version (interpreter + click start-up alone): median {statistics.median(bare):.3f} s")
-    heavy = {"torch", "matplotlib", "transformers"} & imported_modules(MAIN_JOB)
+    heavy = {"torch", "pandas", "matplotlib", "transformers"} & imported_modules(MAIN_JOB)
     print(f"heavy modules imported by the main job: {sorted(heavy) or 'none'}")
 
 
