@@ -136,5 +136,13 @@ def explain(**flags):
     click.echo(report.render_explain(choice, estimates[0]))
 
 
+try:  # the calibrate package (torch imported lazily, inside its commands)
+    from calibrate.cli import calibrate as _calibrate
+except ImportError:
+    pass
+else:
+    main.add_command(_calibrate)
+
+
 if __name__ == "__main__":
     main()

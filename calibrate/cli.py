@@ -1,0 +1,208 @@
+"""``memplan calibrate``: run real short training jobs, record them, compare with memplan.
+
+Parses, calls calibrate.runs / cluster / report, renders. Imports no torch: the runs
+execute in child processes (``python -m calibrate``); reading records needs none.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from memplan.cli import job_options, user_errors
+from memplan.errors import MemplanError
+from memplan.units import parse_bytes
+
+from .records import MODES, WORKLOADS
+
+RUN_ONLY_FLAGS = ("mode", "out", "steps", "warmup", "timeout_s", "resume", "workload", "grid", "max_host_mem",
+                  "nodes")
+
+
+def _sweep_options(f):
+    options = [
+        click.option("--out", required=True, type=click.Path(),
+                     help="Records file (.jsonl) to append to; for --mode cluster a directory."),
+        click.option("--steps", type=int, default=3, show_default=True,
+                     help="Training steps per run; the last one is measured."),
+        click.option("--warmup", type=int, default=2, show_default=True,
+                     help="Steps before the measured one (at least 1: optimizer states exist)."),
+        click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True,
+                     help="Seconds a run may take before its processes are killed (status timeout)."),
+        click.option("--resume", is_flag=True, help="Skip runs the records file already holds."),
+        click.option("--workload", type=click.Choice(WORKLOADS), default="native", show_default=True,
+                     help="native: calibrate's reference blocks; hf: the transformers model of the same shapes."),
+        click.option("--grid", type=click.Path(exists=True, dir_okay=False),
+                     help="YAML/JSON grid: flag name -> list of values; one run per combination."),
+        click.option("--max-host-mem",
+                     help="Host memory each run process may take beyond torch's own (RLIMIT_AS), e.g. 4GiB; "
+                          "a run that needs more is recorded as oom."),
+        click.option("--nodes", type=int, help="Nodes (with --gpus-per-node): sets --gpus to their product."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _grid_flag_sets(ctx: click.Context, flags: dict, grid_path) -> list[dict]:
+    """The command's flags, once per point of the grid (once without a grid)."""
+    from .runs import grid_points, load_grid
+
+    if grid_path is None:
+        return [flags]
+    params = {p.name: p for p in ctx.command.params if p.name not in RUN_ONLY_FLAGS}
+    grid = {}
+    for key, values in load_grid(grid_path).items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name not in params:
+            raise MemplanError(f"grid key {key!r} is not a flag of memplan estimate; use one of: "
+                               + ", ".join(n.replace("_", "-") for n in params))
+        try:
+            grid[name] = [v if v is None else params[name].type.convert(v, params[name], ctx) for v in values]
+        except click.BadParameter as exc:
+            raise MemplanError(f"grid key {key!r}: {exc.format_message()}") from None
+    return [flags | point for point in grid_points(grid)]
+
+
+def _apply_nodes(ctx: click.Context, flags: dict, nodes) -> dict:
+    if nodes is None:
+        return flags
+    per_node = flags["gpus_per_node"]
+    if nodes <= 0:
+        raise MemplanError(f"--nodes must be a positive integer, got {nodes}")
+    if per_node <= 0:
+        raise MemplanError(f"--nodes {nodes} needs --gpus-per-node G (a positive integer), got {per_node}")
+    gpus_given = ctx.get_parameter_source("gpus") != click.core.ParameterSource.DEFAULT
+    if gpus_given and flags["gpus"] != nodes * per_node:
+        raise MemplanError(f"--gpus {flags['gpus']} disagrees with --nodes {nodes} × --gpus-per-node {per_node}")
+    return flags | {"gpus": nodes * per_node}
+
+
+def _plan(ctx, flags, *, mode, steps, warmup, workload, grid, nodes):
+    from .runs import plan
+
+    flag_sets = [_apply_nodes(ctx, f, nodes) for f in _grid_flag_sets(ctx, flags, grid)]
+    runs, skipped = plan(flag_sets, mode=mode, steps=steps, warmup=warmup, workload=workload)
+    if skipped:
+        click.echo(f"skipping {', '.join(skipped)}: the harness drives DDP and FSDP2, not DeepSpeed "
+                   "(name one with --strategy to record it as failed)", err=True)
+    if not runs:
+        raise MemplanError("no runs left to do: every strategy asked for needs DeepSpeed")
+    return runs
+
+
+def _write_cluster(runs, *, out, timeout_s, resume):
+    from . import cluster
+
+    plan = cluster.cluster_plan(runs, out_dir=out, timeout_s=timeout_s, resume=resume)
+    cluster.write(plan)
+    for i, (run, command) in enumerate(zip(plan.runs, cluster.torchrun_commands(plan))):
+        click.echo(f"# run {i}: {run.describe()}")
+        click.echo(command)
+    click.echo(f"wrote {plan.runs_path} and {plan.script_path} ({len(runs)} run(s)); "
+               f"submit with: sbatch {plan.script_path}; records go to {plan.records_path}", err=True)
+
+
+def _run_sweep(runs, *, out, timeout_s, resume, max_host_mem_bytes):
+    from .runs import sweep
+
+    if Path(out).is_dir():
+        raise MemplanError(f"--out {out!r} is a directory; local and emulate runs append to a .jsonl file")
+    failures = []
+    with click.progressbar(length=len(runs), label="calibrating", file=sys.stderr, show_eta=True,
+                           show_pos=True, item_show_func=lambda r: r.describe() if r else None) as bar:
+        def on_end(run, record):
+            if record and record["status"] != "ok":
+                failures.append(f"{run.describe()}: {record['status']}: {record['error'].splitlines()[0]}")
+            bar.update(1, run)
+
+        summary = sweep(runs, out=out, timeout_s=timeout_s, resume=resume, max_host_mem_bytes=max_host_mem_bytes,
+                        on_start=lambda run: bar.update(0, run), on_end=on_end)
+    for line in failures:
+        click.echo(line, err=True)
+    click.echo(summary.line(out))
+
+
+def _execute(ctx, *, mode, out, steps, warmup, timeout_s, resume, workload, grid, max_host_mem, nodes, flags):
+    if timeout_s <= 0:
+        raise MemplanError(f"--timeout must be a positive number of seconds, got {timeout_s:g}")
+    runs = _plan(ctx, flags, mode=mode, steps=steps, warmup=warmup, workload=workload, grid=grid, nodes=nodes)
+    if mode == "cluster":
+        _write_cluster(runs, out=out, timeout_s=timeout_s, resume=resume)
+        return
+    max_host_mem_bytes = parse_bytes(max_host_mem, what="max-host-mem") if max_host_mem else None
+    _run_sweep(runs, out=out, timeout_s=timeout_s, resume=resume, max_host_mem_bytes=max_host_mem_bytes)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def calibrate():
+    """Real short training jobs (torch), measured and set beside memplan's estimate."""
+
+
+@calibrate.command()
+@job_options
+@click.option("--mode", type=click.Choice(MODES), default="local", show_default=True,
+              help="local: N processes here (gloo on CPU, nccl on GPUs); emulate: one rank on a fake process "
+                   "group of N; cluster: write a Slurm script and print torchrun commands (dry run).")
+@_sweep_options
+@click.pass_context
+@user_errors
+def run(ctx, mode, out, steps, warmup, timeout_s, resume, workload, grid, max_host_mem, nodes, **flags):
+    """Run, measure and record one job per strategy (or per grid point).
+
+    Example: memplan calibrate run --arch llama --layers 2 --hidden 64 --heads 4 --ffn 128 --vocab 256
+    --seq-len 32 --micro-batch 2 --precision fp32 --device cpu --gpus 2 --mode emulate --out runs.jsonl
+    """
+    _execute(ctx, mode=mode, out=out, steps=steps, warmup=warmup, timeout_s=timeout_s, resume=resume,
+             workload=workload, grid=grid, max_host_mem=max_host_mem, nodes=nodes, flags=flags)
+
+
+@calibrate.command()
+@job_options
+@_sweep_options
+@click.pass_context
+@user_errors
+def cluster(ctx, out, steps, warmup, timeout_s, resume, workload, grid, max_host_mem, nodes, **flags):
+    """Write DIR/calibrate.sbatch and print the torchrun commands (same as run --mode cluster).
+
+    Example: memplan calibrate cluster --model llama-2-7b --strategy fsdp-full-shard --nodes 2
+    --gpus-per-node 8 --out calib/
+    """
+    _execute(ctx, mode="cluster", out=out, steps=steps, warmup=warmup, timeout_s=timeout_s, resume=resume,
+             workload=workload, grid=grid, max_host_mem=max_host_mem, nodes=nodes, flags=flags)
+
+
+@calibrate.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--format", "fmt", type=click.Choice(("table", "json", "csv")), default="table", show_default=True)
+@user_errors
+def report(files, fmt):
+    """Measured against estimated peak memory, per run, with a summary.
+
+    Example: memplan calibrate report runs.jsonl --format json
+    """
+    from . import records
+    from .report import render_csv, render_json, render_table, rows, summary_lines
+
+    table = rows(records.read(files, warn=lambda message: click.echo(f"warning: {message}", err=True)))
+    if fmt == "json":
+        click.echo(render_json(table))
+    elif fmt == "csv":
+        click.echo(render_csv(table), nl=False)
+        for line in summary_lines(table):
+            click.echo(line, err=True)
+    else:
+        click.echo(render_table(table))
+
+
+def _register_with_memplan() -> None:
+    """memplan.cli adds this group when it is imported first; when this module is, memplan.cli
+    found it half-initialised, so add it here."""
+    from memplan import cli as memplan_cli
+
+    if "calibrate" not in memplan_cli.main.commands:
+        memplan_cli.main.add_command(calibrate)
+
+
+_register_with_memplan()

@@ -1,0 +1,237 @@
+"""Calibration runs and their records: one JSON object per run, one run per line of a
+``.jsonl`` file, appended and flushed to disk as each run ends.
+
+Torch-free on purpose: ``memplan calibrate report`` and ``--resume`` read records, and
+the parent of a sweep writes them, without importing torch. ``memplan``'s own start-up
+imports this module (for the CLI's choices), so what only a run needs is imported late.
+
+A record (``schema`` 1)::
+
+    id            short hash of the run's key (spec + mode + steps + workload)
+    mode          local | emulate | cluster
+    steps, warmup, workload
+    spec          {"model": ModelSpec, "train": TrainSpec, "cluster": ClusterSpec, "plan": Plan}
+                  as dicts: ``job_from_spec`` rebuilds the Job
+    world_size    ranks of the job, real or emulated (= spec.cluster.gpus)
+    estimate      memplan's estimate of the same spec: allocated_bytes, total_bytes, phase,
+                  by_component (params, gradients, optimizer, activations, buffers); null,
+                  with estimate_error, when memplan refuses the spec
+    status        ok | oom | timeout | failed
+    error         the error text (null when ok)
+    measurement   calibrate.measure.Measurement as a dict (null unless ok)
+    device, torch_version, host, finished_at (UTC, ISO 8601), wall_s
+
+Example usage::
+
+    run = Run(job=job, mode="emulate")
+    append("runs.jsonl", make_record(run, status="ok", measurement=m, error=None, wall_s=3.2))
+    for record in read(["runs.jsonl"]):      # a corrupt line is warned about and skipped
+        ...
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from memplan.errors import MemplanError
+from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
+
+SCHEMA = 1
+MODES = ("local", "emulate", "cluster")
+STATUSES = ("ok", "oom", "timeout", "failed")
+WORKLOADS = ("native", "hf")
+_SPEC_TYPES = {"model": ModelSpec, "train": TrainSpec, "cluster": ClusterSpec, "plan": Plan}
+
+
+def spec_dict(job: Job) -> dict:
+    """The four specs of a job as plain dicts (the ``spec`` field of a record)."""
+    return {part: asdict(getattr(job, part)) for part in _SPEC_TYPES}
+
+
+def job_from_spec(spec: dict) -> Job:
+    """Rebuild the Job a record was made from."""
+    try:
+        return Job(**{part: cls(**spec[part]) for part, cls in _SPEC_TYPES.items()})
+    except (KeyError, TypeError) as exc:
+        raise MemplanError(f"a record's spec does not describe a memplan Job ({exc})") from None
+
+
+def run_key(spec: dict, mode: str, steps: int, workload: str) -> str:
+    """Canonical JSON of what makes two runs the same run (``--resume`` skips a recorded key)."""
+    return json.dumps({"spec": spec, "mode": mode, "steps": steps, "workload": workload},
+                      sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    """One calibration point: a Job, where it runs, and how many steps it takes."""
+
+    job: Job
+    mode: str
+    """local: real processes on this machine; emulate: one rank, fake process group;
+    cluster: launched by torchrun on every node."""
+    steps: int = 3
+    warmup: int = 2
+    """Steps before the measured one; the measured step must have optimizer states."""
+    workload: str = "native"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise MemplanError(f"mode {self.mode!r} is not one of: {', '.join(MODES)}")
+        if self.workload not in WORKLOADS:
+            raise MemplanError(f"workload {self.workload!r} is not one of: {', '.join(WORKLOADS)}")
+        if not 1 <= self.warmup < self.steps:
+            raise MemplanError(f"steps must exceed warmup and warmup be at least 1 "
+                               f"(got steps {self.steps}, warmup {self.warmup})")
+
+    @property
+    def key(self) -> str:
+        return run_key(spec_dict(self.job), self.mode, self.steps, self.workload)
+
+    @property
+    def id(self) -> str:
+        import hashlib
+
+        return hashlib.sha1(self.key.encode()).hexdigest()[:10]
+
+    def to_dict(self) -> dict:
+        return {"spec": spec_dict(self.job), "mode": self.mode, "steps": self.steps, "warmup": self.warmup,
+                "workload": self.workload}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Run":
+        return cls(job=job_from_spec(data["spec"]), mode=data["mode"], steps=data["steps"],
+                   warmup=data["warmup"], workload=data["workload"])
+
+    def describe(self) -> str:
+        return describe(spec_dict(self.job), self.mode)
+
+
+def describe(spec: dict, mode: str) -> str:
+    """A short human name of a run: strategy, precision, model shape, batch, world, mode."""
+    m, t, c, p = spec["model"], spec["train"], spec["cluster"], spec["plan"]
+    extras = [t["activation_checkpointing"] != "none" and f"ac-{t['activation_checkpointing']}",
+              t["attention"] != "sdpa" and t["attention"], p["offload"] != "none" and f"offload-{p['offload']}",
+              t["grad_accum"] > 1 and f"ga{t['grad_accum']}"]
+    return " ".join([p["strategy"], t["precision"], *filter(None, extras),
+                     f"{m['arch']} {m['num_layers']}L h{m['hidden']}",
+                     f"b{t['micro_batch']}×s{t['seq_len']}", f"{mode}×{c['gpus']}"])
+
+
+def estimate_summary(job: Job) -> dict:
+    """memplan's estimate of the job, as the ``estimate`` field of a record."""
+    from memplan.memory import estimate
+
+    est = estimate(job)
+    return {"allocated_bytes": est.allocated_bytes, "total_bytes": est.total_bytes, "phase": est.phase,
+            "by_component": {c.value: b for c, b in est.by_component.items()}}
+
+
+def torch_version() -> str | None:
+    """The installed torch's version, read without importing torch."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def make_record(run: Run, *, status: str, measurement: dict | None, error: str | None, wall_s: float) -> dict:
+    """The record of one finished run (any status)."""
+    import datetime
+    import socket
+
+    if status not in STATUSES:
+        raise ValueError(f"status {status!r} is not one of {STATUSES}")
+    try:
+        estimate, estimate_error = estimate_summary(run.job), None
+    except MemplanError as exc:
+        estimate, estimate_error = None, str(exc)
+    measurement = measurement or None
+    record = {
+        "schema": SCHEMA, "id": run.id, **run.to_dict(), "world_size": run.job.cluster.gpus,
+        "estimate": estimate, "status": status, "error": error, "measurement": measurement,
+        "device": measurement["device"] if measurement else None,
+        "torch_version": measurement["torch_version"] if measurement else torch_version(),
+        "host": socket.gethostname(),
+        "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "wall_s": round(wall_s, 3),
+    }
+    if estimate_error:
+        record["estimate_error"] = estimate_error
+    return record
+
+
+def append(path, record: dict) -> None:
+    """Append one record and force it to disk, so a crash later in a sweep loses nothing."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _warn_stderr(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def _problem(record) -> str | None:
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    missing = [k for k in ("spec", "mode", "steps", "workload", "status") if k not in record]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    if record["status"] not in STATUSES:
+        return f"status {record['status']!r} is not one of {', '.join(STATUSES)}"
+    return None
+
+
+def read(paths, *, warn=_warn_stderr) -> list[dict]:
+    """Every record of the files, in order; a corrupt line is reported (file:line) and skipped."""
+    records = []
+    for path in [paths] if isinstance(paths, (str, Path)) else paths:
+        if not Path(path).exists():
+            raise MemplanError(f"record file {str(path)!r} does not exist")
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    warn(f"{path}:{number}: skipped a corrupt record ({exc.msg})")
+                    continue
+                problem = _problem(record)
+                if problem:
+                    warn(f"{path}:{number}: skipped a corrupt record ({problem})")
+                    continue
+                records.append(record)
+    return records
+
+
+def record_key(record: dict) -> str:
+    return run_key(record["spec"], record["mode"], record["steps"], record["workload"])
+
+
+def recorded_keys(path, *, warn=_warn_stderr) -> set[str]:
+    """Keys of the runs a file already holds (none when it does not exist yet)."""
+    if not Path(path).exists():
+        return set()
+    return {record_key(r) for r in read([path], warn=warn)}
+
+
+def write_runs(path, runs: list[Run]) -> None:
+    """The run requests that ``python -m calibrate --runs FILE --index I`` executes."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("".join(json.dumps(r.to_dict(), sort_keys=True) + "\n" for r in runs), encoding="utf-8")
+
+
+def read_run(path, index: int) -> Run:
+    lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not 0 <= index < len(lines):
+        raise MemplanError(f"index {index} is out of range: {path} holds {len(lines)} runs (0..{len(lines) - 1})")
+    return Run.from_dict(json.loads(lines[index]))

@@ -1,0 +1,156 @@
+"""A sweep of calibration runs, driven by a parent that never imports torch.
+
+Each run executes in a child process (``python -m calibrate``) that leads a process group
+of its own, so that the parent can kill it, ranks included, when it hangs past the
+timeout; an OOM, a dead rank or a configuration the harness cannot run comes back as an
+outcome. The parent turns every outcome into a record and appends it before the next run.
+
+Example usage::
+
+    runs, skipped = plan([{"arch": "llama", "layers": 2, ..., "strategy": "all"}], mode="emulate")
+    summary = sweep(runs, out="runs.jsonl", timeout_s=300, resume=True)
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from memplan.errors import MemplanError
+from memplan.inputs import build_jobs
+from memplan.strategies import STRATEGIES
+
+from . import records
+from .records import Run
+
+HARNESS_FRAMEWORKS = ("ddp", "fsdp")
+"""What calibrate.measure drives: DDP and FSDP2. DeepSpeed (zero1/2/3) is not installed
+here; ``--strategy all`` leaves it out up front, a named zero* is recorded as failed."""
+LOG_TAIL_LINES = 15
+_PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_grid(path) -> dict[str, list]:
+    """A sweep grid from YAML or JSON: flag name → list of values."""
+    import yaml
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        grid = yaml.safe_load(text)  # JSON is YAML
+    except (OSError, yaml.YAMLError) as exc:
+        raise MemplanError(f"grid file {str(path)!r} cannot be read: {str(exc).splitlines()[0]}") from None
+    if not isinstance(grid, dict) or not grid:
+        raise MemplanError(f"grid file {str(path)!r} must map flag names to lists of values, "
+                           "e.g. {strategy: [ddp, fsdp-full-shard], micro-batch: [1, 2]}")
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise MemplanError(f"grid key {key!r} must map to a non-empty list, got {values!r}")
+    return grid
+
+
+def grid_points(grid: dict[str, list]) -> list[dict]:
+    """The cartesian product of the grid's values, one dict of flags per point."""
+    keys = list(grid)
+    return [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]
+
+
+def plan(flag_sets: list[dict], *, mode: str, steps: int = 3, warmup: int = 2,
+         workload: str = "native") -> tuple[list[Run], list[str]]:
+    """The runs of a sweep (each distinct run once) and the strategies ``all`` left out."""
+    runs: dict[str, Run] = {}
+    skipped: set[str] = set()
+    for flags in flag_sets:
+        _, jobs = build_jobs(**flags)
+        for job in jobs:
+            if flags.get("strategy", "all") == "all" and \
+                    STRATEGIES[job.plan.strategy].framework not in HARNESS_FRAMEWORKS:
+                skipped.add(job.plan.strategy)
+                continue
+            run = Run(job=job, mode=mode, steps=steps, warmup=warmup, workload=workload)
+            runs.setdefault(run.key, run)
+    return list(runs.values()), sorted(skipped)
+
+
+def _tail(path: Path) -> str:
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    return "\n".join(lines[-LOG_TAIL_LINES:])
+
+
+def _child_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PROJECT_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def execute(run: Run, *, timeout_s: float, max_host_mem_bytes: int | None = None) -> dict:
+    """Run one point in a child process group; its outcome, ``timeout`` if it outlived ``timeout_s``."""
+    with tempfile.TemporaryDirectory(prefix="calibrate-") as tmp:
+        runs_path, result, log = Path(tmp, "run.jsonl"), Path(tmp, "result.json"), Path(tmp, "log.txt")
+        records.write_runs(runs_path, [run])
+        command = [sys.executable, "-m", "calibrate", "--runs", str(runs_path), "--index", "0",
+                   "--result", str(result)]
+        if max_host_mem_bytes:
+            command += ["--max-host-mem", str(max_host_mem_bytes)]
+        with open(log, "wb") as log_file:
+            proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=_child_env(),
+                                    start_new_session=True)
+            try:
+                exit_code = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                return {"status": "timeout", "measurement": None,
+                        "error": f"no result after {timeout_s:g} s; the run's processes were killed"}
+            finally:
+                if proc.poll() is None:
+                    _kill_group(proc)
+        if result.exists():
+            return json.loads(result.read_text(encoding="utf-8"))
+        return {"status": "failed", "measurement": None,
+                "error": f"the run's process exited with code {exit_code} without a result:\n{_tail(log)}"}
+
+
+@dataclass
+class SweepSummary:
+    num_planned: int
+    num_skipped_recorded: int = 0
+    statuses: Counter = field(default_factory=Counter)
+
+    def line(self, out) -> str:
+        done = ", ".join(f"{n} {s}" for s, n in sorted(self.statuses.items())) or "none run"
+        skipped = f"; {self.num_skipped_recorded} already recorded, skipped" if self.num_skipped_recorded else ""
+        return f"{sum(self.statuses.values())} of {self.num_planned} runs recorded in {out}: {done}{skipped}"
+
+
+def sweep(runs: list[Run], *, out, timeout_s: float, resume: bool = False, max_host_mem_bytes: int | None = None,
+          on_start=lambda run: None, on_end=lambda run, record: None) -> SweepSummary:
+    """Execute every run in turn, appending its record to ``out`` as it ends."""
+    summary = SweepSummary(num_planned=len(runs))
+    done = records.recorded_keys(out) if resume else set()
+    for run in runs:
+        on_start(run)
+        if run.key in done:
+            summary.num_skipped_recorded += 1
+            on_end(run, None)
+            continue
+        start_s = time.perf_counter()
+        outcome = execute(run, timeout_s=timeout_s, max_host_mem_bytes=max_host_mem_bytes)
+        record = records.make_record(run, **outcome, wall_s=time.perf_counter() - start_s)
+        records.append(out, record)
+        summary.statuses[record["status"]] += 1
+        on_end(run, record)
+    return summary

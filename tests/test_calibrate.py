@@ -1,0 +1,310 @@
+"""memplan calibrate: records of real runs (2 gloo processes, and one rank on the fake
+process group), every failure recorded while the sweep goes on, --resume, corrupt record
+files, the report, and the cluster dry run whose torchrun command really runs."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+from click.testing import CliRunner  # noqa: E402
+
+from calibrate import records  # noqa: E402
+from memplan.cli import main  # noqa: E402
+from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec  # noqa: E402
+
+MODEL = ["--arch", "llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "128"]
+TRAIN = ["--seq-len", "32", "--micro-batch", "2", "--precision", "fp32", "--device", "cpu", "--gpus", "2"]
+TINY = MODEL + ["--vocab", "256"] + TRAIN
+RUN_KEYS = {"schema", "id", "mode", "steps", "warmup", "workload", "spec", "world_size", "estimate", "status",
+            "error", "measurement", "device", "torch_version", "host", "finished_at", "wall_s"}
+MEASUREMENT_KEYS = {"peak_allocated_bytes", "phase", "categories", "step_time_s", "tokens_per_s", "device",
+                    "world_size", "emulated", "torch_version", "peak_reserved_bytes", "device_used_bytes",
+                    "num_alloc_retries", "phase_peaks"}
+
+
+def calibrate(*args):
+    return CliRunner().invoke(main, ["calibrate", *map(str, args)])
+
+
+def read(path):
+    return records.read([path], warn=pytest.fail)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """DDP and FSDP full-shard, world size 2: two real gloo processes, then emulated."""
+    tmp = tmp_path_factory.mktemp("sweep")
+    grid = tmp / "grid.yaml"
+    grid.write_text("strategy: [ddp, fsdp-full-shard]\n")
+    out = tmp / "runs.jsonl"
+    for mode in ("local", "emulate"):
+        result = calibrate("run", *TINY, "--grid", grid, "--mode", mode, "--out", out, "--timeout", 120)
+        assert result.exit_code == 0, result.output
+        assert "2 of 2 runs recorded" in result.stdout
+    return out, grid
+
+
+def test_records_of_real_and_emulated_runs(sweep):
+    out, _ = sweep
+    recs = read(out)
+    assert [(r["mode"], r["spec"]["plan"]["strategy"]) for r in recs] == [
+        ("local", "ddp"), ("local", "fsdp-full-shard"), ("emulate", "ddp"), ("emulate", "fsdp-full-shard")]
+    for r in recs:
+        assert RUN_KEYS <= set(r), r
+        assert r["status"] == "ok" and r["error"] is None
+        m = r["measurement"]
+        assert MEASUREMENT_KEYS <= set(m)
+        assert m["peak_allocated_bytes"] > 0 and m["step_time_s"] > 0 and m["tokens_per_s"] > 0
+        assert m["world_size"] == r["world_size"] == 2
+        assert m["emulated"] == (r["mode"] == "emulate")
+        assert m["device"] == r["device"] == "cpu"
+        assert m["torch_version"] == r["torch_version"] and r["torch_version"]
+        est = r["estimate"]
+        assert est["allocated_bytes"] > 0 and est["phase"] in ("forward", "backward", "optimizer")
+        assert sum(est["by_component"].values()) == est["allocated_bytes"] <= est["total_bytes"]
+        job = records.job_from_spec(r["spec"])
+        assert job.plan.strategy == r["spec"]["plan"]["strategy"] and job.model.vocab_size == 256
+        assert records.spec_dict(job) == r["spec"]
+
+
+def test_emulated_rank_equals_real_rank_0(sweep):
+    out, _ = sweep
+    peak = {(r["mode"], r["spec"]["plan"]["strategy"]): r["measurement"]["peak_allocated_bytes"] for r in read(out)}
+    # byte for byte: the fake process group holds what a real rank holds
+    assert peak["emulate", "ddp"] == peak["local", "ddp"]
+    # FSDP2 usually matches to the byte too; under CPU contention gloo's asynchronous
+    # reduce-scatter can overlap the backward peak on a real rank (seen: +16,128 B, 0.8 %)
+    assert abs(peak["emulate", "fsdp-full-shard"] - peak["local", "fsdp-full-shard"]) <= \
+        0.01 * peak["emulate", "fsdp-full-shard"]
+
+
+def test_resume_skips_recorded_runs_and_runs_the_rest(sweep, tmp_path):
+    out, grid = sweep
+    copy = tmp_path / "runs.jsonl"
+    shutil.copy(out, copy)
+    result = calibrate("run", *TINY, "--grid", grid, "--mode", "emulate", "--out", copy, "--resume")
+    assert result.exit_code == 0, result.output
+    assert "0 of 2 runs recorded" in result.stdout and "2 already recorded, skipped" in result.stdout
+    assert len(read(copy)) == 4
+    wider = tmp_path / "wider.yaml"
+    wider.write_text("strategy: [ddp, fsdp-full-shard, fsdp-shard-grad-op]\n")
+    result = calibrate("run", *TINY, "--grid", wider, "--mode", "emulate", "--out", copy, "--resume")
+    assert result.exit_code == 0, result.output
+    assert "1 of 3 runs recorded" in result.stdout
+    recs = read(copy)
+    assert len(recs) == 5 and recs[-1]["spec"]["plan"]["strategy"] == "fsdp-shard-grad-op"
+    assert recs[-1]["status"] == "ok"
+
+
+def test_host_oom_is_recorded_and_the_sweep_goes_on(tmp_path):
+    grid = tmp_path / "grid.json"
+    # a 2 GB embedding, then the tiny model; the cap counts address space (thread stacks,
+    # malloc arenas), so the tiny model needs a few hundred MiB of it
+    grid.write_text(json.dumps({"vocab": [8_000_000, 256]}))
+    out = tmp_path / "oom.jsonl"
+    result = calibrate("run", *MODEL, *TRAIN, "--strategy", "ddp", "--grid", grid, "--mode", "emulate",
+                       "--max-host-mem", "1GiB", "--out", out)
+    assert result.exit_code == 0, result.output
+    first, second = read(out)
+    assert first["status"] == "oom" and first["measurement"] is None
+    assert "can't allocate memory" in first["error"]  # the CPU allocator's words (alloc_cpu.cpp)
+    assert first["estimate"]["allocated_bytes"] > 2**30
+    assert second["status"] == "ok" and second["measurement"]["peak_allocated_bytes"] > 0
+    assert "oom" in result.stderr
+
+
+def test_unsupported_configuration_is_recorded_as_failed(tmp_path):
+    out = tmp_path / "zero.jsonl"
+    result = calibrate("run", *TINY, "--strategy", "zero2", "--mode", "emulate", "--out", out)
+    assert result.exit_code == 0, result.output
+    (rec,) = read(out)
+    assert rec["status"] == "failed" and "Unsupported" in rec["error"] and "DeepSpeed" in rec["error"]
+    assert rec["estimate"]["allocated_bytes"] > 0
+
+
+def test_a_dead_rank_is_recorded_as_failed(tmp_path, monkeypatch):
+    monkeypatch.setenv("CALIBRATE_FAULT", "exit:1")  # calibrate.launch.fault_if_asked: rank 1 exits
+    out = tmp_path / "dead.jsonl"
+    result = calibrate("run", *TINY, "--strategy", "ddp", "--mode", "local", "--timeout", 120, "--out", out)
+    assert result.exit_code == 0, result.output
+    (rec,) = read(out)
+    assert rec["status"] == "failed"
+    assert rec["error"].startswith("rank 1 exited with code 3 without reporting")
+
+
+def test_a_tiny_timeout_is_recorded(tmp_path):
+    out = tmp_path / "slow.jsonl"
+    start_s = time.perf_counter()
+    result = calibrate("run", *TINY, "--strategy", "ddp", "--mode", "emulate", "--timeout", 0.3, "--out", out)
+    assert result.exit_code == 0, result.output
+    assert time.perf_counter() - start_s < 10
+    (rec,) = read(out)
+    assert rec["status"] == "timeout" and "0.3 s" in rec["error"] and rec["measurement"] is None
+
+
+def _processes_with(marker: str) -> set[int]:
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker.encode() in open(f"/proc/{pid}/environ", "rb").read():
+                found.add(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_hung_rank_is_killed_with_every_process_of_its_run(tmp_path, monkeypatch):
+    marker = f"calibrate-test-{os.getpid()}-{time.time_ns()}"
+    monkeypatch.setenv("CALIBRATE_TEST_MARKER", marker)  # inherited by the run's child and its ranks
+    monkeypatch.setenv("CALIBRATE_FAULT", "hang:1")  # rank 1 hangs: rank 0 waits in DDP's broadcast
+    seen, stop = set(), threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen.update(_processes_with(marker))
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    out = tmp_path / "hung.jsonl"
+    try:
+        result = calibrate("run", *TINY, "--strategy", "ddp", "--mode", "local", "--timeout", 10, "--out", out)
+    finally:
+        stop.set()
+        watcher.join()
+    assert result.exit_code == 0, result.output
+    (rec,) = read(out)
+    assert rec["status"] == "timeout" and "10 s" in rec["error"]
+    assert len(seen - {os.getpid()}) >= 3  # the run's process and its two ranks were there
+    time.sleep(0.5)
+    assert _processes_with(marker) - {os.getpid()} == set()  # and none of them is left
+
+
+def _good_line(sweep_out):
+    return sweep_out.read_text().splitlines()[0]
+
+
+def test_a_corrupt_line_is_warned_with_its_number_and_skipped(sweep, tmp_path):
+    good = _good_line(sweep[0])
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join([good, "{not json", good[: len(good) // 2], "[1, 2]", good]) + "\n")
+    warnings = []
+    recs = records.read([path], warn=warnings.append)
+    assert len(recs) == 2
+    assert [w.split(": skipped")[0] for w in warnings] == [f"{path}:2", f"{path}:3", f"{path}:4"]
+    result = calibrate("report", path, "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert f"{path}:2" in result.stderr and f"{path}:4" in result.stderr
+    assert json.loads(result.stdout)["summary"]["runs"] == 2
+
+
+def test_report_table_json_and_csv(sweep):
+    out, _ = sweep
+    ids = [r["id"] for r in read(out)]
+    table = calibrate("report", out)
+    assert table.exit_code == 0, table.output
+    for needle in ("measured MiB", "estimated MiB", "error %", "measured phase", "estimated phase", *ids):
+        assert needle in table.stdout
+    assert "4 runs: 4 ok" in table.stdout and "median" in table.stdout
+    data = json.loads(calibrate("report", out, "--format", "json").stdout)
+    assert [r["id"] for r in data["runs"]] == ids
+    row = data["runs"][0]
+    assert row["error_pct"] == pytest.approx(
+        100 * (row["estimated_bytes"] - row["measured_bytes"]) / row["measured_bytes"])
+    s = data["summary"]
+    assert (s["runs"], s["ok"], s["not_ok"]) == (4, 4, 0)
+    errors = sorted(abs(r["error_pct"]) for r in data["runs"])
+    assert s["max_abs_error_pct"] == errors[-1] and s["median_abs_error_pct"] == (errors[1] + errors[2]) / 2
+    csv_lines = calibrate("report", out, "--format", "csv").stdout.strip().splitlines()
+    assert csv_lines[0].startswith("id,run,status,measured_bytes,estimated_bytes,error_pct")
+    assert len(csv_lines) == 5 and csv_lines[1].startswith(ids[0])
+
+
+def test_report_of_a_missing_file_is_one_line():
+    result = calibrate("report", "no-such-file.jsonl")
+    assert result.exit_code == 2
+    assert len(result.output.strip().splitlines()) == 1 and "no-such-file.jsonl" in result.output
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("{frobnicate: [1, 2]}", "frobnicate"),
+    ("{strategy: ddp}", "list"),
+    ("{precision: [fp8]}", "fp8"),
+    ("[1, 2]", "map flag names"),
+])
+def test_bad_grids_are_one_line_errors(tmp_path, content, needle):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(content)
+    result = calibrate("run", *TINY, "--grid", grid, "--mode", "emulate", "--out", tmp_path / "x.jsonl")
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error:") and needle in lines[0]
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_strategy_all_skips_deepspeed_up_front(tmp_path):
+    result = calibrate("cluster", *TINY, "--strategy", "all", "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "skipping zero1, zero2, zero3" in result.stderr
+    strategies = [json.loads(line)["spec"]["plan"]["strategy"] for line in
+                  (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert strategies == ["ddp", "fsdp-no-shard", "fsdp-shard-grad-op", "fsdp-full-shard", "fsdp-hybrid-shard"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cluster_dry_run_writes_a_slurm_script_and_its_torchrun_command_runs(tmp_path):
+    result = calibrate("run", *MODEL, "--vocab", 256, *TRAIN[:-2], "--strategy", "ddp", "--mode", "cluster",
+                       "--nodes", 1, "--gpus-per-node", 2, "--timeout", 120, "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    script = tmp_path / "calibrate.sbatch"
+    assert "#SBATCH --nodes=1" in script.read_text() and "--index \"$i\"" in script.read_text()
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    (command,) = [line for line in result.stdout.splitlines() if not line.startswith("#")]
+    assert command.startswith("torchrun --nnodes 1 --nproc-per-node 2 ") and " -m calibrate " in command
+    env = dict(os.environ, MASTER_PORT=str(_free_port()))
+    proc = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (rec,) = read(tmp_path / "records.jsonl")
+    assert rec["status"] == "ok" and rec["mode"] == "cluster"
+    assert rec["measurement"]["world_size"] == 2 and rec["measurement"]["emulated"] is False
+    assert rec["measurement"]["peak_allocated_bytes"] > 0 and rec["estimate"]["allocated_bytes"] > 0
+
+
+def test_cluster_fallback_records_a_torchrun_that_died(tmp_path):
+    job = Job(model=ModelSpec(arch="llama", num_layers=2, hidden=64, num_heads=4, ffn_hidden=128, vocab_size=256),
+              train=TrainSpec(seq_len=32, micro_batch=2, precision="fp32", device="cpu"),
+              cluster=ClusterSpec(gpus=2), plan=Plan(strategy="ddp"))
+    runs = tmp_path / "runs.jsonl"
+    records.write_runs(runs, [records.Run(job=job, mode="cluster")])
+    out = tmp_path / "records.jsonl"
+    fallback = [sys.executable, "-m", "calibrate", "--runs", str(runs), "--index", "0", "--out", str(out),
+                "--record-exit-code", "124", "--since", str(time.time() - 5)]
+    for _ in range(2):  # the second finds the run recorded and adds nothing
+        subprocess.run(fallback, check=True, capture_output=True)
+    (rec,) = read(out)
+    assert rec["status"] == "timeout" and "code 124" in rec["error"] and rec["measurement"] is None
+
+
+def test_calibrate_commands_import_no_torch():
+    code = ("import sys, memplan.cli, calibrate.cli, calibrate.records, calibrate.report, calibrate.runs, "
+            "calibrate.cluster; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_every_calibrate_command_has_help():
+    for command in ("run", "cluster", "report"):
+        result = calibrate(command, "--help")
+        assert result.exit_code == 0 and "Usage" in result.output
