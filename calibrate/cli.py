@@ -17,7 +17,7 @@ from memplan.units import parse_bytes
 from .records import MODES, WORKLOADS
 
 RUN_ONLY_FLAGS = ("mode", "out", "steps", "warmup", "timeout_s", "resume", "workload", "grid", "max_host_mem",
-                  "nodes")
+                  "nodes", "layers_scaled")
 
 
 def _sweep_options(f):
@@ -39,6 +39,9 @@ def _sweep_options(f):
                      help="Host memory each run process may take beyond torch's own (RLIMIT_AS), e.g. 4GiB; "
                           "a run that needs more is recorded as oom."),
         click.option("--nodes", type=int, help="Nodes (with --gpus-per-node): sets --gpus to their product."),
+        click.option("--layers-scaled", is_flag=True,
+                     help="For a model too big for this device: run it at full width with 1, 2 and 4 blocks and "
+                          "record the peak extrapolated to its real depth, with the fit's uncertainty."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -79,11 +82,14 @@ def _apply_nodes(ctx: click.Context, flags: dict, nodes) -> dict:
     return flags | {"gpus": nodes * per_node}
 
 
-def _plan(ctx, flags, *, mode, steps, warmup, workload, grid, nodes):
+def _plan(ctx, flags, *, mode, steps, warmup, workload, grid, nodes, layers_scaled):
     from .runs import plan
 
+    if layers_scaled and mode == "cluster":
+        raise MemplanError("--layers-scaled runs here (--mode local or emulate), not as a cluster job")
     flag_sets = [_apply_nodes(ctx, f, nodes) for f in _grid_flag_sets(ctx, flags, grid)]
-    runs, skipped = plan(flag_sets, mode=mode, steps=steps, warmup=warmup, workload=workload)
+    runs, skipped = plan(flag_sets, mode=mode, steps=steps, warmup=warmup, workload=workload,
+                         layers_scaled=layers_scaled)
     if skipped:
         click.echo(f"skipping {', '.join(skipped)}: the harness drives DDP and FSDP2, not DeepSpeed "
                    "(name one with --strategy to record it as failed)", err=True)
@@ -124,10 +130,12 @@ def _run_sweep(runs, *, out, timeout_s, resume, max_host_mem_bytes):
     click.echo(summary.line(out))
 
 
-def _execute(ctx, *, mode, out, steps, warmup, timeout_s, resume, workload, grid, max_host_mem, nodes, flags):
+def _execute(ctx, *, mode, out, steps, warmup, timeout_s, resume, workload, grid, max_host_mem, nodes, layers_scaled,
+             flags):
     if timeout_s <= 0:
         raise MemplanError(f"--timeout must be a positive number of seconds, got {timeout_s:g}")
-    runs = _plan(ctx, flags, mode=mode, steps=steps, warmup=warmup, workload=workload, grid=grid, nodes=nodes)
+    runs = _plan(ctx, flags, mode=mode, steps=steps, warmup=warmup, workload=workload, grid=grid, nodes=nodes,
+                 layers_scaled=layers_scaled)
     if mode == "cluster":
         _write_cluster(runs, out=out, timeout_s=timeout_s, resume=resume)
         return
@@ -148,14 +156,16 @@ def calibrate():
 @_sweep_options
 @click.pass_context
 @user_errors
-def run(ctx, mode, out, steps, warmup, timeout_s, resume, workload, grid, max_host_mem, nodes, **flags):
+def run(ctx, mode, out, steps, warmup, timeout_s, resume, workload, grid, max_host_mem, nodes, layers_scaled,
+        **flags):
     """Run, measure and record one job per strategy (or per grid point).
 
     Example: memplan calibrate run --arch llama --layers 2 --hidden 64 --heads 4 --ffn 128 --vocab 256
     --seq-len 32 --micro-batch 2 --precision fp32 --device cpu --gpus 2 --mode emulate --out runs.jsonl
     """
     _execute(ctx, mode=mode, out=out, steps=steps, warmup=warmup, timeout_s=timeout_s, resume=resume,
-             workload=workload, grid=grid, max_host_mem=max_host_mem, nodes=nodes, flags=flags)
+             workload=workload, grid=grid, max_host_mem=max_host_mem, nodes=nodes, layers_scaled=layers_scaled,
+             flags=flags)
 
 
 @calibrate.command()
@@ -163,14 +173,16 @@ def run(ctx, mode, out, steps, warmup, timeout_s, resume, workload, grid, max_ho
 @_sweep_options
 @click.pass_context
 @user_errors
-def cluster(ctx, out, steps, warmup, timeout_s, resume, workload, grid, max_host_mem, nodes, **flags):
+def cluster(ctx, out, steps, warmup, timeout_s, resume, workload, grid, max_host_mem, nodes, layers_scaled,
+            **flags):
     """Write DIR/calibrate.sbatch and print the torchrun commands (same as run --mode cluster).
 
     Example: memplan calibrate cluster --model llama-2-7b --strategy fsdp-full-shard --nodes 2
     --gpus-per-node 8 --out calib/
     """
     _execute(ctx, mode="cluster", out=out, steps=steps, warmup=warmup, timeout_s=timeout_s, resume=resume,
-             workload=workload, grid=grid, max_host_mem=max_host_mem, nodes=nodes, flags=flags)
+             workload=workload, grid=grid, max_host_mem=max_host_mem, nodes=nodes, layers_scaled=layers_scaled,
+             flags=flags)
 
 
 @calibrate.command()
@@ -194,6 +206,36 @@ def report(files, fmt):
             click.echo(line, err=True)
     else:
         click.echo(render_table(table))
+
+
+@calibrate.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="Corrections file to write (JSON), for memplan estimate --calibration.")
+@user_errors
+def fit(files, output):
+    """Fit per-device corrections from ok records; print the fit's quality.
+
+    Example: memplan calibrate fit runs.jsonl -o corrections.json
+    """
+    from . import records
+    from .fit import fit_records
+
+    calibration = fit_records(records.read(files, warn=lambda m: click.echo(f"warning: {m}", err=True)),
+                              sources=files)
+    if not calibration.corrections:
+        raise MemplanError(f"no ok records with an estimate in {', '.join(files)}: nothing to fit")
+    calibration.save(output)
+    for c in calibration.corrections:
+        scales = ", ".join(f"{g} ×{v:.4f}" for g, v in c.scales.items())
+        click.echo(f"{c.device} (torch {c.torch_version}), {c.num_records} records: {scales}, "
+                   f"offset {c.offset_bytes:+,} B")
+        click.echo(f"  median |error| {c.before_median_abs_pct:.3f} % before, {c.after_median_abs_pct:.3f} % after; "
+                   f"residual spread (band) ±{c.residual_pct:.2f} %")
+        if c.overhead_base_bytes is not None:
+            click.echo(f"  runtime overhead {c.overhead_base_bytes / 2**20:,.0f} MiB + "
+                       f"{100 * c.overhead_per_allocated:.1f} % of allocated")
+    click.echo(f"wrote {output}")
 
 
 def _register_with_memplan() -> None:

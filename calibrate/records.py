@@ -59,10 +59,12 @@ def job_from_spec(spec: dict) -> Job:
         raise MemplanError(f"a record's spec does not describe a memplan Job ({exc})") from None
 
 
-def run_key(spec: dict, mode: str, steps: int, workload: str) -> str:
+def run_key(spec: dict, mode: str, steps: int, workload: str, layers_scaled: bool = False) -> str:
     """Canonical JSON of what makes two runs the same run (``--resume`` skips a recorded key)."""
-    return json.dumps({"spec": spec, "mode": mode, "steps": steps, "workload": workload},
-                      sort_keys=True, separators=(",", ":"))
+    key = {"spec": spec, "mode": mode, "steps": steps, "workload": workload}
+    if layers_scaled:
+        key["layers_scaled"] = True
+    return json.dumps(key, sort_keys=True, separators=(",", ":"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +79,9 @@ class Run:
     warmup: int = 2
     """Steps before the measured one; the measured step must have optimizer states."""
     workload: str = "native"
+    layers_scaled: bool = False
+    """Measure 1-, 2- and 4-block copies at full width and extrapolate to the real depth
+    (calibrate.layerscale), for a model too big for the calibration device."""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -89,7 +94,7 @@ class Run:
 
     @property
     def key(self) -> str:
-        return run_key(spec_dict(self.job), self.mode, self.steps, self.workload)
+        return run_key(spec_dict(self.job), self.mode, self.steps, self.workload, self.layers_scaled)
 
     @property
     def id(self) -> str:
@@ -99,15 +104,16 @@ class Run:
 
     def to_dict(self) -> dict:
         return {"spec": spec_dict(self.job), "mode": self.mode, "steps": self.steps, "warmup": self.warmup,
-                "workload": self.workload}
+                "workload": self.workload, "layers_scaled": self.layers_scaled}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Run":
         return cls(job=job_from_spec(data["spec"]), mode=data["mode"], steps=data["steps"],
-                   warmup=data["warmup"], workload=data["workload"])
+                   warmup=data["warmup"], workload=data["workload"],
+                   layers_scaled=data.get("layers_scaled", False))
 
     def describe(self) -> str:
-        return describe(spec_dict(self.job), self.mode)
+        return describe(spec_dict(self.job), self.mode) + (" layer-scaled" if self.layers_scaled else "")
 
 
 def describe(spec: dict, mode: str) -> str:
@@ -214,7 +220,8 @@ def read(paths, *, warn=_warn_stderr) -> list[dict]:
 
 
 def record_key(record: dict) -> str:
-    return run_key(record["spec"], record["mode"], record["steps"], record["workload"])
+    return run_key(record["spec"], record["mode"], record["steps"], record["workload"],
+                   record.get("layers_scaled", False))
 
 
 def recorded_keys(path, *, warn=_warn_stderr) -> set[str]:

@@ -15,7 +15,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from . import launch, measure
+from . import launch, layerscale, measure
 from .records import Run
 
 
@@ -49,15 +49,22 @@ def execute(run: Run, *, max_host_mem_bytes: int | None = None) -> dict:
     """Run a ``local`` (real processes) or ``emulate`` (fake process group) point here."""
     kwargs = dict(steps=run.steps, warmup=run.warmup, workload=run.workload)
     world = run.job.cluster.gpus
+
+    def measure_here(job) -> measure.Measurement:
+        if run.mode == "emulate":
+            return launch.emulate(job, world_size=world, **kwargs)
+        if run.mode == "local":
+            return launch.local(job, nprocs=world, **kwargs)[0]
+        raise measure.Unsupported(f"mode {run.mode} runs under torchrun, not here")
+
     try:
         _check_device(run)
         if max_host_mem_bytes:
             limit_host_memory(max_host_mem_bytes)
-        if run.mode == "emulate":
-            return _ok(launch.emulate(run.job, world_size=world, **kwargs))
-        if run.mode == "local":
-            return _ok(launch.local(run.job, nprocs=world, **kwargs)[0])
-        raise measure.Unsupported(f"mode {run.mode} runs under torchrun, not here")
+        if run.layers_scaled:
+            return {"status": "ok", "measurement": layerscale.scaled_measurement(run.job, measure=measure_here),
+                    "error": None}
+        return _ok(measure_here(run.job))
     except launch.RankFailure as exc:
         return {"status": exc.status, "measurement": None, "error": str(exc)}
     except BaseException as exc:  # an outcome, whatever went wrong: the sweep goes on

@@ -62,8 +62,8 @@ def grid_points(grid: dict[str, list]) -> list[dict]:
     return [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]
 
 
-def plan(flag_sets: list[dict], *, mode: str, steps: int = 3, warmup: int = 2,
-         workload: str = "native") -> tuple[list[Run], list[str]]:
+def plan(flag_sets: list[dict], *, mode: str, steps: int = 3, warmup: int = 2, workload: str = "native",
+         layers_scaled: bool = False) -> tuple[list[Run], list[str]]:
     """The runs of a sweep (each distinct run once) and the strategies ``all`` left out."""
     runs: dict[str, Run] = {}
     skipped: set[str] = set()
@@ -74,7 +74,7 @@ def plan(flag_sets: list[dict], *, mode: str, steps: int = 3, warmup: int = 2,
                     STRATEGIES[job.plan.strategy].framework not in HARNESS_FRAMEWORKS:
                 skipped.add(job.plan.strategy)
                 continue
-            run = Run(job=job, mode=mode, steps=steps, warmup=warmup, workload=workload)
+            run = Run(job=job, mode=mode, steps=steps, warmup=warmup, workload=workload, layers_scaled=layers_scaled)
             runs.setdefault(run.key, run)
     return list(runs.values()), sorted(skipped)
 

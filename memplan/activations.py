@@ -183,6 +183,10 @@ def model_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[S
     x = shapes(model, train)
     t = x.tokens
     pre = []
+    if model.arch in ("llama", "neox") and (x.c == 4 or train.activation_checkpointing == "full"):
+        # the fp32 rotary cos/sin tables, made once per forward: saved by every block's q·cos,
+        # k·sin in fp32, and as checkpoint inputs under full AC (measured: 2·4·s·d, once)
+        pre.append(Saved("rotary cos/sin (shared by the blocks)", "2·4·s·d", 8 * x.s * x.d))
     if x.p > 0:
         pre.append(Saved("embedding dropout mask", "m·b·s·h", x.m * t * x.h))
     post = []

@@ -190,7 +190,11 @@ class _Step:
         logits = [t for t in outside if t.name.startswith("logits")]
         loss_fwd, loss_bwd = loss_saved(model, train)
         transient = _terms(A, block_backward_transient(model, train))
-        head_grads = self.grad_share(self.root_params)
+        head_grads = self.grad_share(self.root_params, "embedding/head params")
+        # the input embedding's gradient comes last, after the first block's backward (a tied
+        # embedding already has it from the head)
+        pending = model.embedding_params() - (model.vocab_size * model.hidden if model.tied_embeddings else 0)
+        first_grads = grads if carried else self.grad_share(self.params - pending, "params (all but the input embedding)")
         return [
             Moment("forward", "end of forward (cross-entropy)",
                    tuple(states + carried + all_blocks + outside + self.gathered("forward") + _terms(A, loss_fwd))),
@@ -200,13 +204,13 @@ class _Step:
                    tuple(states + (grads if carried else head_grads) + all_blocks + logits +
                          self.gathered("block") + transient)),
             Moment("backward", "backward of the first block",
-                   tuple(states + grads + one_block + logits + self.gathered("block") + transient)),
+                   tuple(states + first_grads + one_block + logits + self.gathered("block") + transient)),
             Moment("optimizer", "optimizer step", tuple(states + grads + self.step_transient())),
         ]
 
-    def grad_share(self, count: int) -> list[Term]:
+    def grad_share(self, count: int, what: str) -> list[Term]:
         full = self.grad_terms()[0]
-        return [_t(G, f"gradients of {count:,} embedding/head params", f"{full.formula} × share",
+        return [_t(G, f"gradients of {count:,} {what}", f"{full.formula} × share",
                    full.bytes * count // max(self.params, 1))]
 
     def host_terms(self) -> list[Term]:

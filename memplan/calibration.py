@@ -1,0 +1,210 @@
+"""Corrections fitted from calibration records, and estimates with them applied.
+
+A record pairs memplan's estimate of a job (bytes by component at the peak moment) with
+what the job really allocated. Per device and torch version, a robust fit (least absolute
+deviations, by iteratively reweighted least squares) finds a scale for each group of
+components and a constant offset,
+
+    measured ≈ offset + Σ scale_g · estimated_g,      g ∈ states, activations, buffers,
+
+in relative terms (each record weighted by 1/measured, so small and large runs count
+alike) and shrunk towards scale 1 (a ridge on scale − 1), so that a group the records
+barely exercise keeps memplan's own arithmetic. The residual spread of the fit becomes
+the error band of a corrected estimate. Where records carry the device's used memory
+(CUDA), the runtime overhead (used − allocated) is fitted as a + b · allocated.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .breakdown import Component, Estimate
+from .errors import MemplanError
+
+GROUPS = {
+    "states": (Component.PARAMS, Component.GRADIENTS, Component.OPTIMIZER),
+    "activations": (Component.ACTIVATIONS,),
+    "buffers": (Component.BUFFERS,),
+}
+RIDGE = 1e-3
+"""Shrinkage of each scale towards 1, relative to the records' own weight."""
+IRLS_STEPS = 30
+IRLS_FLOOR = 1e-6
+"""Relative residual below which a record's weight stops growing (IRLS for L1)."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One ok record reduced to what the fit needs."""
+
+    device: str
+    torch_version: str
+    estimated: dict[str, int]
+    """Bytes by group at the estimate's peak moment."""
+    measured_bytes: int
+    overhead_bytes: int | None = None
+    """Device used minus allocated, where the record has it (CUDA)."""
+
+
+@dataclass(frozen=True)
+class Correction:
+    device: str
+    torch_version: str
+    scales: dict[str, float]
+    offset_bytes: int
+    residual_pct: float
+    """Standard deviation of the fit's relative residuals, in percent: the error band."""
+    num_records: int
+    before_median_abs_pct: float
+    after_median_abs_pct: float
+    overhead_base_bytes: int | None = None
+    overhead_per_allocated: float | None = None
+
+    def corrected_bytes(self, by_group: dict[str, int]) -> int:
+        return round(self.offset_bytes + sum(self.scales[g] * by_group.get(g, 0) for g in GROUPS))
+
+    def overhead_bytes(self, allocated_bytes: int) -> int | None:
+        if self.overhead_base_bytes is None:
+            return None
+        return round(self.overhead_base_bytes + self.overhead_per_allocated * allocated_bytes)
+
+
+def group_bytes(by_component: dict) -> dict[str, int]:
+    by = {Component(k): v for k, v in by_component.items()}
+    return {g: sum(by.get(c, 0) for c in comps) for g, comps in GROUPS.items()}
+
+
+def _errors_pct(predicted: np.ndarray, measured: np.ndarray) -> np.ndarray:
+    return 100.0 * (predicted - measured) / measured
+
+
+def _solve(x: np.ndarray, y: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Weighted least squares for (scale_g − 1, offset), the scales shrunk towards 1."""
+    design = np.column_stack([x, np.ones(len(y))]) * weights[:, None]
+    target = (y - x.sum(axis=1)) * weights
+    penalty = math.sqrt(RIDGE * len(y)) * np.eye(len(GROUPS) + 1)
+    penalty[-1, -1] = 0.0  # the offset is not shrunk
+    rows = np.vstack([design, penalty])
+    solution, *_ = np.linalg.lstsq(rows, np.concatenate([target, np.zeros(len(GROUPS) + 1)]), rcond=None)
+    return solution
+
+
+def _predict(x: np.ndarray, solution: np.ndarray) -> np.ndarray:
+    return solution[-1] + x @ (1.0 + solution[:-1])
+
+
+def fit_one(observations: list[Observation]) -> Correction:
+    """The correction for one (device, torch version) from its observations.
+
+    Least absolute relative deviations by iteratively reweighted least squares: the records
+    the model already gets right set the correction, and the few it gets wrong (a
+    configuration it mis-models) cannot bend it towards themselves.
+    """
+    if not observations:
+        raise MemplanError("no ok records to fit")
+    first = observations[0]
+    x = np.array([[o.estimated.get(g, 0) for g in GROUPS] for o in observations], dtype=float)
+    y = np.array([o.measured_bytes for o in observations], dtype=float)
+    solution = _solve(x, y, 1.0 / y)
+    for _ in range(IRLS_STEPS):
+        relative = np.abs(_predict(x, solution) - y) / y
+        solution = _solve(x, y, 1.0 / (y * np.sqrt(np.maximum(relative, IRLS_FLOOR))))
+    scales = {g: 1.0 + float(d) for g, d in zip(GROUPS, solution[:-1])}
+    after = _errors_pct(_predict(x, solution), y)
+    before = _errors_pct(x.sum(axis=1), y)
+    overhead = [(o.measured_bytes, o.overhead_bytes) for o in observations if o.overhead_bytes is not None]
+    base = slope = None
+    if len(overhead) >= 2:
+        slope, base = np.polyfit([a for a, _ in overhead], [b for _, b in overhead], 1)
+    return Correction(
+        device=first.device, torch_version=first.torch_version, scales=scales, offset_bytes=round(float(solution[-1])),
+        residual_pct=float(np.sqrt(np.mean(after**2))), num_records=len(y),
+        before_median_abs_pct=float(np.median(np.abs(before))), after_median_abs_pct=float(np.median(np.abs(after))),
+        overhead_base_bytes=None if base is None else round(float(base)),
+        overhead_per_allocated=None if slope is None else float(slope),
+    )
+
+
+def fit(observations: list[Observation]) -> list[Correction]:
+    """One correction per (device, torch version) present in the observations."""
+    keys = sorted({(o.device, o.torch_version) for o in observations})
+    return [fit_one([o for o in observations if (o.device, o.torch_version) == k]) for k in keys]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A corrections file: what was fitted, from what."""
+
+    corrections: tuple[Correction, ...]
+    sources: tuple[str, ...] = field(default=())
+    path: str = ""
+
+    def for_device(self, device: str, torch_version: str | None = None) -> tuple[Correction | None, bool]:
+        """The correction to apply and whether it was fitted on this very device."""
+        same = [c for c in self.corrections if c.device.lower() == device.lower()]
+        pool = same or list(self.corrections)
+        if not pool:
+            return None, False
+        exact = [c for c in pool if c.torch_version == torch_version]
+        return (exact or pool)[0], bool(same)
+
+    def save(self, path: str | Path) -> None:
+        data = {"sources": list(self.sources), "corrections": [asdict(c) for c in self.corrections]}
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def load(path: str | Path) -> Calibration:
+    try:
+        data = json.loads(Path(path).read_text())
+        corrections = tuple(Correction(**c) for c in data["corrections"])
+    except FileNotFoundError:
+        raise MemplanError(f"--calibration {str(path)!r}: no such file") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise MemplanError(f"--calibration {str(path)!r} is not a corrections file written by "
+                           f"`memplan calibrate fit` ({exc})") from None
+    return Calibration(corrections=corrections, sources=tuple(data.get("sources", ())), path=str(path))
+
+
+@dataclass(frozen=True)
+class Corrected:
+    """An estimate with a calibration applied: the peak over the same moments, corrected."""
+
+    estimate: Estimate
+    correction: Correction
+    device_matches: bool
+    allocated_bytes: int
+    band_bytes: int
+    """One residual standard deviation of the fit, in bytes of this estimate."""
+    overhead_bytes: int
+    phase: str
+
+    @property
+    def total_bytes(self) -> int:
+        return self.allocated_bytes + self.overhead_bytes
+
+
+def apply(est: Estimate, correction: Correction, *, device_matches: bool) -> Corrected:
+    peaks = [(correction.corrected_bytes(group_bytes(m.by_component)), m.phase) for m in est.moments]
+    allocated, phase = max(peaks, key=lambda p: p[0])
+    overhead = correction.overhead_bytes(allocated)
+    if overhead is None:
+        overhead = est.overhead_bytes
+    return Corrected(estimate=est, correction=correction, device_matches=device_matches, allocated_bytes=allocated,
+                     band_bytes=math.ceil(allocated * correction.residual_pct / 100), overhead_bytes=overhead,
+                     phase=phase)
+
+
+SHIPPED_DIR = "calibration"
+
+
+def shipped(device_key: str) -> Calibration | None:
+    """The corrections shipped in tables/calibration/ for a device (``cpu`` or a tables/gpus.csv
+    name), fitted from the record sets beside them; None where none were measured."""
+    from .catalog import TABLES_DIR
+
+    paths = sorted((TABLES_DIR / SHIPPED_DIR).glob(f"{device_key}-*.corrections.json"))
+    return load(paths[-1]) if paths else None

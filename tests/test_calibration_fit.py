@@ -1,0 +1,126 @@
+"""Corrections: the fit recovers known scales, stays put without evidence, and applies."""
+import pytest
+
+from memplan import calibration as cal
+from memplan.api import estimate_all
+from memplan.errors import MemplanError
+
+
+def obs(states, acts, bufs, measured, overhead=None):
+    return cal.Observation(device="cpu", torch_version="2.13.0", measured_bytes=measured, overhead_bytes=overhead,
+                           estimated={"states": states, "activations": acts, "buffers": bufs})
+
+
+def test_fit_recovers_scales_and_offset():
+    truth = {"states": 1.0, "activations": 1.2, "buffers": 0.9}
+    rows = [(s, a, b) for s in (1e8, 3e8, 9e8) for a in (5e7, 4e8) for b in (1e7, 2e8)]
+    data = [obs(s, a, b, round(1e6 + truth["states"] * s + truth["activations"] * a + truth["buffers"] * b))
+            for s, a, b in rows]
+    [fit] = cal.fit(data)
+    for group, scale in truth.items():
+        assert fit.scales[group] == pytest.approx(scale, abs=0.01)
+    assert fit.offset_bytes == pytest.approx(1e6, rel=0.1)
+    assert fit.after_median_abs_pct < 0.1 < fit.before_median_abs_pct
+    assert fit.num_records == len(rows)
+
+
+def test_a_group_the_records_never_exercise_keeps_scale_one():
+    data = [obs(s, a, 0, round(1.1 * s + a)) for s in (1e8, 2e8, 4e8) for a in (1e7, 1e8)]
+    [fit] = cal.fit(data)
+    assert fit.scales["buffers"] == 1.0
+    assert fit.scales["states"] == pytest.approx(1.1, abs=0.01)
+
+
+def test_overhead_is_fitted_where_records_have_device_memory():
+    data = [obs(a, 0, 0, a, overhead=round(1.4e9 + 0.08 * a)) for a in (1e9, 5e9, 2e10)]
+    [fit] = cal.fit(data)
+    assert fit.overhead_bytes(10**10) == pytest.approx(1.4e9 + 0.08e10, rel=1e-6)
+
+
+def test_one_correction_per_device_and_torch_version():
+    data = [obs(1e8, 1e8, 0, 2e8), obs(2e8, 1e8, 0, 3e8)]
+    data += [cal.Observation(device="NVIDIA H100 80GB HBM3", torch_version="2.13.0", measured_bytes=m,
+                             estimated={"states": m, "activations": 0, "buffers": 0}) for m in (1e9, 2e9)]
+    fits = cal.fit(data)
+    assert [(f.device, f.num_records) for f in fits] == [("NVIDIA H100 80GB HBM3", 2), ("cpu", 2)]
+    calib = cal.Calibration(corrections=tuple(fits))
+    assert calib.for_device("cpu")[1] is True
+    correction, same = calib.for_device("NVIDIA A100-SXM4-80GB")
+    assert correction is not None and same is False
+
+
+def test_apply_corrects_every_moment_and_carries_a_band(tmp_path):
+    _, [est] = estimate_all(model="gpt2", gpus=2, strategy="ddp", precision="fp32")
+    double = cal.Correction(device="cpu", torch_version="2.13.0", scales={"states": 1.0, "activations": 2.0,
+                            "buffers": 1.0}, offset_bytes=1000, residual_pct=2.0, num_records=9,
+                            before_median_abs_pct=5.0, after_median_abs_pct=1.0)
+    out = cal.apply(est, double, device_matches=True)
+    expected = max(cal.group_bytes(m.by_component)["activations"] + m.allocated_bytes + 1000 for m in est.moments)
+    assert out.allocated_bytes == expected
+    assert out.band_bytes == pytest.approx(0.02 * expected, abs=1)
+    path = tmp_path / "corrections.json"
+    cal.Calibration(corrections=(double,), sources=("runs.jsonl",)).save(path)
+    assert cal.load(path).corrections == (double,)
+
+
+def test_a_bad_corrections_file_is_one_clear_error(tmp_path):
+    bad = tmp_path / "c.json"
+    bad.write_text("{not json")
+    with pytest.raises(MemplanError, match="not a corrections file"):
+        cal.load(bad)
+    with pytest.raises(MemplanError, match="no such file"):
+        cal.load(tmp_path / "missing.json")
+
+
+SHIPPED = cal.SHIPPED_DIR
+
+
+def shipped_records():
+    from calibrate import records
+    from memplan.catalog import TABLES_DIR
+
+    return records.read([TABLES_DIR / SHIPPED / "cpu-torch2.13.0.jsonl"])
+
+
+def median_abs_pct(observations, predict):
+    import numpy as np
+
+    return float(np.median([abs(predict(o) - o.measured_bytes) / o.measured_bytes * 100 for o in observations]))
+
+
+@pytest.mark.parametrize("half", [0, 1])
+def test_corrections_fitted_on_half_a_real_record_set_improve_the_other_half(half):
+    from calibrate.fit import observations
+
+    obs = observations(shipped_records())
+    assert len(obs) >= 40
+    train, held_out = obs[half::2], obs[1 - half::2]
+    [correction] = cal.fit(train)
+    before = median_abs_pct(held_out, lambda o: sum(o.estimated.values()))
+    after = median_abs_pct(held_out, lambda o: correction.corrected_bytes(o.estimated))
+    assert after < before
+
+
+def test_shipped_cpu_corrections_are_the_fit_of_the_shipped_records():
+    from calibrate.fit import fit_records
+
+    [fresh] = fit_records(shipped_records()).corrections
+    [shipped] = cal.shipped("cpu").corrections
+    assert (fresh.device, fresh.num_records) == (shipped.device, shipped.num_records)
+    assert fresh.offset_bytes == pytest.approx(shipped.offset_bytes, abs=64)
+    assert fresh.scales == pytest.approx(shipped.scales, abs=1e-4)
+    assert cal.shipped("h100-sxm") is None
+
+
+def test_calibrate_fit_command_writes_corrections(tmp_path):
+    from click.testing import CliRunner
+
+    from memplan.catalog import TABLES_DIR
+    from memplan.cli import main
+
+    out = tmp_path / "c.json"
+    result = CliRunner().invoke(main, ["calibrate", "fit", str(TABLES_DIR / SHIPPED / "cpu-torch2.13.0.jsonl"),
+                                       "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "44 records" in result.output and "before" in result.output
+    assert cal.load(out).corrections[0].device == "cpu"
