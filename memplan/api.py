@@ -14,3 +14,11 @@ def estimate_all(**kwargs) -> tuple[ModelChoice, list[Estimate]]:
     """
     choice, jobs = build_jobs(**kwargs)
     return choice, [estimate_job(job) for job in jobs]
+
+
+def calibrated(estimates: list[Estimate], calibration: str | None = "auto"):
+    """The estimates with a calibration applied (``memplan.calibration.Applied``), or None where
+    none applies: ``auto`` takes the corrections shipped for the job's device."""
+    from .calibration import apply_all
+
+    return apply_all(estimates, calibration)

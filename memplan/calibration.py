@@ -135,6 +135,13 @@ def fit(observations: list[Observation]) -> list[Correction]:
     return [fit_one([o for o in observations if (o.device, o.torch_version) == k]) for k in keys]
 
 
+def same_device(measured_name: str, device: str) -> bool:
+    """``NVIDIA H100 80GB HBM3`` is an ``h100-sxm``: the catalogue name's first part (the chip)
+    appears in the name torch reports."""
+    name, chip = measured_name.lower().replace(" ", ""), device.lower().split("-")[0]
+    return name == device.lower() or (chip != "cpu" and chip in name)
+
+
 @dataclass(frozen=True)
 class Calibration:
     """A corrections file: what was fitted, from what."""
@@ -144,8 +151,9 @@ class Calibration:
     path: str = ""
 
     def for_device(self, device: str, torch_version: str | None = None) -> tuple[Correction | None, bool]:
-        """The correction to apply and whether it was fitted on this very device."""
-        same = [c for c in self.corrections if c.device.lower() == device.lower()]
+        """The correction to apply and whether it was fitted on this very device (``device``:
+        ``cpu``, a tables/gpus.csv name such as ``h100-sxm``, or a measured device name)."""
+        same = [c for c in self.corrections if same_device(c.device, device)]
         pool = same or list(self.corrections)
         if not pool:
             return None, False
@@ -186,6 +194,14 @@ class Corrected:
     def total_bytes(self) -> int:
         return self.allocated_bytes + self.overhead_bytes
 
+    @property
+    def headroom_bytes(self) -> int:
+        return self.estimate.job.cluster.usable_bytes - self.total_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_bytes >= 0
+
 
 def apply(est: Estimate, correction: Correction, *, device_matches: bool) -> Corrected:
     peaks = [(correction.corrected_bytes(group_bytes(m.by_component)), m.phase) for m in est.moments]
@@ -208,3 +224,47 @@ def shipped(device_key: str) -> Calibration | None:
 
     paths = sorted((TABLES_DIR / SHIPPED_DIR).glob(f"{device_key}-*.corrections.json"))
     return load(paths[-1]) if paths else None
+
+
+@dataclass(frozen=True)
+class Applied:
+    """A calibration applied to a set of estimates (one per strategy)."""
+
+    calibration: Calibration
+    correction: Correction
+    device_matches: bool
+    results: tuple[Corrected, ...]
+
+    def describe(self) -> str:
+        c = self.correction
+        where = "fitted on this device" if self.device_matches else "fitted on another device: treat with care"
+        return (f"calibration {self.calibration.path}: {c.device}, torch {c.torch_version}, {c.num_records} records, "
+                f"band ±{c.residual_pct:.2f} % ({where})")
+
+
+def _device_key(job) -> str | None:
+    if job.cluster.gpu_name != "custom":
+        return job.cluster.gpu_name
+    return "cpu" if job.train.device == "cpu" else None
+
+
+def apply_all(estimates: list[Estimate], calibration: str | None = "auto") -> Applied | None:
+    """``auto``: the corrections shipped for the job's device (``--gpu NAME``, or cpu), if any;
+    ``none``: nothing; otherwise a corrections file written by ``memplan calibrate fit``."""
+    if not estimates or calibration in (None, "none"):
+        return None
+    job = estimates[0].job
+    if calibration == "auto":
+        key = _device_key(job)
+        loaded = shipped(key) if key else None
+        if loaded is None:
+            return None
+        device = "cpu" if key == "cpu" else key
+    else:
+        loaded, device = load(calibration), _device_key(job) or job.train.device
+    correction, same = loaded.for_device(device)
+    if correction is None:
+        return None
+    same = same or (calibration == "auto")
+    return Applied(calibration=loaded, correction=correction, device_matches=same,
+                   results=tuple(apply(e, correction, device_matches=same) for e in estimates))

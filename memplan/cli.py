@@ -106,8 +106,11 @@ def main():
 @main.command()
 @job_options
 @click.option("--format", "fmt", type=_choice(("table", "json", "csv")), default="table", show_default=True)
+@click.option("--calibration", default="auto", show_default=True,
+              help="Corrections from `memplan calibrate fit` (FILE); auto: those shipped for --gpu NAME "
+                   "(or --device cpu) if any; none: the analytic model alone.")
 @user_errors
-def estimate(fmt, **flags):
+def estimate(fmt, calibration, **flags):
     """Peak per-GPU memory of a training step under each strategy.
 
     Example: memplan estimate --params 13e9 --gpus 8 --gpu-mem 80
@@ -115,12 +118,13 @@ def estimate(fmt, **flags):
     from . import api, report
 
     choice, estimates = api.estimate_all(**flags)
+    applied = api.calibrated(estimates, calibration)
     if fmt == "json":
-        click.echo(report.render_json(choice, estimates))
+        click.echo(report.render_json(choice, estimates, applied))
     elif fmt == "csv":
-        click.echo(report.render_csv(estimates), nl=False)
+        click.echo(report.render_csv(estimates, applied), nl=False)
     else:
-        click.echo(report.render_table(choice, estimates))
+        click.echo(report.render_table(choice, estimates, applied))
 
 
 @main.command()

@@ -9,6 +9,7 @@ import json
 from tabulate import tabulate
 
 from .breakdown import Component, Estimate
+from .calibration import Applied, Corrected
 from .inputs import ModelChoice
 from .units import gib
 
@@ -49,27 +50,49 @@ def estimate_dict(est: Estimate) -> dict:
     }
 
 
-def to_dict(choice: ModelChoice, estimates: list[Estimate]) -> dict:
-    return {"inputs": inputs_dict(choice, estimates[0]), "estimates": [estimate_dict(e) for e in estimates],
-            "recommendation": None}
+def calibrated_dict(c: Corrected) -> dict:
+    return {"allocated": c.allocated_bytes, "overhead": c.overhead_bytes, "total": c.total_bytes,
+            "band": c.band_bytes, "phase": c.phase, "fits": c.fits, "headroom_bytes": c.headroom_bytes}
 
 
-def render_json(choice: ModelChoice, estimates: list[Estimate]) -> str:
-    return json.dumps(to_dict(choice, estimates), indent=2)
+def calibration_dict(applied: Applied) -> dict:
+    c = applied.correction
+    return {"path": applied.calibration.path, "device": c.device, "torch_version": c.torch_version,
+            "num_records": c.num_records, "band_pct": c.residual_pct, "device_matches": applied.device_matches}
 
 
-def render_csv(estimates: list[Estimate]) -> str:
+def to_dict(choice: ModelChoice, estimates: list[Estimate], applied: Applied | None = None) -> dict:
+    rows = [estimate_dict(e) for e in estimates]
+    if applied:
+        for row, corrected in zip(rows, applied.results):
+            row["calibrated"] = calibrated_dict(corrected)
+    return {"inputs": inputs_dict(choice, estimates[0]), "estimates": rows,
+            "calibration": calibration_dict(applied) if applied else None, "recommendation": None}
+
+
+def render_json(choice: ModelChoice, estimates: list[Estimate], applied: Applied | None = None) -> str:
+    return json.dumps(to_dict(choice, estimates, applied), indent=2)
+
+
+CALIBRATED_FIELDS = ["calibrated_allocated_bytes", "calibrated_total_bytes", "calibrated_band_bytes",
+                     "calibrated_fits"]
+
+
+def render_csv(estimates: list[Estimate], applied: Applied | None = None) -> str:
     out = io.StringIO()
     fields = ["strategy", "precision", "activation_checkpointing", "offload", "micro_batch", "phase",
               *[f"{c}_bytes" for c in COMPONENTS], "allocated_bytes", "overhead_bytes", "total_bytes",
-              "host_bytes", "fits", "headroom_bytes"]
+              "host_bytes", "fits", "headroom_bytes"] + (CALIBRATED_FIELDS if applied else [])
     writer = csv.DictWriter(out, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
-    for est in estimates:
+    for i, est in enumerate(estimates):
         row = estimate_dict(est)
         flat = {k: row[k] for k in fields[:6]}
         flat.update({f"{k}_bytes": v for k, v in row["bytes"].items()})
         flat.update(host_bytes=row["host_bytes"], fits=row["fits"], headroom_bytes=row["headroom_bytes"])
+        if applied:
+            c = applied.results[i]
+            flat.update(zip(CALIBRATED_FIELDS, (c.allocated_bytes, c.total_bytes, c.band_bytes, c.fits)))
         writer.writerow(flat)
     return out.getvalue()
 
@@ -78,19 +101,26 @@ def _g(num_bytes: int) -> str:
     return f"{gib(num_bytes):.2f}"
 
 
-def render_table(choice: ModelChoice, estimates: list[Estimate]) -> str:
+def render_table(choice: ModelChoice, estimates: list[Estimate], applied: Applied | None = None) -> str:
+    """One row per strategy; with a calibration, the corrected total ± band decides what fits."""
     job = estimates[0].job
-    header = [_header(choice, job)]
+    header = [_header(choice, job)] + ([applied.describe()] if applied else [])
+    finals = list(applied.results) if applied else estimates
     rows = []
-    for est in estimates:
+    for est, final in zip(estimates, finals):
         by = est.by_component
-        rows.append([est.job.plan.strategy + ("" if est.job.plan.offload == "none" else f" +{est.job.plan.offload}"),
-                     est.phase, *(_g(by[c]) for c in Component), _g(est.allocated_bytes), _g(est.overhead_bytes),
-                     _g(est.total_bytes), "yes" if est.fits else "NO", _g(est.headroom_bytes)])
-    table = tabulate(rows, headers=["strategy", "peak in", *COMPONENTS, "allocated", "overhead", "total", "fits",
-                                    "headroom"], tablefmt="simple", disable_numparse=True, colalign=("left", "left"))
+        row = [est.job.plan.strategy + ("" if est.job.plan.offload == "none" else f" +{est.job.plan.offload}"),
+               est.phase, *(_g(by[c]) for c in Component), _g(est.allocated_bytes), _g(est.overhead_bytes),
+               _g(est.total_bytes)]
+        if applied:
+            row.append(f"{_g(final.total_bytes)} ± {_g(final.band_bytes)}")
+        rows.append(row + ["yes" if final.fits else "NO", _g(final.headroom_bytes)])
+    headers = ["strategy", "peak in", *COMPONENTS, "allocated", "overhead", "total"]
+    headers += ["calibrated total"] if applied else []
+    table = tabulate(rows, headers=headers + ["fits", "headroom"], tablefmt="simple", disable_numparse=True,
+                     colalign=("left", "left"))
     return "\n".join(header + ["", "GiB per GPU at the peak moment of a steady-state step", table, "",
-                               fits_line(estimates)])
+                               fits_line(estimates, finals)])
 
 
 def _header(choice: ModelChoice, job) -> str:
@@ -103,9 +133,10 @@ def _header(choice: ModelChoice, job) -> str:
             f"{c.gpus_per_node}), headroom {c.headroom:.0%}: {_g(c.usable_bytes)} GiB usable")
 
 
-def fits_line(estimates: list[Estimate]) -> str:
-    fit = [e.job.plan.strategy for e in estimates if e.fits]
-    miss = [f"{e.job.plan.strategy} (over by {_g(-e.headroom_bytes)} GiB)" for e in estimates if not e.fits]
+def fits_line(estimates: list[Estimate], finals=None) -> str:
+    pairs = list(zip(estimates, finals or estimates))
+    fit = [e.job.plan.strategy for e, f in pairs if f.fits]
+    miss = [f"{e.job.plan.strategy} (over by {_g(-f.headroom_bytes)} GiB)" for e, f in pairs if not f.fits]
     if not fit:
         return "Nothing fits: " + ", ".join(miss) + "."
     return "Fits: " + ", ".join(fit) + "." + (" Does not fit: " + ", ".join(miss) + "." if miss else "")

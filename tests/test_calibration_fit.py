@@ -124,3 +124,36 @@ def test_calibrate_fit_command_writes_corrections(tmp_path):
     assert result.exit_code == 0, result.output
     assert "44 records" in result.output and "before" in result.output
     assert cal.load(out).corrections[0].device == "cpu"
+
+
+def _estimate(*args):
+    from click.testing import CliRunner
+
+    from memplan.cli import main
+
+    return CliRunner().invoke(main, ["estimate", "--model", "gpt2", "--gpus", "2", "--strategy", "ddp", *args])
+
+
+def test_estimate_applies_the_shipped_corrections_of_its_device_and_can_turn_them_off():
+    import json
+
+    on = json.loads(_estimate("--device", "cpu", "--format", "json").output)
+    assert on["calibration"]["device"] == "cpu" and on["calibration"]["device_matches"]
+    calibrated = on["estimates"][0]["calibrated"]
+    assert calibrated["allocated"] != on["estimates"][0]["bytes"]["allocated"]
+    assert calibrated["band"] > 0
+    off = json.loads(_estimate("--device", "cpu", "--format", "json", "--calibration", "none").output)
+    assert off["calibration"] is None and "calibrated" not in off["estimates"][0]
+    assert "calibration" not in _estimate("--gpu", "h100-sxm").output.splitlines()[3]  # none shipped for GPUs yet
+
+
+def test_a_correction_from_another_device_is_applied_with_a_warning(tmp_path):
+    path = tmp_path / "a100.json"
+    other = cal.Correction(device="NVIDIA A100-SXM4-80GB", torch_version="2.13.0", scales=dict.fromkeys(cal.GROUPS, 1.0),
+                           offset_bytes=0, residual_pct=3.0, num_records=5, before_median_abs_pct=4.0,
+                           after_median_abs_pct=1.0)
+    cal.Calibration(corrections=(other,)).save(path)
+    assert "another device" in _estimate("--gpu", "h100-sxm", "--calibration", str(path)).output
+    assert "fitted on this device" in _estimate("--gpu", "a100-80gb", "--calibration", str(path)).output
+    assert "calibrated total" in _estimate("--gpu", "a100-80gb", "--calibration", str(path), "--format",
+                                           "csv").output.replace("_", " ")

@@ -27,7 +27,7 @@ def test_json_follows_the_output_contract():
     result = run("estimate", "--model", "llama-2-7b", "--gpus", "8", "--gpu", "a100-80gb", "--format", "json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    assert set(data) == {"inputs", "estimates", "recommendation"}
+    assert set(data) == {"inputs", "estimates", "calibration", "recommendation"}
     assert data["inputs"]["model"]["num_params"] == 6738415616
     est = data["estimates"][0]
     for key in ("strategy", "precision", "activation_checkpointing", "offload", "micro_batch", "phase", "bytes",
