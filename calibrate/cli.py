@@ -218,11 +218,13 @@ def fit(files, output):
 
     Example: memplan calibrate fit runs.jsonl -o corrections.json
     """
-    from . import records
-    from .fit import fit_records
+    from memplan.calibration import held_out
 
-    calibration = fit_records(records.read(files, warn=lambda m: click.echo(f"warning: {m}", err=True)),
-                              sources=files)
+    from . import records
+    from .fit import fit_records, observations
+
+    ok = records.read(files, warn=lambda m: click.echo(f"warning: {m}", err=True))
+    calibration = fit_records(ok, sources=files)
     if not calibration.corrections:
         raise MemplanError(f"no ok records with an estimate in {', '.join(files)}: nothing to fit")
     calibration.save(output)
@@ -235,6 +237,12 @@ def fit(files, output):
         if c.overhead_base_bytes is not None:
             click.echo(f"  runtime overhead {c.overhead_base_bytes / 2**20:,.0f} MiB + "
                        f"{100 * c.overhead_per_allocated:.1f} % of allocated")
+    for device in {c.device for c in calibration.corrections}:
+        for row in held_out([o for o in observations(ok) if o.device == device]):
+            click.echo(f"held out ({device}; fitted on the {row.fitted_on}, judged on the other "
+                       f"{row.num_held_out}): median |error| {row.before_median_abs_pct:.3f} % -> "
+                       f"{row.after_median_abs_pct:.3f} %, max {row.before_max_abs_pct:.2f} % -> "
+                       f"{row.after_max_abs_pct:.2f} %")
     click.echo(f"wrote {output}")
 
 

@@ -143,6 +143,35 @@ def same_device(measured_name: str, device: str) -> bool:
 
 
 @dataclass(frozen=True)
+class HeldOut:
+    """Corrections fitted on one half of the records, judged on the other half."""
+
+    fitted_on: str
+    num_held_out: int
+    before_median_abs_pct: float
+    after_median_abs_pct: float
+    before_max_abs_pct: float
+    after_max_abs_pct: float
+
+
+def held_out(observations: list[Observation]) -> list[HeldOut]:
+    """Two-fold check: fit on the even records and judge on the odd ones, then the reverse."""
+    out = []
+    for name, half in (("even records", 0), ("odd records", 1)):
+        train, test = observations[half::2], observations[1 - half::2]
+        if not train or not test:
+            continue
+        [correction] = fit(train)[:1]
+        y = np.array([o.measured_bytes for o in test], dtype=float)
+        before = np.abs(_errors_pct(np.array([sum(o.estimated.values()) for o in test], dtype=float), y))
+        after = np.abs(_errors_pct(np.array([correction.corrected_bytes(o.estimated) for o in test], dtype=float), y))
+        out.append(HeldOut(fitted_on=name, num_held_out=len(test),
+                           before_median_abs_pct=float(np.median(before)), after_median_abs_pct=float(np.median(after)),
+                           before_max_abs_pct=float(before.max()), after_max_abs_pct=float(after.max())))
+    return out
+
+
+@dataclass(frozen=True)
 class Calibration:
     """A corrections file: what was fitted, from what."""
 
