@@ -2,7 +2,9 @@
 
 Rows are computed once, then rendered as a table, JSON or CSV. The compared quantity is
 peak allocated bytes: ``torch.cuda.max_memory_allocated`` on a GPU, MemTracker's peak of
-live tensors on CPU, against memplan's ``allocated`` (the composition at the peak).
+live tensors on CPU, against memplan's ``allocated`` (the composition at the peak) as
+memplan estimates the spec now; the record keeps the estimate made when it ran, which is
+used only where today's memplan refuses the spec.
 """
 from __future__ import annotations
 
@@ -13,14 +15,23 @@ import statistics
 
 from tabulate import tabulate
 
-from .records import STATUSES, describe
+from memplan.errors import MemplanError
+
+from .records import STATUSES, describe, estimate_summary, job_from_spec
 
 COLUMNS = ("id", "run", "status", "measured_bytes", "estimated_bytes", "error_pct", "measured_phase",
            "estimated_phase", "error")
 
 
+def _current_estimate(record: dict) -> dict:
+    try:
+        return estimate_summary(job_from_spec(record["spec"]))
+    except MemplanError:
+        return record.get("estimate") or {}
+
+
 def _row(record: dict) -> dict:
-    measurement, est = record.get("measurement") or {}, record.get("estimate") or {}
+    measurement, est = record.get("measurement") or {}, _current_estimate(record)
     measured, estimated = measurement.get("peak_allocated_bytes"), est.get("allocated_bytes")
     error_pct = 100.0 * (estimated - measured) / measured if measured and estimated is not None else None
     return {
