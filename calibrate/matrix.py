@@ -91,35 +91,25 @@ def measure_case(case: Case, **run_kwargs):
     return launch.emulate(case.job, world_size=case.job.cluster.gpus, **kwargs)
 
 
-def table_rows(cases=CASES) -> list[dict]:
-    """Measure every case and set it beside memplan's estimate."""
-    from memplan.memory import estimate
+def runs(cases=CASES):
+    """The cases as calibration runs (same steps as ``measure_case``)."""
+    from .records import Run
 
-    rows = []
-    for case in cases:
-        measured = measure_case(case)
-        est = estimate(case.job)
-        rows.append({
-            "case": case.id, "covers": case.covers, "mode": f"{case.mode} ×{case.job.cluster.gpus}",
-            "workload": case.workload, "measured_bytes": measured.peak_allocated_bytes,
-            "measured_phase": measured.phase, "estimated_bytes": est.allocated_bytes, "estimated_phase": est.phase,
-            "error_pct": 100.0 * (est.allocated_bytes - measured.peak_allocated_bytes) / measured.peak_allocated_bytes,
-        })
-    return rows
+    return [Run(job=c.job, mode=c.mode, workload=c.workload, steps=2, warmup=1) for c in cases]
 
 
-def main() -> None:
-    from tabulate import tabulate
+def main(out: str = "docs/accuracy_matrix_cpu.jsonl") -> None:
+    """Record every case with the calibration sweep (``--resume`` semantics), then print
+    ``memplan calibrate report`` of the records: the README's accuracy table."""
+    from . import records
+    from .report import render_table, rows
+    from .runs import sweep
 
-    rows = table_rows()
-    print(tabulate(
-        [[r["case"], r["mode"], r["workload"], f"{r['measured_bytes'] / 2**20:.2f}", r["measured_phase"],
-          f"{r['estimated_bytes'] / 2**20:.2f}", r["estimated_phase"], f"{r['error_pct']:+.2f}", r["covers"]]
-         for r in rows],
-        headers=["case", "run", "model", "measured MiB", "phase", "estimated MiB", "phase", "error %", "covers"],
-        tablefmt="github",
-    ))
+    print(sweep(runs(), out=out, timeout_s=600, resume=True).line(out))
+    print(render_table(rows(records.read([out]))))
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(*sys.argv[1:])

@@ -113,17 +113,19 @@ class Run:
                    layers_scaled=data.get("layers_scaled", False))
 
     def describe(self) -> str:
-        return describe(spec_dict(self.job), self.mode) + (" layer-scaled" if self.layers_scaled else "")
+        name = describe(spec_dict(self.job), self.mode, self.workload)
+        return name + (" layer-scaled" if self.layers_scaled else "")
 
 
-def describe(spec: dict, mode: str) -> str:
-    """A short human name of a run: strategy, precision, model shape, batch, world, mode."""
+def describe(spec: dict, mode: str, workload: str = "native") -> str:
+    """A short human name of a run: strategy, precision, model shape (transformers' model of
+    those shapes: "hf"), batch, world, mode."""
     m, t, c, p = spec["model"], spec["train"], spec["cluster"], spec["plan"]
     extras = [t["activation_checkpointing"] != "none" and f"ac-{t['activation_checkpointing']}",
               t["attention"] != "sdpa" and t["attention"], p["offload"] != "none" and f"offload-{p['offload']}",
               t["grad_accum"] > 1 and f"ga{t['grad_accum']}"]
     return " ".join([p["strategy"], t["precision"], *filter(None, extras),
-                     f"{m['arch']} {m['num_layers']}L h{m['hidden']}",
+                     f"{m['arch']}{' (hf)' if workload == 'hf' else ''} {m['num_layers']}L h{m['hidden']}",
                      f"b{t['micro_batch']}×s{t['seq_len']}", f"{mode}×{c['gpus']}"])
 
 

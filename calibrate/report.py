@@ -35,7 +35,8 @@ def _row(record: dict) -> dict:
     measured, estimated = measurement.get("peak_allocated_bytes"), est.get("allocated_bytes")
     error_pct = 100.0 * (estimated - measured) / measured if measured and estimated is not None else None
     return {
-        "id": record.get("id", ""), "run": describe(record["spec"], record["mode"]), "status": record["status"],
+        "id": record.get("id", ""), "status": record["status"],
+        "run": describe(record["spec"], record["mode"], record.get("workload", "native")),
         "measured_bytes": measured, "estimated_bytes": estimated, "error_pct": error_pct,
         "measured_phase": measurement.get("phase"), "estimated_phase": est.get("phase"),
         "error": (record.get("error") or "").split("\n")[0] or None,
