@@ -20,6 +20,20 @@ def _choice(values):
     return click.Choice(list(values), case_sensitive=False)
 
 
+class MicroBatch(click.ParamType):
+    """A positive integer, or ``max``: the largest that fits (searched per strategy)."""
+
+    name = "N|max"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or str(value).strip().lower() == "max":
+            return value if isinstance(value, int) else "max"
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"micro-batch {value!r} is not a positive integer or 'max'", param, ctx)
+
+
 MODEL_OPTIONS = [
     click.option("--params", help="Parameter count (13e9, 13B, 7.2b): memplan assumes a llama-style architecture."),
     click.option("--model", "model", help="A preset from tables/models.csv (e.g. llama-2-13b)."),
@@ -30,7 +44,8 @@ MODEL_OPTIONS = [
 ]
 TRAIN_OPTIONS = [
     click.option("--seq-len", type=int, default=2048, show_default=True),
-    click.option("--micro-batch", type=int, default=1, show_default=True),
+    click.option("--micro-batch", type=MicroBatch(), default=1, show_default=True,
+                 help="Sequences per GPU per forward, or max: the largest that fits."),
     click.option("--grad-accum", type=int, default=1, show_default=True),
     click.option("--precision", type=_choice(specs.PRECISIONS), default="mixed-bf16", show_default=True),
     click.option("--reduce-dtype", type=_choice(specs.REDUCE_DTYPES), help="Gradient reduction dtype."),
@@ -64,8 +79,36 @@ def _apply(options):
     return decorate
 
 
+DECISION_OPTIONS = [
+    click.option("--priority", type=_choice(("speed", "memory", "simplicity")), default="speed", show_default=True,
+                 help="What the recommendation optimizes among the options that fit."),
+    click.option("--interconnect", type=_choice(("nvlink", "infiniband", "ethernet", "pcie")),
+                 help="Link between nodes (on one node: between GPUs) [default: infiniband across nodes, "
+                      "the GPU's own link within one]."),
+    click.option("--bw", type=click.FloatRange(min=0, min_open=True),
+                 help="Bandwidth of that link in GB/s per direction (overrides --interconnect's table value)."),
+]
+FIXABLE_FLAGS = ("strategy", "precision", "ac", "offload", "micro_batch")  # = api.FIXABLE
+
+
 def job_options(f):
     return _apply(MODEL_OPTIONS + TRAIN_OPTIONS + CLUSTER_OPTIONS + PLAN_OPTIONS)(f)
+
+
+def decision_options(f):
+    return _apply(DECISION_OPTIONS)(f)
+
+
+def _explicit(flags: dict) -> dict:
+    """The flags for api.recommend: the fixable ones only where the user gave them."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    out = dict(flags)
+    for name in FIXABLE_FLAGS:
+        if ctx.get_parameter_source(name) in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
+            out[name] = None
+    return out
 
 
 def user_errors(f):
@@ -105,13 +148,15 @@ def main():
 
 @main.command()
 @job_options
+@decision_options
 @click.option("--format", "fmt", type=_choice(("table", "json", "csv")), default="table", show_default=True)
 @click.option("--calibration", default="auto", show_default=True,
               help="Corrections from `memplan calibrate fit` (FILE); auto: those shipped for --gpu NAME "
                    "(or --device cpu) if any; none: the analytic model alone.")
 @user_errors
-def estimate(fmt, calibration, **flags):
-    """Peak per-GPU memory of a training step under each strategy.
+def estimate(fmt, calibration, priority, interconnect, bw, **flags):
+    """Peak per-GPU memory of a training step under each strategy, the predicted throughput
+    relative to DDP, and the recommendation.
 
     Example: memplan estimate --params 13e9 --gpus 8 --gpu-mem 80
     """
@@ -119,12 +164,66 @@ def estimate(fmt, calibration, **flags):
 
     choice, estimates = api.estimate_all(**flags)
     applied = api.calibrated(estimates, calibration)
-    if fmt == "json":
-        click.echo(report.render_json(choice, estimates, applied))
-    elif fmt == "csv":
+    if fmt == "csv":
         click.echo(report.render_csv(estimates, applied), nl=False)
+        return
+    relative = api.relative_throughputs(estimates, interconnect=interconnect, bw=bw)
+    _, rec = api.recommend(priority=priority, interconnect=interconnect, bw=bw, **_explicit(flags))
+    if fmt == "json":
+        click.echo(report.render_json(choice, estimates, applied, relative, rec))
     else:
-        click.echo(report.render_table(choice, estimates, applied))
+        click.echo(report.render_table(choice, estimates, applied, relative, rec))
+
+
+@main.command()
+@job_options
+@decision_options
+@click.option("--emit", type=_choice(("fsdp2", "fsdp1", "accelerate", "deepspeed", "torchrun")),
+              help="Print the launch configuration of the recommendation in this form.")
+@click.option("--format", "fmt", type=_choice(("table", "json")), default="table", show_default=True)
+@user_errors
+def recommend(priority, interconnect, bw, emit, fmt, **flags):
+    """The best option that fits (strategy, precision, AC, offload, micro-batch), why, what was
+    rejected, and which documented rules the arithmetic agrees with or contradicts.
+
+    Flags given explicitly (--strategy, --precision, --ac, --offload, --micro-batch) stay fixed.
+
+    Example: memplan recommend --params 70e9 --gpus 8 --gpu a100-80gb --emit fsdp2
+    """
+    import json
+
+    from . import api, report
+    from .emit import emit as emit_text
+
+    choice, rec = api.recommend(priority=priority, interconnect=interconnect, bw=bw, **_explicit(flags))
+    launch = emit_text(rec.best.job, emit) if emit and rec.best else None
+    if emit and rec.best is None:
+        raise MemplanError("nothing fits, so there is nothing to --emit; apply one of the changes listed "
+                           "(run without --emit to see them)")
+    if fmt == "json":
+        click.echo(json.dumps({**report.recommendation_dict(rec), "launch": launch}, indent=2))
+    else:
+        click.echo(report.render_recommendation(choice, rec, launch))
+
+
+@main.command("min-gpus")
+@job_options
+@click.option("--format", "fmt", type=_choice(("table", "json")), default="table", show_default=True)
+@user_errors
+def min_gpus(fmt, gpus, **flags):
+    """The fewest GPUs (1-8, then whole nodes of --gpus-per-node) on which some strategy fits.
+
+    Example: memplan min-gpus --params 70e9 --gpu a100-80gb --ac full
+    """
+    import json
+
+    from . import api, report
+
+    choice, result = api.min_gpus(**flags)
+    if fmt == "json":
+        click.echo(json.dumps(report.min_gpus_dict(choice, result), indent=2))
+    else:
+        click.echo(report.render_min_gpus(choice, result))
 
 
 @main.command()

@@ -10,6 +10,7 @@ from tabulate import tabulate
 
 from .breakdown import Component, Estimate
 from .calibration import Applied, Corrected
+from .decide import Recommendation
 from .inputs import ModelChoice
 from .units import gib
 
@@ -29,7 +30,7 @@ def inputs_dict(choice: ModelChoice, est: Estimate) -> dict:
     }
 
 
-def estimate_dict(est: Estimate) -> dict:
+def estimate_dict(est: Estimate, relative_throughput: float | None = None) -> dict:
     job = est.job
     by = est.by_component
     return {
@@ -45,7 +46,7 @@ def estimate_dict(est: Estimate) -> dict:
         "host_bytes": est.host_bytes,
         "fits": est.fits,
         "headroom_bytes": est.headroom_bytes,
-        "relative_throughput": None,
+        "relative_throughput": relative_throughput,
         "notes": list(est.notes),
     }
 
@@ -61,17 +62,25 @@ def calibration_dict(applied: Applied) -> dict:
             "num_records": c.num_records, "band_pct": c.residual_pct, "device_matches": applied.device_matches}
 
 
-def to_dict(choice: ModelChoice, estimates: list[Estimate], applied: Applied | None = None) -> dict:
-    rows = [estimate_dict(e) for e in estimates]
+def to_dict(choice: ModelChoice, estimates: list[Estimate], applied: Applied | None = None,
+            relative: list[float] | None = None, rec: Recommendation | None = None) -> dict:
+    rows = [estimate_dict(e, r) for e, r in zip(estimates, relative or [None] * len(estimates))]
+    if rec:
+        for row, est in zip(rows, estimates):
+            row["documented_relative_throughput"] = [
+                {"rule": r.id, "min": r.claimed_rel_min, "max": r.claimed_rel_max, "source": r.source}
+                for r in documented_penalties(rec, est.job)]
     if applied:
         for row, corrected in zip(rows, applied.results):
             row["calibrated"] = calibrated_dict(corrected)
     return {"inputs": inputs_dict(choice, estimates[0]), "estimates": rows,
-            "calibration": calibration_dict(applied) if applied else None, "recommendation": None}
+            "calibration": calibration_dict(applied) if applied else None,
+            "recommendation": recommendation_dict(rec) if rec else None}
 
 
-def render_json(choice: ModelChoice, estimates: list[Estimate], applied: Applied | None = None) -> str:
-    return json.dumps(to_dict(choice, estimates, applied), indent=2)
+def render_json(choice: ModelChoice, estimates: list[Estimate], applied: Applied | None = None,
+                relative: list[float] | None = None, rec: Recommendation | None = None) -> str:
+    return json.dumps(to_dict(choice, estimates, applied, relative, rec), indent=2)
 
 
 CALIBRATED_FIELDS = ["calibrated_allocated_bytes", "calibrated_total_bytes", "calibrated_band_bytes",
@@ -101,7 +110,8 @@ def _g(num_bytes: int) -> str:
     return f"{gib(num_bytes):.2f}"
 
 
-def render_table(choice: ModelChoice, estimates: list[Estimate], applied: Applied | None = None) -> str:
+def render_table(choice: ModelChoice, estimates: list[Estimate], applied: Applied | None = None,
+                 relative: list[float] | None = None, rec: Recommendation | None = None) -> str:
     """One row per strategy; with a calibration, the corrected total ± band decides what fits."""
     job = estimates[0].job
     header = [_header(choice, job)] + ([applied.describe()] if applied else [])
@@ -117,10 +127,22 @@ def render_table(choice: ModelChoice, estimates: list[Estimate], applied: Applie
         rows.append(row + ["yes" if final.fits else "NO", _g(final.headroom_bytes)])
     headers = ["strategy", "peak in", *COMPONENTS, "allocated", "overhead", "total"]
     headers += ["calibrated total"] if applied else []
-    table = tabulate(rows, headers=headers + ["fits", "headroom"], tablefmt="simple", disable_numparse=True,
-                     colalign=("left", "left"))
-    return "\n".join(header + ["", "GiB per GPU at the peak moment of a steady-state step", table, "",
-                               fits_line(estimates, finals)])
+    headers += ["fits", "headroom"]
+    if relative:
+        rows = [row + [f"{r:.2f}"] for row, r in zip(rows, relative)]
+        headers += ["vs DDP"]
+    if rec:
+        rows = [row + [", ".join(_claim(r) for r in documented_penalties(rec, e.job)) or "-"]
+                for row, e in zip(rows, estimates)]
+        headers += ["documented"]
+    table = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True, colalign=("left", "left"))
+    lines = header + ["", "GiB per GPU at the peak moment of a steady-state step"
+                      + ("; vs DDP: predicted tokens/s relative to DDP at the same settings" if relative else "")
+                      + ("; documented: the seeds' claim (tables/rules.csv)" if rec else ""),
+                      table, "", fits_line(estimates, finals)]
+    if rec:
+        lines += ["", *recommendation_summary(rec)]
+    return "\n".join(lines)
 
 
 def _header(choice: ModelChoice, job) -> str:
@@ -163,3 +185,96 @@ def render_explain(choice: ModelChoice, est: Estimate) -> str:
     if est.host_bytes:
         lines.append(f"host RAM for offloaded states: {_g(est.host_bytes)} GiB per GPU")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- recommendation
+
+def documented_penalties(rec: Recommendation, job) -> list:
+    """The matching penalty rules that speak about ``job``'s strategy and offload."""
+    return [v.rule for v in rec.rules if v.rule.kind == "penalty" and job.plan.strategy in v.rule.strategies
+            and (v.rule.offload or "none") == job.plan.offload]
+
+
+def _claim(rule) -> str:
+    lo, hi = rule.claimed_rel_min, rule.claimed_rel_max
+    return f"{lo:.2f}" if lo == hi else f"{lo:.2f}–{hi:.2f}"
+
+def _option_dict(option) -> dict:
+    j, est = option.job, option.estimate
+    return {"strategy": j.plan.strategy, "precision": j.train.precision,
+            "activation_checkpointing": j.train.activation_checkpointing, "offload": j.plan.offload,
+            "micro_batch": j.train.micro_batch, "total_bytes": est.total_bytes, "fits": est.fits,
+            "headroom_bytes": est.headroom_bytes, "tokens_per_s_per_gpu": option.step.tokens_per_s,
+            "step_s": option.step.step_s, "relative_throughput": option.relative_throughput}
+
+
+def recommendation_dict(rec: Recommendation) -> dict:
+    """DESIGN.md's ``recommendation`` keys (None where nothing fits), plus what was rejected,
+    the rule verdicts and the fixes."""
+    best = _option_dict(rec.best) if rec.best else {}
+    keys = ("strategy", "precision", "activation_checkpointing", "offload", "micro_batch")
+    return {
+        **{k: best.get(k) for k in keys},
+        "priority": rec.priority,
+        "tokens_per_s_per_gpu": best.get("tokens_per_s_per_gpu"),
+        "relative_throughput": best.get("relative_throughput"),
+        "total_bytes": best.get("total_bytes"),
+        "reasons": list(rec.reasons),
+        "rules": [{"id": v.rule.id, "kind": v.rule.kind, "source": v.rule.source, "section": v.rule.section,
+                   "quote": v.rule.quote, "verdict": "agrees" if v.agrees else "contradicted", "detail": v.detail}
+                  for v in rec.rules],
+        "rejected": [{**_option_dict(r.option), "reason": r.reason} for r in rec.rejected],
+        "fixes": [{"change": f.change, "fits": f.fits, **({"option": _option_dict(f.option)} if f.option else {})}
+                  for f in rec.fixes],
+        "link": {"gpu": rec.link.gpu_name, "assumed_gpu": rec.link.assumed_gpu, "interconnect": rec.link.interconnect,
+                 "intra_node_bytes_s": rec.link.intra_node_bytes_s, "inter_node_bytes_s": rec.link.inter_node_bytes_s},
+    }
+
+
+def recommendation_summary(rec: Recommendation) -> list[str]:
+    """A few lines: the pick, why, and how many documented rules the arithmetic contradicts."""
+    contradicted = [v.rule.id for v in rec.contradicted]
+    rules = (f"Documented rules: {len(rec.rules) - len(contradicted)} agree, {len(contradicted)} contradicted by "
+             f"the arithmetic ({', '.join(contradicted)}); `memplan recommend` shows why." if rec.rules else
+             "No documented rule matches these inputs.")
+    if rec.best is None:
+        fix = next((f for f in rec.fixes if f.fits), None)
+        return ["Recommendation: nothing fits.", *([f"Smallest change: {fix.line()}"] if fix else []), rules]
+    st = rec.best.step
+    return [f"Recommendation ({rec.priority}): {rec.best.label()}",
+            f"  {_g(rec.best.estimate.total_bytes)} GiB per GPU, {st.tokens_per_s:,.0f} tokens/s per GPU predicted "
+            f"({rec.best.relative_throughput:.2f}× DDP), step {st.step_s:.3f} s"
+            + (f"; throughput as on {rec.link.gpu_name} (no --gpu given)" if rec.link.assumed_gpu else ""), rules]
+
+
+def render_recommendation(choice: ModelChoice, rec: Recommendation, launch: str | None = None) -> str:
+    """Everything: the pick and its reasons, every rejected option, every matching rule, fixes, launch config."""
+    job = (rec.best or rec.options[0]).job
+    lines = [_header(choice, job), "", *recommendation_summary(rec)[:2], "", "Reasons:"]
+    lines += [f"  - {r}" for r in rec.reasons]
+    if rec.fixes:
+        lines += ["", "Nothing fits. Single changes, each with its resulting memory:"]
+        lines += [f"  - {f.line()}" for f in rec.fixes]
+    lines += ["", f"Documented rules matching these inputs ({len(rec.rules)}):"]
+    lines += [f"  - {v.line()}" for v in rec.rules] or ["  (none)"]
+    lines += ["", f"Rejected options ({len(rec.rejected)}):"]
+    lines += [f"  - {r.option.label()}: {r.reason}" for r in rec.rejected]
+    if launch:
+        lines += ["", "Launch configuration:", launch.rstrip("\n")]
+    return "\n".join(lines)
+
+
+def render_min_gpus(choice: ModelChoice, result) -> str:
+    est = result.estimate
+    job = est.job
+    lines = [_header(choice, job), "",
+             f"Fewest GPUs: {result.gpus} with {result.strategy} ({_g(est.total_bytes)} of "
+             f"{_g(job.cluster.usable_bytes)} GiB usable, peak in {est.phase})", "", "By strategy:"]
+    lines += [f"  {s:<20} {n if n is not None else 'nothing fits up to the limit'}"
+              for s, n in result.by_strategy.items()]
+    return "\n".join(lines)
+
+
+def min_gpus_dict(choice: ModelChoice, result) -> dict:
+    return {"inputs": inputs_dict(choice, result.estimate), "gpus": result.gpus, "strategy": result.strategy,
+            "estimate": estimate_dict(result.estimate), "by_strategy": result.by_strategy}

@@ -1,0 +1,93 @@
+"""Exact integer searches over the exact ``estimate``: the largest micro-batch that fits and
+the fewest GPUs on which some strategy fits. Exponential search for a bracket, then bisection.
+
+Memory is non-decreasing in the micro-batch (every activation term is linear in it). In the
+GPU count it is non-increasing for every strategy: sharded terms divide by the shard degree,
+replicated ones (DDP, ZeRO-1 params) stay put, and HYBRID_SHARD shards over one node, so past
+one node it is flat. The one exception is 1 → 2 GPUs (a second rank brings NCCL buffers), so
+1 GPU is tried on its own before the bracket (``_first_true`` tests index 0 first and never
+bisects across it). tests/test_search.py checks both against exhaustive scans.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .breakdown import Estimate
+from .errors import MemplanError
+from .memory import estimate
+from .specs import Job, Plan
+from .strategies import STRATEGIES
+
+MICRO_BATCH_LIMIT = 1_000_000  # TrainSpec refuses more
+GPU_LIMIT = 1_000_000  # ClusterSpec refuses more
+
+
+def _first_true(pred, hi_limit: int) -> int | None:
+    """Smallest i in [0, hi_limit) with pred(i), for a monotone pred (False...False True...True)."""
+    if pred(0):
+        return 0
+    lo, hi = 0, 1
+    while not pred(hi):
+        lo = hi
+        if hi >= hi_limit - 1:
+            return None
+        hi = min(2 * hi, hi_limit - 1)
+    while hi - lo > 1:  # pred(lo) False, pred(hi) True
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if pred(mid) else (mid, hi)
+    return hi
+
+
+def max_micro_batch(job: Job, *, limit: int = MICRO_BATCH_LIMIT) -> int:
+    """Largest micro-batch ≤ limit at which ``job`` fits; 0 when not even 1 does."""
+    first_miss = _first_true(lambda i: not estimate(job.with_(micro_batch=i + 1)).fits, limit)
+    return limit if first_miss is None else first_miss
+
+
+def gpu_counts(gpus_per_node: int = 0):
+    """The i-th GPU count a search may propose: 1..node size, then whole nodes."""
+    node = gpus_per_node or 8
+
+    def count(i: int) -> int:
+        return i + 1 if i < node else node * (i - node + 2)
+    return count, node
+
+
+def with_gpus(job: Job, gpus: int, gpus_per_node: int = 0) -> Job:
+    """``job`` on ``gpus`` GPUs in nodes of ``gpus_per_node`` (0: 8), a partial node below that."""
+    cluster = replace(job.cluster, gpus=gpus, gpus_per_node=min(gpus, gpus_per_node or 8))
+    return replace(job, cluster=cluster)
+
+
+def with_strategy(job: Job, strategy: str) -> Job:
+    """``job`` under another strategy, keeping its offload where that strategy supports it."""
+    offload = job.plan.offload if STRATEGIES[strategy].supports_offload(job.plan.offload) else "none"
+    return replace(job, plan=Plan(strategy=strategy, offload=offload))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MinGpus:
+    gpus: int
+    strategy: str
+    estimate: Estimate
+    by_strategy: dict
+    """strategy -> fewest GPUs (None: none up to the limit)."""
+
+
+def min_gpus_for(job: Job, *, gpus_per_node: int = 0, limit: int = GPU_LIMIT) -> int | None:
+    """Fewest GPUs (1..node size, then whole nodes) on which ``job``'s own strategy fits."""
+    count, node = gpu_counts(gpus_per_node)
+    index_limit = node + limit // node - 1  # count(index_limit - 1) = node · (limit // node) ≤ limit
+    i = _first_true(lambda i: estimate(with_gpus(job, count(i), gpus_per_node)).fits, index_limit)
+    return None if i is None else count(i)
+
+
+def min_gpus(job: Job, strategies: list[str], *, gpus_per_node: int = 0, limit: int = GPU_LIMIT) -> MinGpus:
+    """Fewest GPUs for which some strategy of ``strategies`` fits, and which (the first listed wins a tie)."""
+    by = {s: min_gpus_for(with_strategy(job, s), gpus_per_node=gpus_per_node, limit=limit) for s in strategies}
+    found = [(n, s) for s, n in by.items() if n is not None]
+    if not found:
+        raise MemplanError(f"nothing fits even on {limit} GPUs; try --ac full, --offload all or a smaller --micro-batch")
+    gpus, strategy = min(found, key=lambda t: t[0])
+    best = with_gpus(with_strategy(job, strategy), gpus, gpus_per_node)
+    return MinGpus(gpus=gpus, strategy=strategy, estimate=estimate(best), by_strategy=by)

@@ -1,0 +1,201 @@
+"""Step time of one configuration: compute from FLOPs, exposed communication from the bytes
+each strategy moves, and offload traffic over the host link. Pure functions; the constants
+are rows of tables/throughput.csv and tables/interconnects.csv.
+
+Known limitations: no collective latency term, no kernel efficiency below the MFU default,
+no tensor or pipeline parallelism; the documented penalties in tables/rules.csv are compared
+with these numbers, not fed into them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+from . import catalog
+from .errors import MemplanError
+from .precision import POLICIES
+from .specs import Job
+from .strategies import STRATEGIES
+
+_GBS = 10**9
+
+
+@cache
+def defaults() -> dict[str, str]:
+    return {row["key"]: row["value"] for row in catalog.read_table("throughput.csv")}
+
+
+def default(key: str) -> float:
+    return float(defaults()[key])
+
+
+@cache
+def interconnects() -> dict[str, float | None]:
+    return {row["name"]: float(row["bus_bw_gbs"]) * _GBS if row["bus_bw_gbs"] else None
+            for row in catalog.read_table("interconnects.csv")}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """The bandwidths a step uses, per direction (what a ring collective runs at)."""
+
+    intra_node_bytes_s: float
+    inter_node_bytes_s: float
+    host_bytes_s: float
+    """GPU <-> host (PCIe), per direction."""
+    host_dram_bytes_s: float
+    """Host memory bandwidth available to one GPU's CPU optimizer step."""
+    gpu: catalog.GpuSpec
+    """Peak FLOPS per precision come from here (each option has its own precision)."""
+    gpu_name: str
+    assumed_gpu: bool
+    interconnect: str
+
+
+def link_for(job: Job, *, interconnect: str | None = None, bw_gbs: float | None = None) -> Link:
+    """The GPU's datasheet figures and the fabric between nodes (``interconnect`` or ``bw_gbs``).
+
+    ``bw_gbs`` (GB/s per direction) replaces the slowest link the job uses: the inter-node
+    fabric on several nodes, the GPU-to-GPU link on one.
+    """
+    cluster = job.cluster
+    assumed = cluster.gpu_name == "custom"
+    gpu = catalog.gpu(defaults()["default_gpu"] if assumed else cluster.gpu_name)
+    table = interconnects()
+    if interconnect is not None and interconnect not in table:
+        raise MemplanError(f"interconnect {interconnect!r} is not one of: {', '.join(table)}")
+    if bw_gbs is not None and not (isinstance(bw_gbs, (int, float)) and 0 < bw_gbs < 1e6):
+        raise MemplanError(f"bw must be a positive number of GB/s below 1e6, got {bw_gbs!r}")
+    nvlink = gpu.intra_node_bw_bytes_s / 2  # datasheets give both directions together
+    multi_node = cluster.num_nodes > 1
+    fabric = interconnect or ("infiniband" if multi_node else "nvlink" if gpu.interconnect == "nvlink" else "pcie")
+    fabric_bw = table[fabric] if table[fabric] is not None else nvlink
+    intra = nvlink if gpu.interconnect == "nvlink" else table["pcie"]
+    inter = fabric_bw
+    if not multi_node and interconnect is not None:
+        intra = fabric_bw
+    if bw_gbs is not None:
+        if multi_node:
+            inter = bw_gbs * _GBS
+        else:
+            intra = bw_gbs * _GBS
+    return Link(intra_node_bytes_s=intra, inter_node_bytes_s=min(inter, intra) if multi_node else intra,
+                host_bytes_s=gpu.host_link_bw_bytes_s / 2,
+                host_dram_bytes_s=default("host_dram_bw_gbs") * _GBS / cluster.gpus_per_node,
+                gpu=gpu, gpu_name=gpu.name, assumed_gpu=assumed,
+                interconnect=fabric if bw_gbs is None else f"{bw_gbs:g} GB/s")
+
+
+def flops_per_token(job: Job) -> float:
+    """Training FLOPs per token, recompute included.
+
+    PaLM (Chowdhery et al. 2022, Appendix B): 6·N + 12·L·H·Q·T per token, where the 12·L·h·s
+    term is the attention score and value matmuls (forward 4·L·h·s, backward twice that).
+    Activation checkpointing re-runs forward work in backward (Korthikanti et al. 2022,
+    'Reducing Activation Recomputation', §4): full AC one whole forward, 2·N + 4·L·h·s;
+    selective only the attention core, 4·L·h·s.
+    """
+    m, s = job.model, job.train.seq_len
+    attention_fwd = 4 * m.num_layers * m.hidden * s
+    recompute = {"none": 0.0, "selective": attention_fwd,
+                 "full": 2 * m.num_params + attention_fwd}[job.train.activation_checkpointing]
+    return 6 * m.num_params + 3 * attention_fwd + recompute
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTime:
+    """Seconds of one optimizer step on one GPU, by cause."""
+
+    compute_s: float
+    comm_s: float
+    """All collective traffic, before overlap."""
+    exposed_comm_s: float
+    offload_s: float
+    """Host-link traffic and the CPU optimizer step, not hidden."""
+    tokens_per_step: int
+    """Tokens one GPU processes per optimizer step."""
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s + self.offload_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+
+def _ring(n: int) -> float:
+    """Bytes a rank sends per byte of an all-gather or reduce-scatter over n ranks: (n-1)/n
+    (Patarasuk & Yuan 2009, bandwidth-optimal ring); an all-reduce is both, 2·(n-1)/n."""
+    return (n - 1) / n
+
+
+def comm_seconds(job: Job, link: Link) -> float:
+    """Collective traffic of one optimizer step (gradients reduced once per step: no_sync on
+    all but the last micro-batch; parameters gathered on every micro-batch when sharded).
+
+    DDP / FSDP NO_SHARD: all-reduce of the gradients, 2·(n-1)/n·G.
+    ZeRO-1/2: reduce-scatter of gradients + all-gather of updated parameters, (n-1)/n·(G + W)
+    (Rajbhandari et al. 2020, ZeRO §7: 'same communication volume as data parallelism').
+    FULL_SHARD / ZeRO-3: all-gather in forward and again in backward, reduce-scatter of grads,
+    (n-1)/n·(2·W + G) (ZeRO §7.2.2: 1.5x data parallelism). SHARD_GRAD_OP: one all-gather.
+    HYBRID_SHARD: FULL_SHARD inside the node, then an all-reduce of each 1/k shard across nodes.
+    """
+    strategy = STRATEGIES[job.plan.strategy]
+    policy = POLICIES[job.train.precision]
+    p, n, k = job.model.num_params, job.cluster.gpus, job.cluster.gpus_per_node
+    reduce_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}.get(job.train.reduce_dtype or "", policy.grad_bytes)
+    grads, weights = p * reduce_bytes, p * policy.param_bytes
+    micro = job.train.grad_accum
+    slow = link.inter_node_bytes_s if job.cluster.num_nodes > 1 else link.intra_node_bytes_s
+    if n == 1:
+        return 0.0
+    if strategy.shard_group == "node":
+        m = job.cluster.num_nodes
+        intra = _ring(k) * (2 * weights * micro + grads) / link.intra_node_bytes_s
+        inter = 2 * _ring(m) * grads / k / link.inter_node_bytes_s if m > 1 else 0.0
+        return intra + inter
+    if strategy.shards_params:
+        gathers = 1 if not strategy.reshard_after_forward else 2
+        return _ring(n) * (gathers * weights * micro + grads) / slow
+    if strategy.shards_optimizer:
+        return _ring(n) * (grads + weights) / slow
+    return 2 * _ring(n) * grads / slow
+
+
+def offload_seconds(job: Job, link: Link) -> float:
+    """Host traffic: offloaded optimizer (gradient shard down, updated parameter shard up, and
+    the CPU AdamW step at host memory bandwidth) and offloaded parameters (the shard copied
+    up for each forward and backward of every micro-batch) over PCIe (ZeRO-Offload §4)."""
+    offload = job.plan.offload
+    if offload == "none":
+        return 0.0
+    strategy = STRATEGIES[job.plan.strategy]
+    policy = POLICIES[job.train.precision]
+    shard = job.model.num_params / strategy.shard_degree(job.cluster.gpus, job.cluster.gpus_per_node)
+    seconds = 0.0
+    if offload in ("optimizer", "all") or (strategy.framework == "fsdp" and offload == "params"):
+        # FSDP CPUOffload(offload_params=True) also steps the optimizer on the CPU.
+        seconds += shard * (policy.grad_bytes + policy.param_bytes) / link.host_bytes_s
+        seconds += shard * default("host_adam_bytes_per_param") / link.host_dram_bytes_s
+    if offload in ("params", "all"):
+        seconds += 2 * job.train.grad_accum * shard * policy.param_bytes / link.host_bytes_s
+    return seconds
+
+
+def step_time(job: Job, link: Link, *, mfu: float | None = None, overlap: float | None = None) -> StepTime:
+    """Compute over peak × MFU; communication hidden up to ``overlap`` × compute."""
+    mfu = default("mfu") if mfu is None else mfu
+    overlap = default("overlap_fraction") if overlap is None else overlap
+    tokens = job.train.seq_len * job.train.micro_batch * job.train.grad_accum
+    compute = tokens * flops_per_token(job) / (link.gpu.peak_flops(job.train.precision) * mfu)
+    comm = comm_seconds(job, link)
+    return StepTime(compute_s=compute, comm_s=comm, exposed_comm_s=max(0.0, comm - overlap * compute),
+                    offload_s=offload_seconds(job, link), tokens_per_step=tokens)
+
+
+def relative_to_ddp(job: Job, link: Link) -> float:
+    """Tokens/s of ``job`` over tokens/s of DDP at the same settings without offload (whether or
+    not DDP fits: the seeds' penalties are 'relative to DDP' in the same sense)."""
+    ddp = job.with_(offload="none", strategy="ddp")
+    return step_time(job, link).tokens_per_s / step_time(ddp, link).tokens_per_s

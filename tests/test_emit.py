@@ -1,0 +1,107 @@
+"""Launch configurations parse, compile, and use DeepSpeed's own key names."""
+import json
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from memplan.catalog import deepspeed_defaults
+from memplan.cli import main
+from memplan.emit import KINDS, deepspeed_config, emit
+from memplan.errors import MemplanError
+from memplan.inputs import build_jobs
+
+
+def job(strategy, **kw):
+    args = dict(params="7e9", gpus=8, gpu="a100-80gb", strategy=strategy) | kw
+    return build_jobs(**args)[1][0]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid-shard"])
+@pytest.mark.parametrize("ac", ["none", "selective", "full"])
+@pytest.mark.parametrize("offload", ["none", "params"])
+def test_fsdp_snippets_compile(strategy, ac, offload):
+    j = job(strategy, ac=ac, offload=offload, gpus=16)
+    for kind in ("fsdp2", "fsdp1"):
+        text = emit(j, kind)
+        compile(text, f"<{kind}>", "exec")
+        assert ("checkpoint_wrapper" in text) == (ac != "none")
+        assert ("isinstance(m, attention_cls)" in text) == (ac == "selective")
+    fsdp2 = emit(j, "fsdp2")
+    assert ("CPUOffloadPolicy()" in fsdp2.split("offload = ")[1].splitlines()[0]) == (offload == "params")
+    assert f"reshard_after_forward={strategy != 'fsdp-shard-grad-op'}" in fsdp2
+    assert ('mesh_dim_names=("replicate", "shard")' in fsdp2) == (strategy == "fsdp-hybrid-shard")
+    assert "ShardingStrategy." + {"fsdp-full-shard": "FULL_SHARD", "fsdp-shard-grad-op": "SHARD_GRAD_OP",
+                                  "fsdp-hybrid-shard": "HYBRID_SHARD"}[strategy] in emit(j, "fsdp1")
+
+
+def test_fsdp2_snippet_runs_its_imports_when_torch_is_here():
+    pytest.importorskip("torch")
+    text = emit(job("fsdp-full-shard", ac="full"), "fsdp2")
+    namespace = {}
+    exec(compile(text, "<fsdp2>", "exec"), namespace)  # imports resolve, wrap() is defined
+    assert callable(namespace["wrap"])
+
+
+@pytest.mark.parametrize("strategy,offload", [("zero1", "none"), ("zero2", "optimizer"), ("zero3", "all"),
+                                              ("zero3", "params")])
+def test_deepspeed_config_keys_and_buckets(strategy, offload):
+    config = json.loads(emit(job(strategy, offload=offload, micro_batch=2, grad_accum=4), "deepspeed"))
+    zero = config["zero_optimization"]
+    ds = deepspeed_defaults()  # the same bucket sizes the memory model charges
+    assert zero["stage"] == int(strategy[-1])
+    assert zero["reduce_bucket_size"] == ds["reduce_bucket_size"]
+    assert config["train_batch_size"] == 2 * 4 * 8
+    assert ("offload_optimizer" in zero) == (offload in ("optimizer", "all"))
+    assert ("offload_param" in zero) == (offload in ("params", "all"))
+    if strategy == "zero3":
+        assert zero["stage3_max_live_parameters"] == ds["stage3_max_live_parameters"]
+
+
+@pytest.mark.parametrize("strategy,offload", [("zero1", "none"), ("zero2", "optimizer"), ("zero3", "all")])
+def test_deepspeed_accepts_the_config(strategy, offload):
+    """DeepSpeed's own pydantic models (extra='forbid') validate the keys and values."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime import constants
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    config = deepspeed_config(job(strategy, offload=offload))
+    zero = DeepSpeedZeroConfig(**config["zero_optimization"])
+    assert int(zero.stage) == int(strategy[-1])
+    top = {constants.TRAIN_BATCH_SIZE, constants.TRAIN_MICRO_BATCH_SIZE_PER_GPU, constants.GRADIENT_ACCUMULATION_STEPS,
+           constants.BFLOAT16, constants.FP16, "zero_optimization", "activation_checkpointing"}
+    assert set(config) <= top
+
+
+def test_accelerate_yaml_parses():
+    for strategy, kind in (("fsdp-full-shard", "FSDP"), ("zero3", "DEEPSPEED"), ("ddp", "MULTI_GPU")):
+        text = emit(job(strategy, gpus=16), "accelerate")
+        config = yaml.safe_load(text)
+        assert config["distributed_type"] == kind and config["num_machines"] == 2 and config["num_processes"] == 16
+
+
+def test_torchrun_one_node_and_srun_several():
+    assert "torchrun --standalone --nproc_per_node=8 train.py" in emit(job("ddp"), "torchrun")
+    multi = emit(job("fsdp-hybrid-shard", gpus=32), "torchrun")
+    assert "srun --nodes=4 --ntasks-per-node=1 --gpus-per-node=8" in multi and "--nnodes=4" in multi
+
+
+def test_emit_refuses_what_does_not_apply():
+    with pytest.raises(MemplanError, match="--emit deepspeed does not apply to strategy ddp"):
+        emit(job("ddp"), "deepspeed")
+    with pytest.raises(MemplanError, match="--emit fsdp2 does not apply to strategy zero3"):
+        emit(job("zero3"), "fsdp2")
+    with pytest.raises(MemplanError, match="emit 'yaml' is not one of"):
+        emit(job("ddp"), "yaml")
+    assert set(KINDS) == {"fsdp2", "fsdp1", "accelerate", "deepspeed", "torchrun"}
+
+
+def test_cli_recommend_emit():
+    result = CliRunner().invoke(main, ["recommend", "--params", "7e9", "--gpus", "8", "--gpu", "a100-40gb",
+                                       "--emit", "fsdp2"])
+    assert result.exit_code == 0, result.output
+    code = result.output.split("Launch configuration:\n", 1)[1]
+    compile(code, "<cli>", "exec")
+    bad = CliRunner().invoke(main, ["recommend", "--params", "7e9", "--gpus", "8", "--gpu", "a100-40gb",
+                                    "--emit", "deepspeed"])
+    assert bad.exit_code == 2 and "does not apply to strategy fsdp-full-shard" in bad.output

@@ -1,0 +1,86 @@
+"""Searches are exact to the integer: the answer fits and the next step does not."""
+import time
+
+import pytest
+
+from memplan import api
+from memplan.errors import MemplanError
+from memplan.inputs import build_jobs
+from memplan.memory import estimate
+from memplan.search import gpu_counts, max_micro_batch, min_gpus, min_gpus_for, with_gpus, with_strategy
+from memplan.strategies import STRATEGIES
+
+
+@pytest.mark.parametrize("params,gpu", [("7e9", "a100-80gb"), ("13e9", "h100-sxm"), ("1.3e9", "a100-40gb")])
+def test_max_micro_batch_fits_and_one_more_does_not(params, gpu):
+    _, jobs = build_jobs(params=params, gpus=8, gpu=gpu)
+    for job in jobs:
+        found = max_micro_batch(job)
+        if found == 0:
+            assert not estimate(job).fits
+            continue
+        assert estimate(job.with_(micro_batch=found)).fits
+        assert not estimate(job.with_(micro_batch=found + 1)).fits
+
+
+def test_max_micro_batch_agrees_with_an_exhaustive_scan():
+    _, jobs = build_jobs(params="7e9", gpus=8, gpu="a100-80gb", ac="full")
+    for job in jobs:
+        fits = [estimate(job.with_(micro_batch=b)).fits for b in range(1, 129)]
+        # memory is monotone in the micro-batch: fits is True...True False...False
+        assert fits == sorted(fits, reverse=True)
+        assert max_micro_batch(job, limit=128) == sum(fits)
+
+
+@pytest.mark.parametrize("params,gpu,ac", [("70e9", "a100-80gb", "full"), ("13e9", "a100-40gb", "none"),
+                                           ("175e9", "h100-sxm", "full")])
+def test_min_gpus_fits_and_one_fewer_does_not(params, gpu, ac):
+    _, jobs = build_jobs(params=params, gpus=1, gpu=gpu, ac=ac)
+    result = min_gpus(jobs[0], [j.plan.strategy for j in jobs])
+    assert result.estimate.fits and result.estimate.job.cluster.gpus == result.gpus
+    count, node = gpu_counts(0)
+    index = next(i for i in range(10_000) if count(i) == result.gpus)
+    if index:
+        smaller = count(index - 1)
+        for strategy in result.by_strategy:
+            assert not estimate(with_gpus(with_strategy(jobs[0], strategy), smaller)).fits
+
+
+@pytest.mark.parametrize("params,gpu,ac", [("70e9", "a100-80gb", "full"), ("13e9", "a100-40gb", "none")])
+def test_memory_is_monotone_in_gpu_count(params, gpu, ac):
+    """Over 2..8 GPUs then whole nodes up to 512 memory never grows, so the bisection of
+    min_gpus_for equals the exhaustive answer. 1 → 2 GPUs can grow (NCCL buffers appear with a
+    second rank: +0.5 GiB for DDP); the search tests 1 GPU on its own first."""
+    _, jobs = build_jobs(params=params, gpus=1, gpu=gpu, ac=ac)
+    count, _ = gpu_counts(0)
+    counts = [count(i) for i in range(8 + 63)]
+    for strategy in STRATEGIES:
+        job = with_strategy(jobs[0], strategy)
+        totals = [estimate(with_gpus(job, n)).total_bytes for n in counts]
+        assert all(a >= b for a, b in zip(totals[1:], totals[2:])), strategy
+        exhaustive = next((n for n, t in zip(counts, totals) if t <= job.cluster.usable_bytes), None)
+        found = min_gpus_for(job, limit=counts[-1])
+        assert found == exhaustive, strategy
+
+
+def test_min_gpus_by_hand_70b_full_ac():
+    """70B (68,976,648,192 params) mixed-bf16: 16 B/param of states = 1,027.8 GiB; on 16 GPUs
+    ZeRO-3 holds 64.2 GiB of states + activations and buffers: over 76 GiB usable; on 24 it fits."""
+    _, result = api.min_gpus(params="70e9", gpu="a100-80gb", ac="full")
+    assert (result.gpus, result.strategy) == (24, "fsdp-full-shard")
+    assert result.by_strategy["ddp"] is None
+
+
+def test_min_gpus_nothing_fits():
+    _, jobs = build_jobs(params="70e9", gpus=1, gpu="a100-80gb", strategy="ddp")
+    with pytest.raises(MemplanError, match="nothing fits even on 1000 GPUs"):
+        min_gpus(jobs[0], ["ddp"], limit=1000)
+
+
+def test_searches_are_fast():
+    _, jobs = build_jobs(params="70e9", gpus=8, gpu="a100-80gb", ac="full")
+    start = time.perf_counter()
+    for job in jobs:
+        max_micro_batch(job)
+    min_gpus(jobs[0], list(STRATEGIES))
+    assert time.perf_counter() - start < 2.0
