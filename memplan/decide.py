@@ -164,7 +164,10 @@ def _rank(option: Option, priority: str) -> tuple:
     if priority == "simplicity":
         return (option.job.plan.offload != "none", simple, _AC_ORDER[option.job.train.activation_checkpointing],
                 speed, mem)
-    return (-float(f"{-speed:.3g}"), simple, mem)  # within 3 significant figures: as fast
+    # within 3 significant figures: as fast; then an option with a safe margin, then the simpler
+    usable = option.job.cluster.usable_bytes
+    tight = option.estimate.headroom_bytes < default("safe_headroom_fraction") * usable
+    return (-float(f"{-speed:.3g}"), tight, simple, mem)
 
 
 def _precisions(job: Job) -> tuple[str, ...]:
