@@ -234,6 +234,12 @@ def fit(files, output):
                    f"offset {c.offset_bytes:+,} B")
         click.echo(f"  median |error| {c.before_median_abs_pct:.3f} % before, {c.after_median_abs_pct:.3f} % after; "
                    f"residual spread (band) ±{c.residual_pct:.2f} %")
+        for t in c.throughput:
+            mfu = f", MFU {t.mfu:.1%}" if t.mfu is not None else ""
+            hidden = (f", {t.exposed_comm_fraction:.0%} of modelled communication exposed"
+                      if t.exposed_comm_fraction is not None else "")
+            click.echo(f"  {t.strategy}: {t.achieved_flops / 1e9:,.1f} GFLOP/s achieved{mfu}{hidden} "
+                       f"({t.num_records} runs)")
         if c.overhead_base_bytes is not None:
             click.echo(f"  runtime overhead {c.overhead_base_bytes / 2**20:,.0f} MiB + "
                        f"{100 * c.overhead_per_allocated:.1f} % of allocated")

@@ -48,6 +48,30 @@ class Observation:
     measured_bytes: int
     overhead_bytes: int | None = None
     """Device used minus allocated, where the record has it (CUDA)."""
+    strategy: str = ""
+    step_time_s: float | None = None
+    flops_per_step: float | None = None
+    """The throughput model's training FLOPs of the measured step on this GPU."""
+    peak_flops: float | None = None
+    """The device's datasheet peak for the precision; None for a CPU or an unknown device."""
+    comm_s: float | None = None
+    """The throughput model's collective seconds, for runs whose collectives were real
+    (local or cluster, more than one rank, a known device)."""
+
+
+@dataclass(frozen=True)
+class ThroughputFit:
+    """Measured speed of one strategy on one device."""
+
+    strategy: str
+    num_records: int
+    achieved_flops: float
+    """Model FLOPs per second of step time: step_time ≈ flops / achieved (least squares)."""
+    mfu: float | None
+    """achieved over the datasheet peak, where the device is in tables/gpus.csv."""
+    exposed_comm_fraction: float | None
+    """Share of the modelled collective time that the steps did not hide, from runs with real
+    collectives: step_time ≈ flops / achieved + fraction · comm."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +87,7 @@ class Correction:
     after_median_abs_pct: float
     overhead_base_bytes: int | None = None
     overhead_per_allocated: float | None = None
+    throughput: tuple[ThroughputFit, ...] = ()
 
     def corrected_bytes(self, by_group: dict[str, int]) -> int:
         return round(self.offset_bytes + sum(self.scales[g] * by_group.get(g, 0) for g in GROUPS))
@@ -121,12 +146,36 @@ def fit_one(observations: list[Observation]) -> Correction:
     if len(overhead) >= 2:
         slope, base = np.polyfit([a for a, _ in overhead], [b for _, b in overhead], 1)
     return Correction(
+        throughput=fit_throughput(observations),
         device=first.device, torch_version=first.torch_version, scales=scales, offset_bytes=round(float(solution[-1])),
         residual_pct=float(np.sqrt(np.mean(after**2))), num_records=len(y),
         before_median_abs_pct=float(np.median(np.abs(before))), after_median_abs_pct=float(np.median(np.abs(after))),
         overhead_base_bytes=None if base is None else round(float(base)),
         overhead_per_allocated=None if slope is None else float(slope),
     )
+
+
+def _throughput_one(strategy: str, obs: list[Observation]) -> ThroughputFit:
+    flops = np.array([o.flops_per_step for o in obs])
+    seconds = np.array([o.step_time_s for o in obs])
+    achieved = float(flops @ flops / (flops @ seconds))  # least squares of seconds = flops / achieved
+    real = [o for o in obs if o.comm_s]
+    exposed = None
+    if len(real) >= 2:
+        design = np.array([[o.flops_per_step, o.comm_s] for o in real])
+        scale = design.max(axis=0)  # columns of equal weight: FLOPs are ~1e15 times seconds
+        (inverse, exposed), *_ = np.linalg.lstsq(design / scale, np.array([o.step_time_s for o in real]), rcond=None)
+        achieved, exposed = float(scale[0] / inverse), float(np.clip(exposed / scale[1], 0.0, 1.0))
+    peak = obs[0].peak_flops
+    return ThroughputFit(strategy=strategy, num_records=len(obs), achieved_flops=achieved,
+                         mfu=achieved / peak if peak else None, exposed_comm_fraction=exposed)
+
+
+def fit_throughput(observations: list[Observation]) -> tuple[ThroughputFit, ...]:
+    """Per strategy, from the observations that carry a step time."""
+    timed = [o for o in observations if o.step_time_s and o.flops_per_step]
+    strategies = sorted({o.strategy for o in timed})
+    return tuple(_throughput_one(s, [o for o in timed if o.strategy == s]) for s in strategies)
 
 
 def fit(observations: list[Observation]) -> list[Correction]:
@@ -197,7 +246,8 @@ class Calibration:
 def load(path: str | Path) -> Calibration:
     try:
         data = json.loads(Path(path).read_text())
-        corrections = tuple(Correction(**c) for c in data["corrections"])
+        corrections = tuple(Correction(**{**c, "throughput": tuple(ThroughputFit(**t) for t in c.get("throughput", ()))})
+                            for c in data["corrections"])
     except FileNotFoundError:
         raise MemplanError(f"--calibration {str(path)!r}: no such file") from None
     except (ValueError, KeyError, TypeError) as exc:

@@ -149,3 +149,22 @@ def test_a_correction_from_another_device_is_applied_with_a_warning(tmp_path):
     assert "fitted on this device" in _estimate("--gpu", "a100-80gb", "--calibration", str(path)).output
     assert "calibrated total" in _estimate("--gpu", "a100-80gb", "--calibration", str(path), "--format",
                                            "csv").output.replace("_", " ")
+
+
+def test_throughput_fit_recovers_speed_and_exposed_communication():
+    def timed(flops, comm, device="NVIDIA H100 80GB HBM3"):
+        return cal.Observation(device=device, torch_version="2.13.0", measured_bytes=1, estimated={"states": 1},
+                               strategy="fsdp-full-shard", flops_per_step=flops, peak_flops=989.4e12, comm_s=comm,
+                               step_time_s=flops / 400e12 + 0.3 * comm)
+    [fitted] = cal.fit_throughput([timed(f, c) for f, c in ((1e14, 0.1), (3e14, 0.1), (2e14, 0.4), (5e14, 0.2))])
+    assert fitted.achieved_flops == pytest.approx(400e12, rel=1e-6)
+    assert fitted.exposed_comm_fraction == pytest.approx(0.3, abs=1e-6)
+    assert fitted.mfu == pytest.approx(400 / 989.4, rel=1e-6)
+    assert cal.same_device("NVIDIA H100 80GB HBM3", "h100-sxm") and not cal.same_device("cpu", "h100-sxm")
+
+
+def test_shipped_cpu_corrections_carry_the_measured_speed_per_strategy():
+    [shipped] = cal.shipped("cpu").corrections
+    assert {t.strategy for t in shipped.throughput} == {"ddp", "fsdp-full-shard", "fsdp-shard-grad-op",
+                                                         "fsdp-hybrid-shard"}
+    assert all(t.achieved_flops > 0 and t.mfu is None for t in shipped.throughput)  # no datasheet peak for a CPU
