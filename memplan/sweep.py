@@ -1,0 +1,101 @@
+"""A grid of configurations at numpy speed, identical to the scalar estimate.
+
+Within a group that shares everything but micro-batch b and sequence length s, every byte
+count of every moment is c0 + c1·s + c2·b·s + c3·b·s² (states and buffers are constant,
+activations scale with the b·s tokens, eager attention with b·s², rotary tables with s),
+so four scalar estimates fix each moment's integer coefficients and numpy evaluates the
+rest. The basis is checked, not assumed: each group is re-estimated at a fifth point, and a
+test compares random rows with the scalar path byte for byte.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import numpy as np
+
+from .errors import MemplanError
+from .inputs import build_jobs
+from .memory import estimate
+from .overheads import ALLOCATOR_SLACK, CUDA_CONTEXT_BYTES, NCCL_BYTES
+from .specs import Job
+
+_POINTS = ((1, 1), (1, 2), (2, 1), (2, 2))  # (b, s): a unique solve for the four coefficients
+_CHECK = (3, 5)
+
+
+def _basis(b, s):
+    return np.stack([np.ones_like(s), s, b * s, b * s * s], axis=-1).astype(np.float64)
+
+
+def _moment_bytes(job: Job, b: int, s: int) -> list[int]:
+    est = estimate(job.with_(micro_batch=b, seq_len=s))
+    return [m.allocated_bytes for m in est.moments]
+
+
+def _coefficients(job: Job) -> tuple[np.ndarray, list[str]]:
+    """Integer coefficients (moments × 4) of the group of ``job``."""
+    values = np.array([_moment_bytes(job, b, s) for b, s in _POINTS], dtype=np.float64)
+    basis = _basis(np.array([p[0] for p in _POINTS]), np.array([p[1] for p in _POINTS]))
+    coef = np.rint(np.linalg.solve(basis, values)).T  # moments × 4
+    check = _moment_bytes(job, *_CHECK)
+    predicted = np.rint(coef @ _basis(np.array(_CHECK[0]), np.array(_CHECK[1])))
+    if list(predicted.astype(np.int64)) != check:
+        raise MemplanError(f"the sweep's polynomial basis does not hold for {job.plan.strategy} "
+                           f"{job.train.precision}: use the scalar estimate")
+    phases = [m.phase for m in estimate(job).moments]
+    return coef.astype(np.int64), phases
+
+
+def _listify(value) -> list:
+    return list(value) if isinstance(value, (list, tuple, range, np.ndarray)) else [value]
+
+
+def _group_rows(job: Job, b: np.ndarray, s: np.ndarray) -> dict[str, np.ndarray]:
+    coef, phases = _coefficients(job)
+    per_moment = _basis(b, s).astype(np.int64) @ coef.T  # configurations × moments, exact integers
+    peak = per_moment.argmax(axis=1)  # the first largest, as max() picks in the scalar path
+    allocated = per_moment[np.arange(len(b)), peak]
+    overhead = np.zeros_like(allocated)
+    if job.train.device != "cpu":
+        fixed = CUDA_CONTEXT_BYTES + (NCCL_BYTES if job.cluster.gpus > 1 else 0)
+        overhead = fixed + (allocated * ALLOCATOR_SLACK).astype(np.int64)
+    total = allocated + overhead
+    headroom = job.cluster.usable_bytes - total
+    return {"allocated_bytes": allocated, "overhead_bytes": overhead, "total_bytes": total,
+            "headroom_bytes": headroom, "fits": headroom >= 0, "phase": np.array(phases)[peak]}
+
+
+def sweep(*, params=None, model=None, gpus=8, strategy="all", precision="mixed-bf16", ac="none",
+          micro_batch=1, seq_len=2048, **fixed):
+    """One row per configuration of the grid (pandas DataFrame).
+
+    Lists are swept, scalars held: ``sweep(params=[7e9, 70e9], gpus=[8, 64], micro_batch=[1, 4],
+    seq_len=[2048], gpu_mem=80)``. Any other keyword of ``memplan.estimate`` (gpu, optimizer,
+    attention, device, headroom, ...) is held fixed.
+    """
+    import pandas as pd
+
+    if (params is None) == (model is None):
+        raise MemplanError("sweep needs params=[...] or model=[...] (one of them)")
+    sources = [("params", p) for p in _listify(params)] if params is not None else \
+        [("model", m) for m in _listify(model)]
+    b_grid, s_grid = np.meshgrid(np.array(_listify(micro_batch)), np.array(_listify(seq_len)), indexing="ij")
+    b, s = b_grid.ravel().astype(np.int64), s_grid.ravel().astype(np.int64)
+    if (b <= 0).any() or (s <= 0).any():
+        raise MemplanError("micro_batch and seq_len must be positive integers")
+    frames = []
+    for (key, source), n, prec, mode in itertools.product(sources, _listify(gpus), _listify(precision), _listify(ac)):
+        choice, jobs = build_jobs(**{key: source}, gpus=n, precision=prec, ac=mode, strategy="all", **fixed)
+        wanted = set(_listify(strategy)) if strategy != "all" else None
+        for job in jobs:
+            if wanted is not None and job.plan.strategy not in wanted:
+                continue
+            rows = _group_rows(job, b, s)
+            frames.append(pd.DataFrame({
+                "model": choice.spec.name, "params": choice.spec.num_params, "gpus": n,
+                "strategy": job.plan.strategy, "precision": prec, "activation_checkpointing": mode,
+                "micro_batch": b, "seq_len": s, **rows}))
+    if not frames:
+        raise MemplanError(f"no strategy in {strategy!r}; known: {', '.join(j.plan.strategy for j in jobs)}")
+    return pd.concat(frames, ignore_index=True)

@@ -1,0 +1,45 @@
+"""The vectorized sweep equals the scalar estimate, row for row, to the byte."""
+import numpy as np
+import pytest
+
+from memplan.errors import MemplanError
+from memplan.inputs import build_jobs
+from memplan.memory import estimate
+from memplan.sweep import sweep
+
+PRECISIONS = ["fp32", "amp-bf16", "mixed-bf16", "bf16"]
+
+
+@pytest.mark.parametrize("attention,device,optimizer_impl", [("sdpa", "cuda", "foreach"), ("eager", "cpu", "single"),
+                                                             ("sdpa", "cuda", "fused")])
+def test_random_rows_equal_the_scalar_path(attention, device, optimizer_impl):
+    grid = sweep(params=[1.3e9, 7e9], gpus=[2, 8, 24], precision=PRECISIONS, ac=["none", "selective", "full"],
+                 micro_batch=[1, 3, 8], seq_len=[128, 1000, 4096], gpu="a100-80gb", attention=attention,
+                 device=device, optimizer_impl=optimizer_impl)
+    assert set(grid.strategy) == {"ddp", "fsdp-no-shard", "fsdp-shard-grad-op", "fsdp-full-shard",
+                                  "fsdp-hybrid-shard", "zero1", "zero2", "zero3"}
+    rows = grid.sample(n=120, random_state=0)
+    for row in rows.itertuples():
+        _, jobs = build_jobs(params=row.params, gpus=row.gpus, precision=row.precision,
+                             ac=row.activation_checkpointing, micro_batch=row.micro_batch, seq_len=row.seq_len,
+                             strategy=row.strategy, gpu="a100-80gb", attention=attention, device=device,
+                             optimizer_impl=optimizer_impl)
+        est = estimate(jobs[0])
+        assert (row.allocated_bytes, row.total_bytes, row.phase, row.fits) == \
+            (est.allocated_bytes, est.total_bytes, est.phase, est.fits)
+
+
+def test_grid_shape_and_fixed_arguments():
+    grid = sweep(params=[7e9, 70e9], gpus=[8, 64], micro_batch=[1, 4], seq_len=[2048], gpu_mem=80)
+    assert len(grid) == 2 * 2 * 8 * 2
+    assert grid.allocated_bytes.dtype == np.int64
+    assert (grid.total_bytes == grid.allocated_bytes + grid.overhead_bytes).all()
+    only = sweep(model=["llama-2-7b"], gpus=8, strategy=["ddp", "zero3"], micro_batch=range(1, 5))
+    assert list(only.strategy.unique()) == ["ddp", "zero3"] and len(only) == 8
+
+
+def test_bad_grids_are_one_line_errors():
+    with pytest.raises(MemplanError, match="params=.*or model="):
+        sweep(gpus=[8])
+    with pytest.raises(MemplanError, match="positive"):
+        sweep(params=7e9, micro_batch=[0, 1])
