@@ -218,10 +218,8 @@ def fit(files, output):
 
     Example: memplan calibrate fit runs.jsonl -o corrections.json
     """
-    from memplan.calibration import held_out
-
     from . import records
-    from .fit import fit_records, observations
+    from .fit import fit_records, held_out, observations
 
     ok = records.read(files, warn=lambda m: click.echo(f"warning: {m}", err=True))
     calibration = fit_records(ok, sources=files)

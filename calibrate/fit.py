@@ -1,16 +1,140 @@
-"""Records → corrections: the torch-free half of ``memplan calibrate fit``.
+"""Records → corrections: the torch-free fitting behind ``memplan calibrate fit`` (the
+method is described in memplan.calibration, which applies what this fits).
 
 memplan's current estimate of each ok record's spec (not the one stored in the record,
 which an older memplan may have made) is set against what the run measured.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
 from memplan import catalog
-from memplan.calibration import Calibration, Observation, fit, group_bytes, same_device
+from memplan.calibration import (GROUPS, Calibration, Correction, Observation, ThroughputFit, group_bytes,
+                                 same_device)
+from memplan.errors import MemplanError
 from memplan.memory import estimate
 from memplan.throughput import comm_seconds, flops_per_token, link_for
 
 from .records import job_from_spec
+
+RIDGE = 1e-3
+"""Shrinkage of each scale towards 1, relative to the records' own weight."""
+IRLS_STEPS = 30
+IRLS_FLOOR = 1e-6
+"""Relative residual below which a record's weight stops growing (IRLS for L1)."""
+
+
+def _errors_pct(predicted: np.ndarray, measured: np.ndarray) -> np.ndarray:
+    return 100.0 * (predicted - measured) / measured
+
+
+def _solve(x: np.ndarray, y: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Weighted least squares for (scale_g − 1, offset), the scales shrunk towards 1."""
+    design = np.column_stack([x, np.ones(len(y))]) * weights[:, None]
+    target = (y - x.sum(axis=1)) * weights
+    penalty = math.sqrt(RIDGE * len(y)) * np.eye(len(GROUPS) + 1)
+    penalty[-1, -1] = 0.0  # the offset is not shrunk
+    rows = np.vstack([design, penalty])
+    solution, *_ = np.linalg.lstsq(rows, np.concatenate([target, np.zeros(len(GROUPS) + 1)]), rcond=None)
+    return solution
+
+
+def _predict(x: np.ndarray, solution: np.ndarray) -> np.ndarray:
+    return solution[-1] + x @ (1.0 + solution[:-1])
+
+
+def fit_one(observations: list[Observation]) -> Correction:
+    """The correction for one (device, torch version) from its observations.
+
+    Least absolute relative deviations by iteratively reweighted least squares: the records
+    the model already gets right set the correction, and the few it gets wrong (a
+    configuration it mis-models) cannot bend it towards themselves.
+    """
+    if not observations:
+        raise MemplanError("no ok records to fit")
+    first = observations[0]
+    x = np.array([[o.estimated.get(g, 0) for g in GROUPS] for o in observations], dtype=float)
+    y = np.array([o.measured_bytes for o in observations], dtype=float)
+    solution = _solve(x, y, 1.0 / y)
+    for _ in range(IRLS_STEPS):
+        relative = np.abs(_predict(x, solution) - y) / y
+        solution = _solve(x, y, 1.0 / (y * np.sqrt(np.maximum(relative, IRLS_FLOOR))))
+    scales = {g: 1.0 + float(d) for g, d in zip(GROUPS, solution[:-1])}
+    after = _errors_pct(_predict(x, solution), y)
+    before = _errors_pct(x.sum(axis=1), y)
+    overhead = [(o.measured_bytes, o.overhead_bytes) for o in observations if o.overhead_bytes is not None]
+    base = slope = None
+    if len(overhead) >= 2:
+        slope, base = np.polyfit([a for a, _ in overhead], [b for _, b in overhead], 1)
+    return Correction(
+        throughput=fit_throughput(observations),
+        device=first.device, torch_version=first.torch_version, scales=scales, offset_bytes=round(float(solution[-1])),
+        residual_pct=float(np.sqrt(np.mean(after**2))), num_records=len(y),
+        before_median_abs_pct=float(np.median(np.abs(before))), after_median_abs_pct=float(np.median(np.abs(after))),
+        overhead_base_bytes=None if base is None else round(float(base)),
+        overhead_per_allocated=None if slope is None else float(slope),
+    )
+
+
+def _throughput_one(strategy: str, obs: list[Observation]) -> ThroughputFit:
+    flops = np.array([o.flops_per_step for o in obs])
+    seconds = np.array([o.step_time_s for o in obs])
+    achieved = float(flops @ flops / (flops @ seconds))  # least squares of seconds = flops / achieved
+    real = [o for o in obs if o.comm_s]
+    exposed = None
+    if len(real) >= 2:
+        design = np.array([[o.flops_per_step, o.comm_s] for o in real])
+        scale = design.max(axis=0)  # columns of equal weight: FLOPs are ~1e15 times seconds
+        (inverse, exposed), *_ = np.linalg.lstsq(design / scale, np.array([o.step_time_s for o in real]), rcond=None)
+        achieved, exposed = float(scale[0] / inverse), float(np.clip(exposed / scale[1], 0.0, 1.0))
+    peak = obs[0].peak_flops
+    return ThroughputFit(strategy=strategy, num_records=len(obs), achieved_flops=achieved,
+                         mfu=achieved / peak if peak else None, exposed_comm_fraction=exposed)
+
+
+def fit_throughput(observations: list[Observation]) -> tuple[ThroughputFit, ...]:
+    """Per strategy, from the observations that carry a step time."""
+    timed = [o for o in observations if o.step_time_s and o.flops_per_step]
+    strategies = sorted({o.strategy for o in timed})
+    return tuple(_throughput_one(s, [o for o in timed if o.strategy == s]) for s in strategies)
+
+
+def fit(observations: list[Observation]) -> list[Correction]:
+    """One correction per (device, torch version) present in the observations."""
+    keys = sorted({(o.device, o.torch_version) for o in observations})
+    return [fit_one([o for o in observations if (o.device, o.torch_version) == k]) for k in keys]
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """Corrections fitted on one half of the records, judged on the other half."""
+
+    fitted_on: str
+    num_held_out: int
+    before_median_abs_pct: float
+    after_median_abs_pct: float
+    before_max_abs_pct: float
+    after_max_abs_pct: float
+
+
+def held_out(observations: list[Observation]) -> list[HeldOut]:
+    """Two-fold check: fit on the even records and judge on the odd ones, then the reverse."""
+    out = []
+    for name, half in (("even records", 0), ("odd records", 1)):
+        train, test = observations[half::2], observations[1 - half::2]
+        if not train or not test:
+            continue
+        [correction] = fit(train)[:1]
+        y = np.array([o.measured_bytes for o in test], dtype=float)
+        before = np.abs(_errors_pct(np.array([sum(o.estimated.values()) for o in test], dtype=float), y))
+        after = np.abs(_errors_pct(np.array([correction.corrected_bytes(o.estimated) for o in test], dtype=float), y))
+        out.append(HeldOut(fitted_on=name, num_held_out=len(test),
+                           before_median_abs_pct=float(np.median(before)), after_median_abs_pct=float(np.median(after)),
+                           before_max_abs_pct=float(before.max()), after_max_abs_pct=float(after.max())))
+    return out
 
 
 def _speed_model(job, measured: dict, mode: str) -> tuple[float, float | None, float | None]:

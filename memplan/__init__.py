@@ -1,6 +1,29 @@
-"""memplan: per-GPU memory planner and distributed-strategy recommender for PyTorch training."""
+"""memplan: per-GPU memory planner and distributed-strategy recommender for PyTorch training.
+
+    import memplan
+    memplan.estimate(params=13e9, gpus=8, gpu_mem=80).to_frame()
+    memplan.recommend(model="llama-2-70b", gpus=16, gpu="a100-80gb")
+    memplan.sweep(params=[7e9, 70e9], gpus=[8, 64], micro_batch=[1, 4], seq_len=[2048], gpu_mem=80)
+    memplan.from_module(model, gpus=8, gpu="h100-sxm")
+"""
+from .api import estimate, from_module, recommend
 from .errors import MemplanError
 from .specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 from .strategies import STRATEGIES
 
-__all__ = ["MemplanError", "ClusterSpec", "Job", "ModelSpec", "Plan", "TrainSpec", "STRATEGIES"]
+# numpy, pandas and matplotlib load only when these are used
+_LAZY = {"sweep": ("sweep", "sweep"), "plot_breakdown": ("plot", "plot_breakdown"),
+         "plot_fits": ("plot", "plot_fits"), "plot_calibration": ("plot", "plot_calibration")}
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'memplan' has no attribute {name!r}")
+    import importlib
+
+    module, attr = _LAZY[name]
+    return getattr(importlib.import_module(f".{module}", __name__), attr)
+
+
+__all__ = ["estimate", "recommend", "sweep", "from_module", "plot_breakdown", "plot_fits", "plot_calibration",
+           "MemplanError", "ClusterSpec", "Job", "ModelSpec", "Plan", "TrainSpec", "STRATEGIES"]

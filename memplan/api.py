@@ -1,6 +1,7 @@
 """The Python API the CLI is a shell over: notebooks call these directly."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .breakdown import Estimate
@@ -83,3 +84,60 @@ def min_gpus(*, strategy: str = "all", gpus_per_node: int = 0, **kwargs):
     kwargs.pop("gpus", None)
     choice, jobs = _jobs(strategy=strategy, gpus=1, **kwargs)
     return choice, search_min_gpus(jobs[0], [j.plan.strategy for j in jobs], gpus_per_node=gpus_per_node)
+
+
+@dataclass(frozen=True)
+class Result:
+    """What ``memplan.estimate`` returns: the model it understood, one estimate per strategy and,
+    where a calibration applies, the corrected totals."""
+
+    choice: ModelChoice
+    estimates: tuple[Estimate, ...]
+    applied: "Applied | None" = None
+
+    def __getitem__(self, strategy: str) -> Estimate:
+        for est in self.estimates:
+            if est.job.plan.strategy == strategy:
+                return est
+        raise KeyError(f"{strategy!r} was not estimated; these were: "
+                       + ", ".join(e.job.plan.strategy for e in self.estimates))
+
+    def to_frame(self):
+        """One row per strategy: bytes by component at the peak, allocated, overhead, total, fits."""
+        import pandas as pd
+
+        from .report import estimate_dict
+
+        rows = []
+        for i, est in enumerate(self.estimates):
+            row = estimate_dict(est)
+            flat = {k: row[k] for k in ("strategy", "precision", "activation_checkpointing", "offload", "micro_batch",
+                                        "phase", "fits", "headroom_bytes")}
+            flat.update({f"{k}_bytes": v for k, v in row["bytes"].items()})
+            if self.applied:
+                corrected = self.applied.results[i]
+                flat.update(calibrated_total_bytes=corrected.total_bytes, calibrated_band_bytes=corrected.band_bytes,
+                            fits=corrected.fits, headroom_bytes=corrected.headroom_bytes)
+            rows.append(flat)
+        return pd.DataFrame(rows).set_index("strategy")
+
+
+def estimate(*, calibration: str | None = "auto", **kwargs) -> Result:
+    """Estimates for every strategy asked for, as ``memplan estimate`` prints them.
+
+    ``memplan.estimate(params=13e9, gpus=8, gpu_mem=80)``; the model as ``params=``,
+    ``model="llama-2-13b"``, ``config="config.json"`` or a config dict, ``model=ModelSpec(...)``,
+    or ``arch=..., layers=..., hidden=...``; any CLI option as a keyword (``micro_batch=4``).
+    """
+    choice, estimates = estimate_all(**kwargs)
+    return Result(choice=choice, estimates=tuple(estimates), applied=calibrated(estimates, calibration))
+
+
+def from_module(module, *, num_heads: int | None = None, arch: str | None = None, dropout: float | None = None,
+                **kwargs) -> Result:
+    """Estimate for a model object (an ``nn.Module`` or anything with ``named_parameters()``),
+    without importing torch: its exact parameter shapes, or its Hugging Face ``config``."""
+    from .module import spec_from_module
+
+    spec = spec_from_module(module, num_heads=num_heads, arch=arch, dropout=dropout)
+    return estimate(model=spec, **kwargs)

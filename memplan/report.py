@@ -2,6 +2,7 @@
 explanation. Bytes stay integers until a human reads them."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 import csv
 import io
 import json
@@ -9,10 +10,13 @@ import json
 from tabulate import tabulate
 
 from .breakdown import Component, Estimate
-from .calibration import Applied, Corrected
 from .decide import Recommendation
 from .inputs import ModelChoice
 from .units import gib
+
+
+if TYPE_CHECKING:  # numpy-backed: imported only where a calibration applies
+    from .calibration import Applied, Corrected
 
 COMPONENTS = [c.value for c in Component]
 

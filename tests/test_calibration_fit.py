@@ -1,6 +1,7 @@
 """Corrections: the fit recovers known scales, stays put without evidence, and applies."""
 import pytest
 
+from calibrate import fit as fitting
 from memplan import calibration as cal
 from memplan.api import estimate_all
 from memplan.errors import MemplanError
@@ -16,7 +17,7 @@ def test_fit_recovers_scales_and_offset():
     rows = [(s, a, b) for s in (1e8, 3e8, 9e8) for a in (5e7, 4e8) for b in (1e7, 2e8)]
     data = [obs(s, a, b, round(1e6 + truth["states"] * s + truth["activations"] * a + truth["buffers"] * b))
             for s, a, b in rows]
-    [fit] = cal.fit(data)
+    [fit] = fitting.fit(data)
     for group, scale in truth.items():
         assert fit.scales[group] == pytest.approx(scale, abs=0.01)
     assert fit.offset_bytes == pytest.approx(1e6, rel=0.1)
@@ -26,14 +27,14 @@ def test_fit_recovers_scales_and_offset():
 
 def test_a_group_the_records_never_exercise_keeps_scale_one():
     data = [obs(s, a, 0, round(1.1 * s + a)) for s in (1e8, 2e8, 4e8) for a in (1e7, 1e8)]
-    [fit] = cal.fit(data)
+    [fit] = fitting.fit(data)
     assert fit.scales["buffers"] == 1.0
     assert fit.scales["states"] == pytest.approx(1.1, abs=0.01)
 
 
 def test_overhead_is_fitted_where_records_have_device_memory():
     data = [obs(a, 0, 0, a, overhead=round(1.4e9 + 0.08 * a)) for a in (1e9, 5e9, 2e10)]
-    [fit] = cal.fit(data)
+    [fit] = fitting.fit(data)
     assert fit.overhead_bytes(10**10) == pytest.approx(1.4e9 + 0.08e10, rel=1e-6)
 
 
@@ -41,7 +42,7 @@ def test_one_correction_per_device_and_torch_version():
     data = [obs(1e8, 1e8, 0, 2e8), obs(2e8, 1e8, 0, 3e8)]
     data += [cal.Observation(device="NVIDIA H100 80GB HBM3", torch_version="2.13.0", measured_bytes=m,
                              estimated={"states": m, "activations": 0, "buffers": 0}) for m in (1e9, 2e9)]
-    fits = cal.fit(data)
+    fits = fitting.fit(data)
     assert [(f.device, f.num_records) for f in fits] == [("NVIDIA H100 80GB HBM3", 2), ("cpu", 2)]
     calib = cal.Calibration(corrections=tuple(fits))
     assert calib.for_device("cpu")[1] is True
@@ -87,7 +88,7 @@ def test_corrections_fitted_on_half_a_real_record_set_improve_the_other_half():
 
     obs = observations(shipped_records())
     assert len(obs) >= 40
-    rows = cal.held_out(obs)
+    rows = fitting.held_out(obs)
     assert [r.fitted_on for r in rows] == ["even records", "odd records"]
     for row in rows:
         assert row.after_median_abs_pct < row.before_median_abs_pct
@@ -156,7 +157,7 @@ def test_throughput_fit_recovers_speed_and_exposed_communication():
         return cal.Observation(device=device, torch_version="2.13.0", measured_bytes=1, estimated={"states": 1},
                                strategy="fsdp-full-shard", flops_per_step=flops, peak_flops=989.4e12, comm_s=comm,
                                step_time_s=flops / 400e12 + 0.3 * comm)
-    [fitted] = cal.fit_throughput([timed(f, c) for f, c in ((1e14, 0.1), (3e14, 0.1), (2e14, 0.4), (5e14, 0.2))])
+    [fitted] = fitting.fit_throughput([timed(f, c) for f, c in ((1e14, 0.1), (3e14, 0.1), (2e14, 0.4), (5e14, 0.2))])
     assert fitted.achieved_flops == pytest.approx(400e12, rel=1e-6)
     assert fitted.exposed_comm_fraction == pytest.approx(0.3, abs=1e-6)
     assert fitted.mfu == pytest.approx(400 / 989.4, rel=1e-6)
