@@ -12,7 +12,7 @@ from .specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 from .strategies import STRATEGIES
 
 # numpy, pandas and matplotlib load only when these are used
-_LAZY = {"sweep": ("sweep", "sweep"), "plot_breakdown": ("plot", "plot_breakdown"),
+_LAZY = {"sweep": ("grid", "sweep"), "plot_breakdown": ("plot", "plot_breakdown"),
          "plot_fits": ("plot", "plot_fits"), "plot_calibration": ("plot", "plot_calibration")}
 
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .breakdown import Estimate
+from .errors import MemplanError
 from .inputs import ModelChoice, build_jobs
 from .memory import estimate as estimate_job
 
@@ -122,6 +123,19 @@ class Result:
         return pd.DataFrame(rows).set_index("strategy")
 
 
+def check_keywords(kwargs: dict, *, extra: tuple[str, ...] = ()) -> None:
+    """A keyword the CLI has no option for is an error, not silently ignored."""
+    import inspect
+
+    from .inputs import ARCH_FLAGS
+
+    known = {*inspect.signature(build_jobs).parameters, "params", "model", "config", "arch", *ARCH_FLAGS, *extra}
+    known.discard("model_args")
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise MemplanError(f"unknown keyword {', '.join(map(repr, unknown))}; accepted: {', '.join(sorted(known))}")
+
+
 def estimate(*, calibration: str | None = "auto", **kwargs) -> Result:
     """Estimates for every strategy asked for, as ``memplan estimate`` prints them.
 
@@ -129,15 +143,16 @@ def estimate(*, calibration: str | None = "auto", **kwargs) -> Result:
     ``model="llama-2-13b"``, ``config="config.json"`` or a config dict, ``model=ModelSpec(...)``,
     or ``arch=..., layers=..., hidden=...``; any CLI option as a keyword (``micro_batch=4``).
     """
+    check_keywords(kwargs)
     choice, estimates = estimate_all(**kwargs)
     return Result(choice=choice, estimates=tuple(estimates), applied=calibrated(estimates, calibration))
 
 
 def from_module(module, *, num_heads: int | None = None, arch: str | None = None, dropout: float | None = None,
-                **kwargs) -> Result:
+                name: str | None = None, **kwargs) -> Result:
     """Estimate for a model object (an ``nn.Module`` or anything with ``named_parameters()``),
     without importing torch: its exact parameter shapes, or its Hugging Face ``config``."""
     from .module import spec_from_module
 
-    spec = spec_from_module(module, num_heads=num_heads, arch=arch, dropout=dropout)
+    spec = spec_from_module(module, num_heads=num_heads, arch=arch, dropout=dropout, name=name)
     return estimate(model=spec, **kwargs)

@@ -153,8 +153,10 @@ def main():
 @click.option("--calibration", default="auto", show_default=True,
               help="Corrections from `memplan calibrate fit` (FILE); auto: those shipped for --gpu NAME "
                    "(or --device cpu) if any; none: the analytic model alone.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Also write stacked bars of GiB per component per strategy (PNG; needs memplan[plot]).")
 @user_errors
-def estimate(fmt, calibration, priority, interconnect, bw, **flags):
+def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
     """Peak per-GPU memory of a training step under each strategy, the predicted throughput
     relative to DDP, and the recommendation.
 
@@ -164,6 +166,10 @@ def estimate(fmt, calibration, priority, interconnect, bw, **flags):
 
     choice, estimates = api.estimate_all(**flags)
     applied = api.calibrated(estimates, calibration)
+    if plot_path:
+        from .plot import plot_breakdown
+
+        plot_breakdown(api.Result(choice=choice, estimates=tuple(estimates), applied=applied), plot_path)
     if fmt == "csv":
         click.echo(report.render_csv(estimates, applied), nl=False)
         return

@@ -5,7 +5,7 @@ import pytest
 from memplan.errors import MemplanError
 from memplan.inputs import build_jobs
 from memplan.memory import estimate
-from memplan.sweep import sweep
+from memplan.grid import sweep
 
 PRECISIONS = ["fp32", "amp-bf16", "mixed-bf16", "bf16"]
 

@@ -76,6 +76,9 @@ def sweep(*, params=None, model=None, gpus=8, strategy="all", precision="mixed-b
     """
     import pandas as pd
 
+    from .api import check_keywords
+
+    check_keywords(fixed)
     if (params is None) == (model is None):
         raise MemplanError("sweep needs params=[...] or model=[...] (one of them)")
     sources = [("params", p) for p in _listify(params)] if params is not None else \
