@@ -225,7 +225,12 @@ class HFCausalLM(nn.Module):
             raise ValueError("Hugging Face models offer full activation checkpointing only")
         self.hf = AutoModelForCausalLM.from_config(hf_config(spec, attention=attention))
         if ac == "full":
-            self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # transformers 5 renamed gradient_checkpointing_enable (the old name warns)
+            enable = getattr(self.hf, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     @property
     def layers(self):
