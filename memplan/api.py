@@ -47,13 +47,14 @@ FIXABLE = ("strategy", "precision", "ac", "offload", "micro_batch")
 
 
 def recommend(*, priority: str = "speed", interconnect: str | None = None, bw: float | None = None,
-              **kwargs) -> tuple[ModelChoice, "Recommendation"]:
+              calibration: str | None = "auto", **kwargs) -> tuple[ModelChoice, "Recommendation"]:
     """The best option that fits, by ``priority`` (speed | memory | simplicity).
 
     Takes estimate_all's keywords; every one of strategy, precision, ac, offload and micro_batch
     that is passed (not None, strategy not "all") is kept fixed, the others are searched.
     ``micro_batch="max"`` searches the largest micro-batch. ``interconnect`` (nvlink | infiniband
-    | ethernet | pcie) or ``bw`` (GB/s per direction) set the link between nodes.
+    | ethernet | pcie) or ``bw`` (GB/s per direction) set the link between nodes. ``calibration``
+    as for ``estimate``: a calibrated total decides what fits, measured speed replaces the defaults.
     """
     from .decide import recommend_job
 
@@ -66,16 +67,20 @@ def recommend(*, priority: str = "speed", interconnect: str | None = None, bw: f
     args = {k: v for k, v in kwargs.items() if v is not None and k != "micro_batch"}
     choice, jobs = build_jobs(**args)
     rec = recommend_job(jobs[0], fixed=fixed, priority=priority, interconnect=interconnect, bw_gbs=bw,
-                        micro_batch_max=micro_batch_max)
+                        micro_batch_max=micro_batch_max, calibration=calibration)
     return choice, rec
 
 
 def relative_throughputs(estimates: list[Estimate], *, interconnect: str | None = None,
-                         bw: float | None = None) -> list[float]:
-    """Each estimate's predicted tokens/s over DDP's at the same settings."""
-    from .throughput import link_for, relative_to_ddp
+                         bw: float | None = None, calibration: str | None = "auto") -> list[float]:
+    """Each estimate's predicted tokens/s over DDP's at the same settings (of one job)."""
+    from .decide import basis_for
+    from .throughput import relative_to_ddp
 
-    return [relative_to_ddp(e.job, link_for(e.job, interconnect=interconnect, bw_gbs=bw)) for e in estimates]
+    if not estimates:
+        return []
+    basis = basis_for(estimates[0].job, interconnect=interconnect, bw_gbs=bw, calibration=calibration)
+    return [relative_to_ddp(e.job, basis.step) for e in estimates]
 
 
 def min_gpus(*, strategy: str = "all", gpus_per_node: int = 0, **kwargs):

@@ -91,6 +91,21 @@ class Correction:
             return None
         return round(self.overhead_base_bytes + self.overhead_per_allocated * allocated_bytes)
 
+    def speed(self, strategy: str) -> ThroughputFit | None:
+        """The strategy's measured speed; for a strategy that was not measured, the record-weighted
+        mean of the others' compute speed (its communication stays modelled), so that measured and
+        unmeasured strategies are ranked on the same device's compute."""
+        fits = {t.strategy: t for t in self.throughput}
+        if strategy in fits or not fits:
+            return fits.get(strategy)
+        n = sum(t.num_records for t in fits.values())
+        with_mfu = [t for t in fits.values() if t.mfu is not None]
+        mfu = (sum(t.mfu * t.num_records for t in with_mfu) / sum(t.num_records for t in with_mfu)
+               if with_mfu else None)
+        return ThroughputFit(strategy="mean of the measured strategies", num_records=n,
+                             achieved_flops=sum(t.achieved_flops * t.num_records for t in fits.values()) / n,
+                             mfu=mfu, exposed_comm_fraction=None)
+
 
 def group_bytes(by_component: dict) -> dict[str, int]:
     by = {Component(k): v for k, v in by_component.items()}
@@ -211,23 +226,32 @@ def _device_key(job) -> str | None:
     return "cpu" if job.train.device == "cpu" else None
 
 
-def apply_all(estimates: list[Estimate], calibration: str | None = "auto") -> Applied | None:
-    """``auto``: the corrections shipped for the job's device (``--gpu NAME``, or cpu), if any;
-    ``none``: nothing; otherwise a corrections file written by ``memplan calibrate fit``."""
-    if not estimates or calibration in (None, "none"):
+def resolve(job, calibration: str | None = "auto") -> tuple[Calibration, Correction, bool] | None:
+    """The calibration file, the correction in it for ``job``'s device, and whether it was fitted
+    on that device; None where none applies. ``auto``: the corrections shipped for the job's
+    device (``--gpu NAME``, or cpu), if any; ``none``: nothing; otherwise a corrections file
+    written by ``memplan calibrate fit``."""
+    if calibration in (None, "none"):
         return None
-    job = estimates[0].job
     if calibration == "auto":
         key = _device_key(job)
         loaded = shipped(key) if key else None
         if loaded is None:
             return None
-        device = "cpu" if key == "cpu" else key
+        device = key
     else:
         loaded, device = load(calibration), _device_key(job) or job.train.device
     correction, same = loaded.for_device(device)
     if correction is None:
         return None
-    same = same or (calibration == "auto")
+    return loaded, correction, same or calibration == "auto"
+
+
+def apply_all(estimates: list[Estimate], calibration: str | None = "auto") -> Applied | None:
+    """``estimates`` (of one job under several strategies) with ``resolve``'s correction applied."""
+    found = resolve(estimates[0].job, calibration) if estimates else None
+    if found is None:
+        return None
+    loaded, correction, same = found
     return Applied(calibration=loaded, correction=correction, device_matches=same,
                    results=tuple(apply(e, correction, device_matches=same) for e in estimates))

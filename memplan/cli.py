@@ -87,6 +87,10 @@ DECISION_OPTIONS = [
                       "the GPU's own link within one]."),
     click.option("--bw", type=click.FloatRange(min=0, min_open=True),
                  help="Bandwidth of that link in GB/s per direction (overrides --interconnect's table value)."),
+    click.option("--calibration", default="auto", show_default=True,
+                 help="Corrections from `memplan calibrate fit` (FILE); auto: those shipped for --gpu NAME "
+                      "(or --device cpu) if any; none: the analytic model alone. They move what fits and, "
+                      "with measured step times, the predicted speed."),
 ]
 FIXABLE_FLAGS = ("strategy", "precision", "ac", "offload", "micro_batch")  # = api.FIXABLE
 
@@ -150,9 +154,6 @@ def main():
 @job_options
 @decision_options
 @click.option("--format", "fmt", type=_choice(("table", "json", "csv")), default="table", show_default=True)
-@click.option("--calibration", default="auto", show_default=True,
-              help="Corrections from `memplan calibrate fit` (FILE); auto: those shipped for --gpu NAME "
-                   "(or --device cpu) if any; none: the analytic model alone.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Also write stacked bars of GiB per component per strategy (PNG; needs memplan[plot]).")
 @user_errors
@@ -173,8 +174,9 @@ def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
     if fmt == "csv":
         click.echo(report.render_csv(estimates, applied), nl=False)
         return
-    relative = api.relative_throughputs(estimates, interconnect=interconnect, bw=bw)
-    _, rec = api.recommend(priority=priority, interconnect=interconnect, bw=bw, **_explicit(flags))
+    relative = api.relative_throughputs(estimates, interconnect=interconnect, bw=bw, calibration=calibration)
+    _, rec = api.recommend(priority=priority, interconnect=interconnect, bw=bw, calibration=calibration,
+                           **_explicit(flags))
     if fmt == "json":
         click.echo(report.render_json(choice, estimates, applied, relative, rec))
     else:
@@ -188,7 +190,7 @@ def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
               help="Print the launch configuration of the recommendation in this form.")
 @click.option("--format", "fmt", type=_choice(("table", "json")), default="table", show_default=True)
 @user_errors
-def recommend(priority, interconnect, bw, emit, fmt, **flags):
+def recommend(priority, interconnect, bw, calibration, emit, fmt, **flags):
     """The best option that fits (strategy, precision, AC, offload, micro-batch), why, what was
     rejected, and which documented rules the arithmetic agrees with or contradicts.
 
@@ -201,7 +203,8 @@ def recommend(priority, interconnect, bw, emit, fmt, **flags):
     from . import api, report
     from .emit import emit as emit_text
 
-    choice, rec = api.recommend(priority=priority, interconnect=interconnect, bw=bw, **_explicit(flags))
+    choice, rec = api.recommend(priority=priority, interconnect=interconnect, bw=bw, calibration=calibration,
+                                **_explicit(flags))
     launch = emit_text(rec.best.job, emit) if emit and rec.best else None
     if emit and rec.best is None:
         raise MemplanError("nothing fits, so there is nothing to --emit; apply one of the changes listed "

@@ -14,6 +14,7 @@ from functools import cache
 
 from . import catalog, search
 from .breakdown import Estimate
+from .calibration import Calibration, Correction, Corrected, apply, resolve
 from .errors import MemplanError
 from .memory import estimate
 from .specs import AC_MODES, OFFLOADS, Job, Plan
@@ -127,6 +128,8 @@ class Option:
     """One configuration, estimated and timed."""
 
     estimate: Estimate
+    corrected: Corrected | None = None
+    """The estimate with the calibration applied, where one applies: its total decides."""
     step: StepTime
     relative_throughput: float
     """Tokens/s over DDP's at the same settings (DDP fitting or not)."""
@@ -136,8 +139,16 @@ class Option:
         return self.estimate.job
 
     @property
+    def total_bytes(self) -> int:
+        return (self.corrected or self.estimate).total_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return (self.corrected or self.estimate).headroom_bytes
+
+    @property
     def fits(self) -> bool:
-        return self.estimate.fits
+        return (self.corrected or self.estimate).fits
 
     @property
     def key(self) -> tuple:
@@ -151,14 +162,55 @@ class Option:
                 f"offload {j.plan.offload}, micro-batch {j.train.micro_batch}")
 
 
-def evaluate(job: Job, link: Link) -> Option:
-    return Option(estimate=estimate(job), step=step_time(job, link), relative_throughput=relative_to_ddp(job, link))
+@dataclass(frozen=True, kw_only=True)
+class Basis:
+    """What every option is judged on: the links and, where a calibration applies, its correction
+    (the corrected total decides what fits; the measured MFU — or, on the very device it was
+    measured on, FLOP/s — and exposed communication replace the throughput defaults)."""
+
+    link: Link
+    calibration: Calibration | None = None
+    correction: Correction | None = None
+    device_matches: bool = False
+
+    @property
+    def measured_compute(self) -> bool:
+        """Compute time from FLOP/s measured on this very device (no datasheet peak involved)."""
+        return bool(self.correction and self.device_matches
+                    and any(t.mfu is None for t in self.correction.throughput))
+
+    def step(self, job: Job) -> StepTime:
+        fit = self.correction.speed(job.plan.strategy) if self.correction else None
+        if fit is None:
+            return step_time(job, self.link)
+        measured = fit.achieved_flops if fit.mfu is None and self.device_matches else None
+        return step_time(job, self.link, mfu=fit.mfu, achieved_flops=measured,
+                         exposed_fraction=fit.exposed_comm_fraction)
+
+    def corrected(self, est: Estimate) -> Corrected | None:
+        return apply(est, self.correction, device_matches=self.device_matches) if self.correction else None
+
+    def fits(self, job: Job) -> bool:
+        est = estimate(job)
+        return (self.corrected(est) or est).fits
+
+    def describe(self) -> str:
+        c = self.correction
+        measured = ", ".join(t.strategy for t in c.throughput) or "none"
+        where = "" if self.device_matches else " (fitted on another device: treat with care)"
+        return (f"calibrated by {self.calibration.path}: {c.device}, torch {c.torch_version}, memory band "
+                f"±{c.residual_pct:.2f} %; speed measured for: {measured}{where}")
+
+    def evaluate(self, job: Job) -> Option:
+        est = estimate(job)
+        return Option(estimate=est, corrected=self.corrected(est), step=self.step(job),
+                      relative_throughput=relative_to_ddp(job, self.step))
 
 
 def _rank(option: Option, priority: str) -> tuple:
     speed = -option.step.tokens_per_s
     simple = simplicity_ranks()[option.job.plan.strategy]
-    mem = option.estimate.total_bytes
+    mem = option.total_bytes
     if priority == "memory":
         return (mem, speed, simple)
     if priority == "simplicity":
@@ -166,7 +218,7 @@ def _rank(option: Option, priority: str) -> tuple:
                 speed, mem)
     # within 3 significant figures: as fast; then an option with a safe margin, then the simpler
     usable = option.job.cluster.usable_bytes
-    tight = option.estimate.headroom_bytes < default("safe_headroom_fraction") * usable
+    tight = option.headroom_bytes < default("safe_headroom_fraction") * usable
     return (-float(f"{-speed:.3g}"), tight, simple, mem)
 
 
@@ -193,6 +245,16 @@ def candidate_jobs(job: Job, fixed: dict) -> list[Job]:
         train = replace(job.train, precision=p, activation_checkpointing=a, micro_batch=1)
         jobs.append(replace(job, train=train, plan=Plan(strategy=s, offload=o)))
     return jobs
+
+
+def basis_for(job: Job, *, interconnect: str | None = None, bw_gbs: float | None = None,
+              calibration: str | None = None) -> Basis:
+    found = resolve(job, calibration)
+    link = link_for(job, interconnect=interconnect, bw_gbs=bw_gbs)
+    if found is None:
+        return Basis(link=link)
+    loaded, correction, same = found
+    return Basis(link=link, calibration=loaded, correction=correction, device_matches=same)
 
 
 # ---------------------------------------------------------------------------- results
@@ -226,16 +288,16 @@ class Fix:
     def line(self) -> str:
         if self.option is None:
             return self.change
-        est = self.option.estimate
-        verdict = "fits" if self.fits else f"still over by {_gib(-est.headroom_bytes)}"
-        return (f"{self.change}: {self.option.label()} -> {_gib(est.total_bytes)} of "
-                f"{_gib(est.job.cluster.usable_bytes)} usable, {verdict}")
+        o = self.option
+        verdict = "fits" if self.fits else f"still over by {_gib(-o.headroom_bytes)}"
+        return (f"{self.change}: {o.label()} -> {_gib(o.total_bytes)} of "
+                f"{_gib(o.job.cluster.usable_bytes)} usable, {verdict}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Recommendation:
     priority: str
-    link: Link
+    basis: Basis
     best: Option | None
     """None: nothing fits; see ``fixes``."""
     reasons: tuple[str, ...]
@@ -246,13 +308,17 @@ class Recommendation:
     """Every option evaluated (the best micro-batch of each combination)."""
 
     @property
+    def link(self) -> Link:
+        return self.basis.link
+
+    @property
     def contradicted(self) -> tuple[RuleVerdict, ...]:
         return tuple(v for v in self.rules if not v.agrees)
 
 
 # ---------------------------------------------------------------------------- the engine
 
-def _options(job: Job, fixed: dict, priority: str, link: Link, micro_batch_max: bool) -> list[Option]:
+def _options(job: Job, fixed: dict, priority: str, basis: Basis, micro_batch_max: bool) -> list[Option]:
     cap = int(default("micro_batch_cap"))
     options = []
     for candidate in candidate_jobs(job, fixed):
@@ -260,22 +326,21 @@ def _options(job: Job, fixed: dict, priority: str, link: Link, micro_batch_max: 
             mb = fixed["micro_batch"]
         else:
             limit = search.MICRO_BATCH_LIMIT if micro_batch_max else cap
-            found = search.max_micro_batch(candidate, limit=limit)
+            found = search.max_micro_batch(candidate, limit=limit, fits=basis.fits)
             mb = 1 if found == 0 or (priority == "memory" and not micro_batch_max) else found
-        options.append(evaluate(candidate.with_(micro_batch=mb), link))
+        options.append(basis.evaluate(candidate.with_(micro_batch=mb)))
     return options
 
 
 def _reject_reason(option: Option, best: Option | None, priority: str) -> str:
-    est = option.estimate
     if not option.fits:
-        return (f"does not fit by {_gib(-est.headroom_bytes)} (total {_gib(est.total_bytes)} > "
-                f"{_gib(est.job.cluster.usable_bytes)} usable)")
+        return (f"does not fit by {_gib(-option.headroom_bytes)} (total {_gib(option.total_bytes)} > "
+                f"{_gib(option.job.cluster.usable_bytes)} usable)")
     slower = 1 - option.step.tokens_per_s / best.step.tokens_per_s
     speed = (f"{slower:.0%} slower" if slower >= 0.01 else f"{slower:.1%} slower" if slower > 0.0005
              else "as fast")
     if priority == "memory":
-        return f"uses {_gib(est.total_bytes - best.estimate.total_bytes)} more; {speed}"
+        return f"uses {_gib(option.total_bytes - best.total_bytes)} more; {speed}"
     if priority == "simplicity" and _rank(option, priority)[:3] != _rank(best, priority)[:3]:
         return f"less simple ({option.job.plan.strategy}, offload {option.job.plan.offload}, " \
                f"AC {option.job.train.activation_checkpointing}); {speed}"
@@ -298,25 +363,25 @@ def _claim_verdict(rule: Rule, measured: float, what: str) -> tuple[bool, str]:
     return ok, f"{what} {measured:.2f}× by the model, {claim}× claimed"
 
 
-def _judge(rule: Rule, options: list[Option], best: Option | None, job: Job, link: Link,
+def _judge(rule: Rule, options: list[Option], best: Option | None, job: Job, basis: Basis,
            priority: str, fixed: dict) -> RuleVerdict:
     close = default("close_fraction")
     if rule.kind == "ac-cost":
-        basis = best.job if best else job
-        with_ac = step_time(basis.with_(activation_checkpointing=rule.ac), link)
-        without = step_time(basis.with_(activation_checkpointing="none"), link)
+        ref = best.job if best else job
+        with_ac = basis.step(ref.with_(activation_checkpointing=rule.ac))
+        without = basis.step(ref.with_(activation_checkpointing="none"))
         ok, text = _claim_verdict(rule, with_ac.tokens_per_s / without.tokens_per_s,
-                                  f"AC {rule.ac} throughput relative to none ({basis.plan.strategy}):")
+                                  f"AC {rule.ac} throughput relative to none ({ref.plan.strategy}):")
         return RuleVerdict(rule=rule, agrees=ok, detail=f"{text} (full recompute adds one forward: 2·N + 4·L·h·s "
                            f"FLOPs per token on top of 6·N + 12·L·h·s)")
     if rule.kind == "penalty":
-        basis = (best.job if best else job).with_(offload="none").with_(
+        ref = (best.job if best else job).with_(offload="none").with_(
             strategy=rule.strategies[0]).with_(offload=rule.offload or "none")
-        st = step_time(basis, link)
-        ok, text = _claim_verdict(rule, relative_to_ddp(basis, link), f"{rule.strategies[0]} relative to DDP:")
+        st = basis.step(ref)
+        ok, text = _claim_verdict(rule, relative_to_ddp(ref, basis.step), f"{rule.strategies[0]} relative to DDP:")
         return RuleVerdict(rule=rule, agrees=ok, detail=(
             f"{text} (communication {st.comm_s:.3f} s, exposed {st.exposed_comm_s:.3f} s, offload {st.offload_s:.3f} s "
-            f"vs compute {st.compute_s:.3f} s per step over {link.interconnect})"))
+            f"vs compute {st.compute_s:.3f} s per step over {basis.link.interconnect})"))
     candidates = _rule_options(rule, options)
     claims = {"ac": rule.ac, "offload": rule.offload, "precision": rule.precision}
     overridden = any(v is not None and k in fixed and fixed[k] != v for k, v in claims.items())
@@ -324,41 +389,41 @@ def _judge(rule: Rule, options: list[Option], best: Option | None, job: Job, lin
         # the user's fixed choices exclude the rule's option: judge it on its own terms
         candidates = [o for strategy in rule.strategies for o in _options(
             job, {**fixed, **{k: v for k, v in claims.items() if v is not None}, "strategy": strategy},
-            priority, link, micro_batch_max=False) if STRATEGIES[strategy].supports_offload(o.job.plan.offload)]
+            priority, basis, micro_batch_max=False) if STRATEGIES[strategy].supports_offload(o.job.plan.offload)]
     fitting = sorted((o for o in candidates if o.fits), key=lambda o: _rank(o, priority))
     if not fitting:
-        smallest = min(candidates, key=lambda o: o.estimate.total_bytes)
+        smallest = min(candidates, key=lambda o: o.total_bytes)
         return RuleVerdict(rule=rule, agrees=False, detail=(
             f"{rule.describe()} does not fit: its smallest option ({smallest.label()}) needs "
-            f"{_gib(smallest.estimate.total_bytes)} > {_gib(job.cluster.usable_bytes)} usable"))
+            f"{_gib(smallest.total_bytes)} > {_gib(job.cluster.usable_bytes)} usable"))
     mine = fitting[0]
     rel = f"; {mine.relative_throughput:.2f}× DDP by the model" + (
         f", {rule.claimed_rel_min:.2f}× claimed" if rule.claimed_rel_min is not None else "")
     if best is None or mine.key == best.key:
         return RuleVerdict(rule=rule, agrees=True, detail=f"{mine.label()} is the best option{rel}")
     if priority == "memory":
-        extra = mine.estimate.total_bytes / best.estimate.total_bytes - 1
+        extra = mine.total_bytes / best.total_bytes - 1
         ok = extra <= close
         return RuleVerdict(rule=rule, agrees=ok, detail=(
-            f"{mine.label()} fits but needs {extra:.0%} more memory ({_gib(mine.estimate.total_bytes)} vs "
-            f"{_gib(best.estimate.total_bytes)} for {best.job.plan.strategy}){rel}"))
+            f"{mine.label()} fits but needs {extra:.0%} more memory ({_gib(mine.total_bytes)} vs "
+            f"{_gib(best.total_bytes)} for {best.job.plan.strategy}){rel}"))
     slower = 1 - mine.step.tokens_per_s / best.step.tokens_per_s
     ok = slower <= close
     return RuleVerdict(rule=rule, agrees=ok, detail=(
-        f"{mine.label()} fits ({_gib(mine.estimate.headroom_bytes)} headroom) and is "
+        f"{mine.label()} fits ({_gib(mine.headroom_bytes)} headroom) and is "
         f"{f'{slower:.0%}' if slower >= 0.01 else f'{slower:.1%}'} slower than "
         f"{best.job.plan.strategy} ({mine.step.tokens_per_s:,.0f} vs {best.step.tokens_per_s:,.0f} tokens/s per GPU){rel}"))
 
 
-def _fixes(job: Job, fixed: dict, priority: str, link: Link) -> list[Fix]:
+def _fixes(job: Job, fixed: dict, priority: str, basis: Basis) -> list[Fix]:
     """Single changes, each alone: more GPUs, AC, offload, micro-batch 1, lower precision."""
     def smallest(changed_fixed: dict, change: str, base: Job = job) -> Fix:
-        opts = [evaluate(j.with_(micro_batch=changed_fixed.get("micro_batch", job.train.micro_batch)), link)
+        opts = [basis.evaluate(j.with_(micro_batch=changed_fixed.get("micro_batch", job.train.micro_batch)))
                 for j in candidate_jobs(base, changed_fixed)]
         if not opts:
             return Fix(change=f"{change}: not available with strategy {fixed.get('strategy')}", option=None, fits=False)
         fitting = sorted((o for o in opts if o.fits), key=lambda o: _rank(o, priority))
-        pick = fitting[0] if fitting else min(opts, key=lambda o: o.estimate.total_bytes)
+        pick = fitting[0] if fitting else min(opts, key=lambda o: o.total_bytes)
         return Fix(change=change, option=pick, fits=pick.fits)
 
     base_fixed = {**{"ac": job.train.activation_checkpointing, "offload": job.plan.offload,
@@ -368,8 +433,9 @@ def _fixes(job: Job, fixed: dict, priority: str, link: Link) -> list[Fix]:
     try:
         found = search.min_gpus(job.with_(activation_checkpointing=base_fixed["ac"]).with_(
             precision=base_fixed["precision"]).with_(micro_batch=base_fixed["micro_batch"]), strategies,
-            gpus_per_node=job.cluster.gpus_per_node if job.cluster.gpus > job.cluster.gpus_per_node else 0)
-        option = evaluate(found.estimate.job, link)
+            gpus_per_node=job.cluster.gpus_per_node if job.cluster.gpus > job.cluster.gpus_per_node else 0,
+            fits=basis.fits)
+        option = basis.evaluate(found.estimate.job)
         fixes.append(Fix(change=f"more GPUs: {found.gpus} (instead of {job.cluster.gpus})", option=option, fits=True))
     except MemplanError as exc:
         fixes.append(Fix(change=f"more GPUs: {exc}", option=None, fits=False))  # exc names the limit
@@ -389,12 +455,14 @@ def _fixes(job: Job, fixed: dict, priority: str, link: Link) -> list[Fix]:
 
 
 def recommend_job(job: Job, *, fixed: dict | None = None, priority: str = "speed", interconnect: str | None = None,
-                  bw_gbs: float | None = None, micro_batch_max: bool = False) -> Recommendation:
+                  bw_gbs: float | None = None, micro_batch_max: bool = False,
+                  calibration: str | None = None) -> Recommendation:
     """The best option that fits for ``job`` by ``priority``, with reasons, rejections, rule verdicts
     and, when nothing fits, the single changes that would make it fit.
 
     ``fixed`` maps axes the user chose explicitly (strategy, precision, ac, offload, micro_batch)
-    to their values; the others are searched.
+    to their values; the others are searched. ``calibration`` (a corrections file, ``auto`` for
+    the ones shipped for the job's device, or None) moves what fits and how fast (``Basis``).
 
     Example usage::
 
@@ -407,8 +475,8 @@ def recommend_job(job: Job, *, fixed: dict | None = None, priority: str = "speed
     unknown = set(fixed) - set(AXES)
     if unknown:
         raise MemplanError(f"cannot fix {', '.join(sorted(unknown))}; fixable: {', '.join(AXES)}")
-    link = link_for(job, interconnect=interconnect, bw_gbs=bw_gbs)
-    options = _options(job, fixed, priority, link, micro_batch_max)
+    basis = basis_for(job, interconnect=interconnect, bw_gbs=bw_gbs, calibration=calibration)
+    options = _options(job, fixed, priority, basis, micro_batch_max)
     fitting = sorted((o for o in options if o.fits), key=lambda o: _rank(o, priority))
     best = fitting[0] if fitting else None
     rejected = tuple(Rejected(option=o, reason=_reject_reason(o, best, priority))
@@ -416,34 +484,37 @@ def recommend_job(job: Job, *, fixed: dict | None = None, priority: str = "speed
                      if best is None or o.key != best.key)
     ddp_fits = any(o.fits for o in options if o.job.plan.strategy == "ddp")
     if "strategy" in fixed and fixed["strategy"] != "ddp":
-        ddp_fits = any(evaluate(j, link).fits for j in candidate_jobs(job, {**fixed, "strategy": "ddp",
+        ddp_fits = any(basis.fits(j) for j in candidate_jobs(job, {**fixed, "strategy": "ddp",
                                                                             "offload": "none"}))
     inputs = dict(params=size_class(job.model.num_params), gpu_mem_gib=job.cluster.gpu_mem_bytes / GIB, gpus=job.cluster.gpus,
                   nodes=job.cluster.num_nodes, priority=priority, ddp_fits=ddp_fits)
-    verdicts = tuple(_judge(r, options, best, job, link, priority, fixed) for r in rules() if r.matches(**inputs))
-    reasons = _reasons(best, fitting, options, priority, link, fixed)
-    fixes = tuple(_fixes(job, fixed, priority, link)) if best is None else ()
-    return Recommendation(priority=priority, link=link, best=best, reasons=reasons, rejected=rejected,
+    verdicts = tuple(_judge(r, options, best, job, basis, priority, fixed) for r in rules() if r.matches(**inputs))
+    reasons = _reasons(best, fitting, options, priority, basis, fixed)
+    fixes = tuple(_fixes(job, fixed, priority, basis)) if best is None else ()
+    return Recommendation(priority=priority, basis=basis, best=best, reasons=reasons, rejected=rejected,
                           rules=verdicts, fixes=fixes, options=tuple(options))
 
 
-def _reasons(best: Option | None, fitting: list[Option], options: list[Option], priority: str, link: Link,
+def _reasons(best: Option | None, fitting: list[Option], options: list[Option], priority: str, basis: Basis,
              fixed: dict) -> tuple[str, ...]:
     out = []
-    if link.assumed_gpu:
-        out.append(f"throughput assumes {link.gpu_name} (no --gpu given): its peak FLOPS and links")
+    if basis.link.assumed_gpu:
+        what = "links (compute: measured speed)" if basis.measured_compute else "peak FLOPS and links"
+        out.append(f"throughput assumes {basis.link.gpu_name} (no --gpu given): its {what}")
+    if basis.correction:
+        out.append(basis.describe())
     if fixed:
         out.append("kept as given: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in fixed.items()))
     if best is None:
-        out.append(f"none of the {len(options)} options fits; the closest: {min(options, key=lambda o: o.estimate.total_bytes).label()}")
+        out.append(f"none of the {len(options)} options fits; the closest: {min(options, key=lambda o: o.total_bytes).label()}")
         return tuple(out)
-    est, st = best.estimate, best.step
+    st = best.step
     out.append(f"{len(fitting)} of {len(options)} options fit; ranked by {priority}")
-    out.append(f"fits: {_gib(est.total_bytes)} of {_gib(est.job.cluster.usable_bytes)} usable "
-               f"({_gib(est.headroom_bytes)} headroom), peak in {est.phase}")
+    out.append(f"fits: {_gib(best.total_bytes)} of {_gib(best.job.cluster.usable_bytes)} usable "
+               f"({_gib(best.headroom_bytes)} headroom), peak in {(best.corrected or best.estimate).phase}")
     out.append(f"predicted {st.tokens_per_s:,.0f} tokens/s per GPU ({best.relative_throughput:.2f}× DDP at the same "
                f"settings): compute {st.compute_s:.3f} s, communication {st.comm_s:.3f} s of which "
-               f"{st.exposed_comm_s:.3f} s exposed over {link.interconnect}, offload {st.offload_s:.3f} s per step")
+               f"{st.exposed_comm_s:.3f} s exposed over {basis.link.interconnect}, offload {st.offload_s:.3f} s per step")
     if len(fitting) > 1:
         runner = fitting[1]
         out.append(f"runner-up: {runner.label()} ({_reject_reason(runner, best, priority)})")

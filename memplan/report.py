@@ -2,7 +2,6 @@
 explanation. Bytes stay integers until a human reads them."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 import csv
 import io
 import json
@@ -10,13 +9,11 @@ import json
 from tabulate import tabulate
 
 from .breakdown import Component, Estimate
+from .calibration import Applied, Corrected
 from .decide import Recommendation
 from .inputs import ModelChoice
 from .units import gib
 
-
-if TYPE_CHECKING:  # numpy-backed: imported only where a calibration applies
-    from .calibration import Applied, Corrected
 
 COMPONENTS = [c.value for c in Component]
 
@@ -204,11 +201,11 @@ def _claim(rule) -> str:
     return f"{lo:.2f}" if lo == hi else f"{lo:.2f}–{hi:.2f}"
 
 def _option_dict(option) -> dict:
-    j, est = option.job, option.estimate
+    j = option.job
     return {"strategy": j.plan.strategy, "precision": j.train.precision,
             "activation_checkpointing": j.train.activation_checkpointing, "offload": j.plan.offload,
-            "micro_batch": j.train.micro_batch, "total_bytes": est.total_bytes, "fits": est.fits,
-            "headroom_bytes": est.headroom_bytes, "tokens_per_s_per_gpu": option.step.tokens_per_s,
+            "micro_batch": j.train.micro_batch, "total_bytes": option.total_bytes, "fits": option.fits,
+            "headroom_bytes": option.headroom_bytes, "tokens_per_s_per_gpu": option.step.tokens_per_s,
             "step_s": option.step.step_s, "relative_throughput": option.relative_throughput}
 
 
@@ -232,6 +229,7 @@ def recommendation_dict(rec: Recommendation) -> dict:
                   for f in rec.fixes],
         "link": {"gpu": rec.link.gpu_name, "assumed_gpu": rec.link.assumed_gpu, "interconnect": rec.link.interconnect,
                  "intra_node_bytes_s": rec.link.intra_node_bytes_s, "inter_node_bytes_s": rec.link.inter_node_bytes_s},
+        "calibration": rec.basis.describe() if rec.basis.correction else None,
     }
 
 
@@ -246,9 +244,11 @@ def recommendation_summary(rec: Recommendation) -> list[str]:
         return ["Recommendation: nothing fits.", *([f"Smallest change: {fix.line()}"] if fix else []), rules]
     st = rec.best.step
     return [f"Recommendation ({rec.priority}): {rec.best.label()}",
-            f"  {_g(rec.best.estimate.total_bytes)} GiB per GPU, {st.tokens_per_s:,.0f} tokens/s per GPU predicted "
+            f"  {_g(rec.best.total_bytes)} GiB per GPU, {st.tokens_per_s:,.0f} tokens/s per GPU predicted "
             f"({rec.best.relative_throughput:.2f}× DDP), step {st.step_s:.3f} s"
-            + (f"; throughput as on {rec.link.gpu_name} (no --gpu given)" if rec.link.assumed_gpu else ""), rules]
+            + (f"; throughput as on {rec.link.gpu_name} (no --gpu given)"
+               if rec.link.assumed_gpu and not rec.basis.measured_compute else "")
+            + ("; calibrated" if rec.basis.correction else ""), rules]
 
 
 def render_recommendation(choice: ModelChoice, rec: Recommendation, launch: str | None = None) -> str:

@@ -10,6 +10,7 @@ bisects across it). tests/test_search.py checks both against exhaustive scans.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from .breakdown import Estimate
@@ -38,9 +39,14 @@ def _first_true(pred, hi_limit: int) -> int | None:
     return hi
 
 
-def max_micro_batch(job: Job, *, limit: int = MICRO_BATCH_LIMIT) -> int:
-    """Largest micro-batch ≤ limit at which ``job`` fits; 0 when not even 1 does."""
-    first_miss = _first_true(lambda i: not estimate(job.with_(micro_batch=i + 1)).fits, limit)
+def _fits(job: Job) -> bool:
+    return estimate(job).fits
+
+
+def max_micro_batch(job: Job, *, limit: int = MICRO_BATCH_LIMIT, fits: Callable[[Job], bool] = _fits) -> int:
+    """Largest micro-batch ≤ limit at which ``job`` fits (by ``fits``: the analytic total, or a
+    calibrated one); 0 when not even 1 does."""
+    first_miss = _first_true(lambda i: not fits(job.with_(micro_batch=i + 1)), limit)
     return limit if first_miss is None else first_miss
 
 
@@ -74,17 +80,20 @@ class MinGpus:
     """strategy -> fewest GPUs (None: none up to the limit)."""
 
 
-def min_gpus_for(job: Job, *, gpus_per_node: int = 0, limit: int = GPU_LIMIT) -> int | None:
+def min_gpus_for(job: Job, *, gpus_per_node: int = 0, limit: int = GPU_LIMIT,
+                 fits: Callable[[Job], bool] = _fits) -> int | None:
     """Fewest GPUs (1..node size, then whole nodes) on which ``job``'s own strategy fits."""
     count, node = gpu_counts(gpus_per_node)
     index_limit = node + limit // node - 1  # count(index_limit - 1) = node · (limit // node) ≤ limit
-    i = _first_true(lambda i: estimate(with_gpus(job, count(i), gpus_per_node)).fits, index_limit)
+    i = _first_true(lambda i: fits(with_gpus(job, count(i), gpus_per_node)), index_limit)
     return None if i is None else count(i)
 
 
-def min_gpus(job: Job, strategies: list[str], *, gpus_per_node: int = 0, limit: int = GPU_LIMIT) -> MinGpus:
+def min_gpus(job: Job, strategies: list[str], *, gpus_per_node: int = 0, limit: int = GPU_LIMIT,
+             fits: Callable[[Job], bool] = _fits) -> MinGpus:
     """Fewest GPUs for which some strategy of ``strategies`` fits, and which (the first listed wins a tie)."""
-    by = {s: min_gpus_for(with_strategy(job, s), gpus_per_node=gpus_per_node, limit=limit) for s in strategies}
+    by = {s: min_gpus_for(with_strategy(job, s), gpus_per_node=gpus_per_node, limit=limit, fits=fits)
+          for s in strategies}
     found = [(n, s) for s, n in by.items() if n is not None]
     if not found:
         raise MemplanError(f"nothing fits even on {limit} GPUs; try --ac full, --offload all or a smaller --micro-batch")

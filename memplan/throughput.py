@@ -8,6 +8,7 @@ with these numbers, not fed into them.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -183,19 +184,28 @@ def offload_seconds(job: Job, link: Link) -> float:
     return seconds
 
 
-def step_time(job: Job, link: Link, *, mfu: float | None = None, overlap: float | None = None) -> StepTime:
-    """Compute over peak × MFU; communication hidden up to ``overlap`` × compute."""
-    mfu = default("mfu") if mfu is None else mfu
-    overlap = default("overlap_fraction") if overlap is None else overlap
+def step_time(job: Job, link: Link, *, mfu: float | None = None, overlap: float | None = None,
+              achieved_flops: float | None = None, exposed_fraction: float | None = None) -> StepTime:
+    """Compute over peak × MFU (or over a measured ``achieved_flops``); communication hidden up
+    to ``overlap`` × compute, or a measured ``exposed_fraction`` of it left exposed."""
     tokens = job.train.seq_len * job.train.micro_batch * job.train.grad_accum
-    compute = tokens * flops_per_token(job) / (link.gpu.peak_flops(job.train.precision) * mfu)
+    if achieved_flops is None:
+        mfu = default("mfu") if mfu is None else mfu
+        achieved_flops = link.gpu.peak_flops(job.train.precision) * mfu
+    compute = tokens * flops_per_token(job) / achieved_flops
     comm = comm_seconds(job, link)
-    return StepTime(compute_s=compute, comm_s=comm, exposed_comm_s=max(0.0, comm - overlap * compute),
+    if exposed_fraction is None:
+        overlap = default("overlap_fraction") if overlap is None else overlap
+        exposed = max(0.0, comm - overlap * compute)
+    else:
+        exposed = exposed_fraction * comm
+    return StepTime(compute_s=compute, comm_s=comm, exposed_comm_s=exposed,
                     offload_s=offload_seconds(job, link), tokens_per_step=tokens)
 
 
-def relative_to_ddp(job: Job, link: Link) -> float:
+def relative_to_ddp(job: Job, timer: Callable[[Job], StepTime]) -> float:
     """Tokens/s of ``job`` over tokens/s of DDP at the same settings without offload (whether or
-    not DDP fits: the seeds' penalties are 'relative to DDP' in the same sense)."""
+    not DDP fits: the seeds' penalties are 'relative to DDP' in the same sense), both timed by
+    ``timer`` (``step_time`` on a link, calibrated or not)."""
     ddp = job.with_(offload="none", strategy="ddp")
-    return step_time(job, link).tokens_per_s / step_time(ddp, link).tokens_per_s
+    return timer(job).tokens_per_s / timer(ddp).tokens_per_s

@@ -76,17 +76,12 @@ def test_a_bad_corrections_file_is_one_clear_error(tmp_path):
 SHIPPED = cal.SHIPPED_DIR
 
 
-def shipped_records():
-    from calibrate import records
-    from memplan.catalog import TABLES_DIR
-
-    return records.read([TABLES_DIR / SHIPPED / "cpu-torch2.13.0.jsonl"])
 
 
-def test_corrections_fitted_on_half_a_real_record_set_improve_the_other_half():
+def test_corrections_fitted_on_half_a_real_record_set_improve_the_other_half(shipped_cpu_records):
     from calibrate.fit import observations
 
-    obs = observations(shipped_records())
+    obs = observations(shipped_cpu_records)
     assert len(obs) >= 40
     rows = fitting.held_out(obs)
     assert [r.fitted_on for r in rows] == ["even records", "odd records"]
@@ -94,10 +89,10 @@ def test_corrections_fitted_on_half_a_real_record_set_improve_the_other_half():
         assert row.after_median_abs_pct < row.before_median_abs_pct
 
 
-def test_shipped_cpu_corrections_are_the_fit_of_the_shipped_records():
+def test_shipped_cpu_corrections_are_the_fit_of_the_shipped_records(shipped_cpu_records):
     from calibrate.fit import fit_records
 
-    [fresh] = fit_records(shipped_records()).corrections
+    [fresh] = fit_records(shipped_cpu_records).corrections
     [shipped] = cal.shipped("cpu").corrections
     assert (fresh.device, fresh.num_records) == (shipped.device, shipped.num_records)
     assert fresh.offset_bytes == pytest.approx(shipped.offset_bytes, abs=64)
