@@ -113,7 +113,7 @@ def _g(num_bytes: int) -> str:
 
 def render_table(choice: ModelChoice, estimates: list[Estimate], applied: Applied | None = None,
                  relative: list[float] | None = None, rec: Recommendation | None = None) -> str:
-    """One row per strategy; with a calibration, the corrected total ± band decides what fits."""
+    """One row per strategy; with a calibration, the corrected total decides what fits (its band shown beside it)."""
     job = estimates[0].job
     header = [_header(choice, job)] + ([applied.describe()] if applied else [])
     finals = list(applied.results) if applied else estimates
