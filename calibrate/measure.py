@@ -55,6 +55,8 @@ def _wrap(model: nn.Module, job: Job, emulated: bool) -> nn.Module:
         raise Unsupported(f"{precision} under {strategy.id} has no native torch implementation")
     if precision == "bf16":
         model = model.to(torch.bfloat16)
+    if strategy.framework == "none":
+        return model
     if strategy.framework == "ddp":
         return _wrap_ddp(model, emulated)
     return _wrap_fsdp(model, job)

@@ -31,7 +31,7 @@ from memplan.strategies import STRATEGIES
 from . import records
 from .records import Run
 
-HARNESS_FRAMEWORKS = ("ddp", "fsdp")
+HARNESS_FRAMEWORKS = ("none", "ddp", "fsdp")
 """What calibrate.measure drives: DDP and FSDP2. DeepSpeed (zero1/2/3) is not installed
 here; ``--strategy all`` leaves it out up front, a named zero* is recorded as failed."""
 LOG_TAIL_LINES = 15

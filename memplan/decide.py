@@ -18,7 +18,7 @@ from .calibration import Calibration, Correction, Corrected, apply, resolve
 from .errors import MemplanError
 from .memory import estimate
 from .specs import AC_MODES, OFFLOADS, Job, Plan
-from .strategies import STRATEGIES
+from .strategies import STRATEGIES, strategies_on
 from .throughput import Link, StepTime, default, link_for, relative_to_ddp, step_time
 from .units import GIB
 
@@ -234,7 +234,7 @@ def _precisions(job: Job) -> tuple[str, ...]:
 def candidate_jobs(job: Job, fixed: dict) -> list[Job]:
     """Every strategy × precision × AC × offload allowed by ``fixed`` (axis -> value), at
     micro-batch 1 (the micro-batch is searched afterwards)."""
-    strategies = [fixed["strategy"]] if "strategy" in fixed else list(STRATEGIES)
+    strategies = [fixed["strategy"]] if "strategy" in fixed else strategies_on(job.cluster.gpus)
     precisions = [fixed["precision"]] if "precision" in fixed else list(_precisions(job))
     acs = [fixed["ac"]] if "ac" in fixed else list(AC_MODES)
     offloads = [fixed["offload"]] if "offload" in fixed else list(OFFLOADS)

@@ -147,7 +147,9 @@ def accelerate_config(job: Job) -> dict:
               "mixed_precision": {"bf16": "bf16", "fp16": "fp16"}.get(compute, "no"),
               "num_machines": c.num_nodes, "num_processes": c.gpus, "rdzv_backend": "static",
               "same_network": True, "use_cpu": False}
-    if s.framework == "ddp":
+    if s.framework == "none":
+        config["distributed_type"] = "NO"
+    elif s.framework == "ddp":
         config["distributed_type"] = "MULTI_GPU"
     elif s.framework == "deepspeed":
         config["distributed_type"] = "DEEPSPEED"
@@ -174,6 +176,8 @@ def launch_command(job: Job, script: str = "train.py") -> str:
     """torchrun on one node; srun + torchrun (one task per node, c10d rendezvous) on several."""
     c = job.cluster
     args = f"{script} --micro-batch {job.train.micro_batch} --grad-accum {job.train.grad_accum}"
+    if STRATEGIES[job.plan.strategy].framework == "none":
+        return f"# {_header(job)}\npython {args}\n"
     if c.num_nodes == 1:
         return f"# {_header(job)}\ntorchrun --standalone --nproc_per_node={c.gpus_per_node} {args}\n"
     return (f"# {_header(job)}\n"

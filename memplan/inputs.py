@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from . import catalog
 from .errors import MemplanError
 from .specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
-from .strategies import STRATEGIES
+from .strategies import STRATEGIES, strategies_on
 from .units import parse_bytes, parse_count
 
 ARCH_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
@@ -79,11 +79,11 @@ def resolve_cluster(*, gpus=1, gpus_per_node=0, gpu_mem=None, gpu=None, headroom
                        headroom=headroom)
 
 
-def strategies_for(strategy: str, offload: str) -> list[str]:
-    """'all' means every strategy that can run with the requested offload."""
+def strategies_for(strategy: str, offload: str, gpus: int) -> list[str]:
+    """'all' means every strategy that can run with the requested offload on ``gpus`` GPUs."""
     if strategy != "all":
         return [strategy]
-    return [s.id for s in STRATEGIES.values() if s.supports_offload(offload)]
+    return [s for s in strategies_on(gpus) if STRATEGIES[s].supports_offload(offload)]
 
 
 def build_jobs(*, strategy="all", offload="none", seq_len=2048, micro_batch=1, grad_accum=1,
@@ -99,7 +99,7 @@ def build_jobs(*, strategy="all", offload="none", seq_len=2048, micro_batch=1, g
                       activation_checkpointing=ac, attention=attention, device=device)
     cluster = resolve_cluster(gpus=gpus, gpus_per_node=gpus_per_node, gpu_mem=gpu_mem, gpu=gpu,
                               headroom=headroom, precision=precision)
-    ids = strategies_for(strategy, offload)
+    ids = strategies_for(strategy, offload, cluster.gpus)
     if not ids:
         raise MemplanError(f"no strategy supports offload {offload!r}")
     return choice, [Job(model=choice.spec, train=train, cluster=cluster, plan=Plan(strategy=s, offload=offload))

@@ -90,7 +90,8 @@ def plot_fits(*, params, gpus, path=None, **sweep_kwargs):
         raise MemplanError(f"plot_fits sweeps params and gpus only; give one value for: {', '.join(swept)}")
     params, gpus = _values(params), _values(gpus)
     grid = sweep(params=params, gpus=gpus, **sweep_kwargs)
-    strategies = list(dict.fromkeys(grid.strategy))
+    # a strategy for one GPU ("single") has no panel on a GPU axis it cannot span
+    strategies = [s for s in dict.fromkeys(grid.strategy) if grid[grid.strategy == s].gpus.nunique() == len(gpus)]
     cols = min(4, len(strategies))
     rows = -(-len(strategies) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols + 0.6, 2.9 * rows + 0.8), squeeze=False,

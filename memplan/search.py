@@ -84,6 +84,9 @@ def min_gpus_for(job: Job, *, gpus_per_node: int = 0, limit: int = GPU_LIMIT,
                  fits: Callable[[Job], bool] = _fits) -> int | None:
     """Fewest GPUs (1..node size, then whole nodes) on which ``job``'s own strategy fits."""
     count, node = gpu_counts(gpus_per_node)
+    cap = STRATEGIES[job.plan.strategy].max_gpus
+    if cap is not None and cap < node:  # a strategy for a few GPUs ("single"): try each
+        return next((n for n in range(1, min(cap, limit) + 1) if fits(with_gpus(job, n, gpus_per_node))), None)
     index_limit = node + limit // node - 1  # count(index_limit - 1) = node · (limit // node) ≤ limit
     i = _first_true(lambda i: fits(with_gpus(job, count(i), gpus_per_node)), index_limit)
     return None if i is None else count(i)
@@ -92,7 +95,8 @@ def min_gpus_for(job: Job, *, gpus_per_node: int = 0, limit: int = GPU_LIMIT,
 def min_gpus(job: Job, strategies: list[str], *, gpus_per_node: int = 0, limit: int = GPU_LIMIT,
              fits: Callable[[Job], bool] = _fits) -> MinGpus:
     """Fewest GPUs for which some strategy of ``strategies`` fits, and which (the first listed wins a tie)."""
-    by = {s: min_gpus_for(with_strategy(job, s), gpus_per_node=gpus_per_node, limit=limit, fits=fits)
+    one = with_gpus(job, 1, gpus_per_node)  # every strategy runs on one GPU
+    by = {s: min_gpus_for(with_strategy(one, s), gpus_per_node=gpus_per_node, limit=limit, fits=fits)
           for s in strategies}
     found = [(n, s) for s, n in by.items() if n is not None]
     if not found:

@@ -261,6 +261,14 @@ class Job:
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     plan: Plan = field(default_factory=Plan)
 
+    def __post_init__(self):
+        from .strategies import STRATEGIES
+
+        strategy = STRATEGIES[self.plan.strategy]
+        if not strategy.allows_gpus(self.cluster.gpus):
+            raise MemplanError(f"strategy {strategy.id!r} ({strategy.label}) runs on at most {strategy.max_gpus} "
+                               f"GPU, got gpus={self.cluster.gpus}; use ddp or a sharded strategy")
+
     def with_(self, **changes) -> "Job":
         """Copy with fields of the nested specs changed by name, e.g. ``with_(gpus=16, micro_batch=2)``."""
         parts = {"model": self.model, "train": self.train, "cluster": self.cluster, "plan": self.plan}

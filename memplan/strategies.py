@@ -9,7 +9,7 @@ from dataclasses import dataclass
 class Strategy:
     id: str
     framework: str
-    """ddp | fsdp | deepspeed: whose buffers (DDP buckets, FSDP all-gather and
+    """none | ddp | fsdp | deepspeed: whose buffers (DDP buckets, FSDP all-gather and
     reduce-scatter buffers, DeepSpeed buckets) the step holds."""
     shards_params: bool
     shards_grads: bool
@@ -19,10 +19,14 @@ class Strategy:
     reshard_after_forward: bool = True
     """FSDP/ZeRO-3: free the gathered parameters of a unit after its forward."""
     offloads: tuple[str, ...] = ()
+    max_gpus: int | None = None
     label: str = ""
 
     def shard_degree(self, gpus: int, gpus_per_node: int) -> int:
         return gpus_per_node if self.shard_group == "node" else gpus
+
+    def allows_gpus(self, gpus: int) -> bool:
+        return self.max_gpus is None or gpus <= self.max_gpus
 
     def supports_offload(self, offload: str) -> bool:
         return offload == "none" or offload in self.offloads
@@ -33,6 +37,10 @@ class Strategy:
 
 
 _ROWS = (
+    # a plain training loop on one GPU: no wrapper, so no buckets or gather buffers (torchtune's
+    # single-device recipes, a bare HF Trainer); DDP even at one GPU allocates its buckets (measured)
+    Strategy(id="single", framework="none", shards_params=False, shards_grads=False, shards_optimizer=False,
+             max_gpus=1, label="one GPU, no wrapper"),
     Strategy(id="ddp", framework="ddp", shards_params=False, shards_grads=False,
              shards_optimizer=False, label="DistributedDataParallel"),
     Strategy(id="fsdp-no-shard", framework="fsdp", shards_params=False, shards_grads=False,
@@ -56,3 +64,8 @@ _ROWS = (
 )
 
 STRATEGIES: dict[str, Strategy] = {s.id: s for s in _ROWS}
+
+
+def strategies_on(gpus: int) -> list[str]:
+    """The strategy ids that can run on ``gpus`` GPUs."""
+    return [s.id for s in STRATEGIES.values() if s.allows_gpus(gpus)]

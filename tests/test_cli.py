@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from memplan.cli import main
-from memplan.strategies import STRATEGIES
+from memplan.strategies import strategies_on
 
 
 def run(*args):
@@ -18,7 +18,7 @@ def test_main_job_prints_a_table_and_the_fits_line():
     result = run("estimate", "--params", "13e9", "--gpus", "8", "--gpu-mem", "80")
     assert result.exit_code == 0, result.output
     assert "assumed llama-style-13B" in result.output
-    for strategy in STRATEGIES:
+    for strategy in strategies_on(8):
         assert strategy in result.output
     assert "Fits:" in result.output
 
@@ -44,7 +44,7 @@ def test_csv_has_one_row_per_strategy():
     assert result.exit_code == 0
     lines = result.output.strip().splitlines()
     assert lines[0].startswith("strategy,precision")
-    assert len(lines) == 1 + len(STRATEGIES)
+    assert len(lines) == 1 + len(strategies_on(8))
 
 
 def test_explain_shows_every_term_and_the_peak():

@@ -105,3 +105,18 @@ def test_cli_recommend_emit():
     bad = CliRunner().invoke(main, ["recommend", "--params", "7e9", "--gpus", "8", "--gpu", "a100-40gb",
                                     "--emit", "deepspeed"])
     assert bad.exit_code == 2 and "does not apply to strategy fsdp-full-shard" in bad.output
+
+
+def test_one_gpu_without_a_wrapper_launches_plainly_and_has_nothing_to_wrap():
+    j = job("single", params="1e9", gpus=1)
+    assert "\npython train.py --micro-batch 1" in emit(j, "torchrun")
+    assert yaml.safe_load(emit(j, "accelerate"))["distributed_type"] == "NO"
+    for kind in ("fsdp2", "fsdp1", "deepspeed"):
+        with pytest.raises(MemplanError, match=f"--emit {kind} does not apply to strategy single"):
+            emit(j, kind)
+    out = CliRunner().invoke(main, ["recommend", "--params", "1e9", "--gpus", "1", "--gpu", "a100-80gb",
+                                    "--emit", "torchrun"])
+    assert out.exit_code == 0 and "Recommendation (speed): single" in out.output and "python train.py" in out.output
+    bad = CliRunner().invoke(main, ["estimate", "--params", "1e9", "--gpus", "8", "--strategy", "single"])
+    assert bad.exit_code != 0 and "runs on at most 1 GPU, got gpus=8" in bad.output
+    assert "Traceback" not in bad.output

@@ -99,3 +99,14 @@ def test_bytes_are_integers_and_components_sum_to_total(model, train, strategy, 
     assert sum(by.values()) == est.allocated_bytes
     assert est.allocated_bytes + est.overhead_bytes == est.total_bytes
     assert est.allocated_bytes == max(m.allocated_bytes for m in est.moments)
+
+
+@settings(max_examples=150, deadline=None)
+@given(models(), trains())
+def test_no_wrapper_on_one_gpu_is_ddp_without_its_buckets(model, train):
+    single = estimate(job(model, train, gpus=1, strategy="single"))
+    ddp = estimate(job(model, train, gpus=1, strategy="ddp"))
+    buckets = sum(t.bytes for t in ddp.peak.terms if t.name == "DDP gradient buckets")
+    assert buckets > 0
+    assert single.allocated_bytes <= ddp.allocated_bytes
+    assert single.by_component[Component.BUFFERS] == ddp.by_component[Component.BUFFERS] - buckets

@@ -22,6 +22,10 @@ EXPRESSIBLE = [
     ("issue #100", "FSDP1 FULL_SHARD over 4",
      dict(model="llama-2-7b", seq_len=2048, micro_batch=4, precision="mixed-bf16", ac="full", gpus=4,
           gpu="a100-40gb", strategy="fsdp-full-shard", optimizer_impl="single")),
+    # torchtune full_finetune_single_device: a plain loop, no wrapper (the row before compile)
+    ("row '+ Packed Dataset'", "single GPU (standard CE loss, eager)",
+     dict(model="llama-3.2-3b", seq_len=4096, micro_batch=2, precision="bf16", ac="none", gpus=1,
+          gpu="a100-80gb", strategy="single")),
 ]
 
 
