@@ -242,6 +242,8 @@ def candidate_jobs(job: Job, fixed: dict) -> list[Job]:
     for s, p, a, o in itertools.product(strategies, precisions, acs, offloads):
         if not STRATEGIES[s].supports_offload(o):
             continue
+        if not STRATEGIES[s].runs_natively(p) and not {"strategy", "precision"} <= set(fixed):
+            continue  # a recommendation must be launchable: searched options only where native
         train = replace(job.train, precision=p, activation_checkpointing=a, micro_batch=1)
         jobs.append(replace(job, train=train, plan=Plan(strategy=s, offload=o)))
     return jobs
@@ -363,6 +365,16 @@ def _claim_verdict(rule: Rule, measured: float, what: str) -> tuple[bool, str]:
     return ok, f"{what} {measured:.2f}× by the model, {claim}× claimed"
 
 
+def _own_terms(rule: Rule, strategy: str, fixed: dict) -> dict:
+    """The user's fixed axes with the rule's own claims and ``strategy``; a fixed precision the
+    strategy does not run natively is searched instead (DDP has no mixed-bf16 of its own)."""
+    terms = {**fixed, **{k: v for k, v in (("ac", rule.ac), ("offload", rule.offload), ("precision", rule.precision))
+                         if v is not None}, "strategy": strategy}
+    if "precision" in terms and not STRATEGIES[strategy].runs_natively(terms["precision"]):
+        del terms["precision"]
+    return terms
+
+
 def _judge(rule: Rule, options: list[Option], best: Option | None, job: Job, basis: Basis,
            priority: str, fixed: dict) -> RuleVerdict:
     close = default("close_fraction")
@@ -385,11 +397,11 @@ def _judge(rule: Rule, options: list[Option], best: Option | None, job: Job, bas
     candidates = _rule_options(rule, options)
     claims = {"ac": rule.ac, "offload": rule.offload, "precision": rule.precision}
     overridden = any(v is not None and k in fixed and fixed[k] != v for k, v in claims.items())
-    if overridden or ("strategy" in fixed and fixed["strategy"] not in rule.strategies):
+    if overridden or not candidates:
         # the user's fixed choices exclude the rule's option: judge it on its own terms
-        candidates = [o for strategy in rule.strategies for o in _options(
-            job, {**fixed, **{k: v for k, v in claims.items() if v is not None}, "strategy": strategy},
-            priority, basis, micro_batch_max=False) if STRATEGIES[strategy].supports_offload(o.job.plan.offload)]
+        candidates = [o for strategy in rule.strategies
+                      for o in _options(job, _own_terms(rule, strategy, fixed), priority, basis, micro_batch_max=False)
+                      if STRATEGIES[strategy].supports_offload(o.job.plan.offload)]
     fitting = sorted((o for o in candidates if o.fits), key=lambda o: _rank(o, priority))
     if not fitting:
         smallest = min(candidates, key=lambda o: o.total_bytes)
@@ -427,12 +439,14 @@ def _fixes(job: Job, fixed: dict, priority: str, basis: Basis) -> list[Fix]:
         return Fix(change=change, option=pick, fits=pick.fits)
 
     base_fixed = {**{"ac": job.train.activation_checkpointing, "offload": job.plan.offload,
-                     "precision": job.train.precision, "micro_batch": job.train.micro_batch}, **fixed}
+                     "micro_batch": job.train.micro_batch}, **fixed}
+    if "strategy" not in fixed or STRATEGIES[fixed["strategy"]].runs_natively(job.train.precision):
+        base_fixed.setdefault("precision", job.train.precision)  # else searched among the native ones
     fixes = []
     strategies = [fixed["strategy"]] if "strategy" in fixed else list(STRATEGIES)
     try:
         found = search.min_gpus(job.with_(activation_checkpointing=base_fixed["ac"]).with_(
-            precision=base_fixed["precision"]).with_(micro_batch=base_fixed["micro_batch"]), strategies,
+            precision=base_fixed.get("precision", job.train.precision)).with_(micro_batch=base_fixed["micro_batch"]), strategies,
             gpus_per_node=job.cluster.gpus_per_node if job.cluster.gpus > job.cluster.gpus_per_node else 0,
             fits=basis.fits)
         option = basis.evaluate(found.estimate.job)
@@ -449,7 +463,7 @@ def _fixes(job: Job, fixed: dict, priority: str, basis: Basis) -> list[Fix]:
                                   if "strategy" in fixed else {}), f"offload {offload}"))
     if base_fixed["micro_batch"] > 1:
         fixes.append(smallest({**base_fixed, "micro_batch": 1}, "micro-batch 1"))
-    if base_fixed["precision"] != "bf16":
+    if base_fixed.get("precision") != "bf16":
         fixes.append(smallest({**base_fixed, "precision": "bf16"}, "lower precision: pure bf16 (no fp32 master copy)"))
     return sorted(fixes, key=lambda f: not f.fits)
 

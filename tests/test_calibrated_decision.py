@@ -50,11 +50,11 @@ def test_measured_mfu_replaces_the_default_and_unmeasured_strategies_take_the_me
                              exposed_comm_fraction=0.5)
     ddp = cal.ThroughputFit(strategy="ddp", num_records=1, achieved_flops=1.0, mfu=0.6, exposed_comm_fraction=None)
     path = _saved(tmp_path, _correction(throughput=(fsdp, ddp)))
-    _, rec = api.recommend(**THIRTEEN_B, calibration=path, micro_batch=1, precision="mixed-bf16", ac="none",
+    _, rec = api.recommend(**THIRTEEN_B, calibration=path, micro_batch=1, precision="amp-bf16", ac="none",
                            offload="none")
     by = {o.job.plan.strategy: o for o in rec.options}
-    peak = rec.link.gpu.peak_flops("mixed-bf16")
-    for strategy, mfu in (("fsdp-full-shard", 0.2), ("ddp", 0.6), ("zero3", (3 * 0.2 + 0.6) / 4)):
+    peak = rec.link.gpu.peak_flops("amp-bf16")
+    for strategy, mfu in (("fsdp-full-shard", 0.2), ("ddp", 0.6), ("fsdp-shard-grad-op", (3 * 0.2 + 0.6) / 4)):
         job = by[strategy].job
         flops = flops_per_token(job) * job.train.seq_len
         assert by[strategy].step.compute_s == pytest.approx(flops / (peak * mfu), rel=1e-9)

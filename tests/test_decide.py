@@ -19,22 +19,23 @@ SCENARIOS = [
     # hidden here: all-gathers (7/8)·6·6.74e9 B = 35.4e9 B / 300 GB/s = 0.118 s < 0.5 × 0.637 s compute.
     ("7e9", 8, "a100-40gb", ("fsdp-full-shard", "none", "none", 1),
      {"s002-fsdp-penalty": "1.00× by the model, 0.75–0.85× claimed (communication 0.118 s, exposed 0.000 s"}),
-    # 7B on 8×A100-80: '7-13B on 8×80GB: use DDP' — DDP needs 16 B/param = 100.4 GiB of states
-    # alone (153.68 GiB with buckets and foreach transients) > 76 GiB usable. ZeRO-1 fits at micro-batch 3.
+    # 7B on 8×A100-80: '7-13B on 8×80GB: use DDP' — DDP (autocast: its own mixed precision) needs
+    # 16 B/param = 100.4 GiB of states alone (167.49 GiB with fp32 buckets and foreach transients)
+    # > 76 GiB usable. ZeRO-1 fits at micro-batch 3.
     ("7e9", 8, "a100-80gb", ("zero1", "none", "none", 3),
-     {"s003-7-13b-80gb-ddp": "needs 153.68 GiB > 76.00 GiB usable",
-      "s002-lt10b-ddp": "needs 153.68 GiB > 76.00 GiB usable"}),
+     {"s003-7-13b-80gb-ddp": "(ddp, amp-bf16, AC none, offload none, micro-batch 1) needs 167.49 GiB > 76.00",
+      "s002-lt10b-ddp": "needs 167.49 GiB > 76.00 GiB usable"}),
     # 13B on 8×A100-40: SHARD_GRAD_OP keeps the whole unsharded bf16 model (24.2 GiB) from forward
     # to backward; it only fits with params offloaded, then 22 % slower than FULL_SHARD + full AC.
     ("13e9", 8, "a100-40gb", ("fsdp-full-shard", "full", "none", 7),
      {"s003-10-30b-40gb-sgo": "is 22% slower than fsdp-full-shard (993 vs 1,267 tokens/s per GPU)",
       "s003-13-70b-limited-sgo": "22% slower"}),
-    # 13B on 8×H100: DDP needs 295.16 GiB; '13B+ → FSDP + CPU offload' fits but the CPU AdamW
+    # 13B on 8×H100: DDP needs 321.83 GiB (24 B/param under autocast); '13B+ → FSDP + CPU offload' fits but the CPU AdamW
     # step and PCIe traffic make it 32 % slower (3,637 vs 5,356 tokens/s per GPU); AC full costs
     # one extra forward: 83.13e9 / (83.13e9 + 27.71e9) = 0.75×, not the 0.87-0.91× of '+10-15 %'.
     # zero2 is as fast but keeps only 5.77 GiB free: under the 10 % safe margin, so FULL_SHARD
     ("13e9", 8, "h100-sxm", ("fsdp-full-shard", "none", "none", 2),
-     {"s003-7-13b-80gb-ddp": "needs 295.16 GiB > 75.67 GiB usable",
+     {"s003-7-13b-80gb-ddp": "needs 321.83 GiB > 75.67 GiB usable",
       "s000-13b-plus-offload": "is 32% slower than fsdp-full-shard (3,637 vs 5,356 tokens/s per GPU)",
       "s002-ac-cost": "0.75× by the model, 0.87–0.91× claimed"}),
     # 70B (68.98e9) on 8×A100-80: 16 B/param / 8 = 128.5 GiB of states per GPU without offload;
@@ -117,7 +118,7 @@ def test_micro_batch_max_is_searched():
 
 
 def test_nothing_fits_lists_the_single_changes_with_their_memory():
-    """7B under DDP on 8×A100-80: nothing fits (153.68 GiB). Each change alone: more GPUs never
+    """7B under DDP on 8×A100-80: nothing fits (167.49 GiB under autocast, DDP's own mixed precision). Each change alone: more GPUs never
     helps DDP; pure bf16 drops the 4 B/param master copy and 4 B of moments: 84.65 GiB, still over;
     another strategy (ZeRO-1) fits."""
     _, rec = api.recommend(params="7e9", gpus=8, gpu="a100-80gb", strategy="ddp")
@@ -239,3 +240,16 @@ def test_micro_batch_max_in_estimate():
 def test_bad_decision_flags_are_one_line_exit_2(args, needle):
     result = _cli("recommend", "--params", "7e9", "--gpus", "8", *args)
     assert result.exit_code == 2 and needle in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("params,gpus", [("1e9", 1), ("7e9", 8), ("70e9", 16)])
+def test_searched_options_are_launchable_with_the_frameworks_own_precision(params, gpus):
+    """DDP and a plain loop have autocast but no fp32 master copy behind bf16 weights; DeepSpeed's
+    precision modes are its bf16/fp16 optimizers, not autocast. Only a user who fixes both the
+    strategy and the precision gets an option outside that."""
+    _, rec = api.recommend(params=params, gpus=gpus, gpu="a100-80gb")
+    for o in rec.options:
+        assert STRATEGIES[o.job.plan.strategy].runs_natively(o.job.train.precision), o.label()
+    assert {o.job.train.precision for o in rec.options if o.job.plan.strategy == "ddp"} == {"amp-bf16", "fp32"}
+    _, forced = api.recommend(params=params, gpus=gpus, gpu="a100-80gb", strategy="ddp", precision="mixed-bf16")
+    assert {o.job.train.precision for o in forced.options} == {"mixed-bf16"}
