@@ -13,8 +13,8 @@ import io
 import json
 import statistics
 
-from tabulate import tabulate
 
+from memplan.columns import render_columns
 from memplan.errors import MemplanError
 
 from .records import STATUSES, describe, estimate_summary, job_from_spec
@@ -94,12 +94,12 @@ def _short(text, width: int = 80) -> str:
 
 
 def render_table(table: list[dict]) -> str:
-    body = tabulate(
+    body = render_columns(
         [[r["id"], r["run"], r["status"], _mib(r["measured_bytes"]), _mib(r["estimated_bytes"]), _pct(r["error_pct"]),
           r["measured_phase"] or "", r["estimated_phase"] or "", _short(r["error"])] for r in table],
         headers=["id", "run", "status", "measured MiB", "estimated MiB", "error %", "measured phase",
                  "estimated phase", "error"],
-        tablefmt="github", disable_numparse=True,
+        markdown=True,
     )
     return "\n".join([body, "", *summary_lines(table)])
 

@@ -84,3 +84,10 @@ class Estimate:
     @property
     def fits(self) -> bool:
         return self.headroom_bytes >= 0
+
+    @property
+    def moment_headrooms(self) -> tuple[int, ...]:
+        """Headroom at each moment, the peak's overhead charged to all: their minimum is
+        ``headroom_bytes``; the searches follow each one's slope in the micro-batch."""
+        room = self.job.cluster.usable_bytes - self.overhead_bytes
+        return tuple(room - m.allocated_bytes for m in self.moments)

@@ -167,6 +167,8 @@ class Corrected:
     """One residual standard deviation of the fit, in bytes of this estimate."""
     overhead_bytes: int
     phase: str
+    moment_bytes: tuple[int, ...] = ()
+    """The corrected allocated bytes of each of the estimate's moments."""
 
     @property
     def total_bytes(self) -> int:
@@ -180,6 +182,11 @@ class Corrected:
     def fits(self) -> bool:
         return self.headroom_bytes >= 0
 
+    @property
+    def moment_headrooms(self) -> tuple[int, ...]:
+        room = self.estimate.job.cluster.usable_bytes - self.overhead_bytes
+        return tuple(room - b for b in self.moment_bytes)
+
 
 def apply(est: Estimate, correction: Correction, *, device_matches: bool) -> Corrected:
     peaks = [(correction.corrected_bytes(group_bytes(m.by_component)), m.phase) for m in est.moments]
@@ -189,7 +196,7 @@ def apply(est: Estimate, correction: Correction, *, device_matches: bool) -> Cor
         overhead = est.overhead_bytes
     return Corrected(estimate=est, correction=correction, device_matches=device_matches, allocated_bytes=allocated,
                      band_bytes=math.ceil(allocated * correction.residual_pct / 100), overhead_bytes=overhead,
-                     phase=phase)
+                     phase=phase, moment_bytes=tuple(b for b, _ in peaks))
 
 
 SHIPPED_DIR = "calibration"

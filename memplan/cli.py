@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 
 import click
 
@@ -127,7 +129,23 @@ def user_errors(f):
 
 
 class _OneLineErrors(click.Group):
-    """Every user error, click's own included, as one line on stderr (no usage dump)."""
+    """Every user error, click's own included, as one line on stderr (no usage dump); the
+    `calibrate` commands (package calibrate, torch behind them) load only when used."""
+
+    LAZY = {"calibrate": "calibrate.cli"}
+
+    def list_commands(self, ctx):
+        found = [name for name, module in self.LAZY.items() if importlib.util.find_spec(module.split(".")[0])]
+        return sorted({*super().list_commands(ctx), *found})
+
+    def get_command(self, ctx, name):
+        command = super().get_command(ctx, name)
+        if command is None and name in self.LAZY:
+            try:
+                command = getattr(importlib.import_module(self.LAZY[name]), name)
+            except ImportError:
+                return None
+        return command
 
     def main(self, args=None, prog_name=None, **extra):
         extra["standalone_mode"] = False
@@ -246,14 +264,6 @@ def explain(**flags):
         flags["strategy"] = "fsdp-full-shard"
     choice, estimates = api.estimate_all(**flags)
     click.echo(report.render_explain(choice, estimates[0]))
-
-
-try:  # the calibrate package (torch imported lazily, inside its commands)
-    from calibrate.cli import calibrate as _calibrate
-except ImportError:
-    pass
-else:
-    main.add_command(_calibrate)
 
 
 if __name__ == "__main__":

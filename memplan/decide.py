@@ -190,6 +190,11 @@ class Basis:
     def corrected(self, est: Estimate) -> Corrected | None:
         return apply(est, self.correction, device_matches=self.device_matches) if self.correction else None
 
+    def headrooms(self, job: Job) -> tuple[int, ...]:
+        """Per moment, as ``Estimate.moment_headrooms``: their least is the headroom."""
+        est = estimate(job)
+        return (self.corrected(est) or est).moment_headrooms
+
     def fits(self, job: Job) -> bool:
         est = estimate(job)
         return (self.corrected(est) or est).fits
@@ -328,7 +333,7 @@ def _options(job: Job, fixed: dict, priority: str, basis: Basis, micro_batch_max
             mb = fixed["micro_batch"]
         else:
             limit = search.MICRO_BATCH_LIMIT if micro_batch_max else cap
-            found = search.max_micro_batch(candidate, limit=limit, fits=basis.fits)
+            found = search.max_micro_batch(candidate, limit=limit, headrooms=basis.headrooms)
             mb = 1 if found == 0 or (priority == "memory" and not micro_batch_max) else found
         options.append(basis.evaluate(candidate.with_(micro_batch=mb)))
     return options

@@ -6,10 +6,9 @@ import csv
 import io
 import json
 
-from tabulate import tabulate
-
 from .breakdown import Component, Estimate
 from .calibration import Applied, Corrected
+from .columns import render_columns
 from .decide import Recommendation
 from .inputs import ModelChoice
 from .units import gib
@@ -136,7 +135,7 @@ def render_table(choice: ModelChoice, estimates: list[Estimate], applied: Applie
         rows = [row + [", ".join(_claim(r) for r in documented_penalties(rec, e.job)) or "-"]
                 for row, e in zip(rows, estimates)]
         headers += ["documented"]
-    table = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True, colalign=("left", "left"))
+    table = render_columns(rows, headers)
     lines = header + ["", "GiB per GPU at the peak moment of a steady-state step"
                       + ("; vs DDP: predicted tokens/s relative to DDP at the same settings" if relative else "")
                       + ("; documented: the seeds' claim (tables/rules.csv)" if rec else ""),

@@ -1,5 +1,6 @@
 """Exact integer searches over the exact ``estimate``: the largest micro-batch that fits and
-the fewest GPUs on which some strategy fits. Exponential search for a bracket, then bisection.
+the fewest GPUs on which some strategy fits. Exponential search for a bracket, then bisection
+(for the micro-batch, starting from where each moment's straight line says it stops fitting).
 
 Memory is non-decreasing in the micro-batch (every activation term is linear in it). In the
 GPU count it is non-increasing for every strategy: sharded terms divide by the shard degree,
@@ -27,6 +28,8 @@ def _first_true(pred, hi_limit: int) -> int | None:
     """Smallest i in [0, hi_limit) with pred(i), for a monotone pred (False...False True...True)."""
     if pred(0):
         return 0
+    if hi_limit <= 1:
+        return None
     lo, hi = 0, 1
     while not pred(hi):
         lo = hi
@@ -43,11 +46,38 @@ def _fits(job: Job) -> bool:
     return estimate(job).fits
 
 
-def max_micro_batch(job: Job, *, limit: int = MICRO_BATCH_LIMIT, fits: Callable[[Job], bool] = _fits) -> int:
-    """Largest micro-batch ≤ limit at which ``job`` fits (by ``fits``: the analytic total, or a
-    calibrated one); 0 when not even 1 does."""
-    first_miss = _first_true(lambda i: not fits(job.with_(micro_batch=i + 1)), limit)
-    return limit if first_miss is None else first_miss
+def _headrooms(job: Job) -> tuple[int, ...]:
+    return estimate(job).moment_headrooms
+
+
+def max_micro_batch(job: Job, *, limit: int = MICRO_BATCH_LIMIT,
+                    headrooms: Callable[[Job], tuple[int, ...]] = _headrooms) -> int:
+    """Largest micro-batch ≤ limit at which ``job`` fits (the least of ``headrooms`` ≥ 0: the
+    analytic moments', or calibrated ones); 0 when not even 1 does.
+
+    Each moment's bytes are affine in the micro-batch (activations are b·…, the rest constant),
+    so each moment's line through b = 1 and 2 says where it alone would stop fitting; the
+    earliest of these is the answer, up to rounding and the overhead following the peak. That
+    guess and the next are checked exactly, then an exponential search and bisection walk from
+    the guess (up, or down when it does not fit) to the exact answer."""
+    def room(b: int) -> int:
+        return min(headrooms(job.with_(micro_batch=b)))
+
+    rooms1 = headrooms(job.with_(micro_batch=1))
+    if min(rooms1) < 0 or limit == 1:
+        return 0 if min(rooms1) < 0 else 1
+    rooms2 = headrooms(job.with_(micro_batch=2))
+    if min(rooms2) < 0:
+        return 1
+    guess = min([limit] + [1 + r1 // (r1 - r2) for r1, r2 in zip(rooms1, rooms2) if r1 > r2])
+    guess = max(2, min(limit, guess))
+    if room(guess) >= 0:
+        if guess == limit:
+            return limit
+        above = _first_true(lambda i: room(guess + 1 + i) < 0, limit - guess)  # exact if not affine
+        return limit if above is None else guess + above
+    below = _first_true(lambda i: room(guess - 1 - i) >= 0, guess - 2)  # guess-1 down to 2, which fits
+    return 2 if below is None else guess - 1 - below
 
 
 def gpu_counts(gpus_per_node: int = 0):
