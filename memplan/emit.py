@@ -143,8 +143,11 @@ def accelerate_config(job: Job) -> dict:
     """``accelerate launch --config_file`` contents (accelerate's own key names)."""
     c, t, s = job.cluster, job.train, STRATEGIES[job.plan.strategy]
     compute, _ = _dtypes(job)
+    # accelerate's bf16/fp16 under FSDP sets a MixedPrecisionPolicy (accelerate 1.x,
+    # FullyShardedDataParallelPlugin.set_mixed_precision): that is mixed-*, not autocast
+    amp_under_fsdp = s.framework == "fsdp" and t.precision.startswith("amp")
     config = {"compute_environment": "LOCAL_MACHINE", "machine_rank": 0, "main_training_function": "main",
-              "mixed_precision": {"bf16": "bf16", "fp16": "fp16"}.get(compute, "no"),
+              "mixed_precision": "no" if amp_under_fsdp else {"bf16": "bf16", "fp16": "fp16"}.get(compute, "no"),
               "num_machines": c.num_nodes, "num_processes": c.gpus, "rdzv_backend": "static",
               "same_network": True, "use_cpu": False}
     if s.framework == "none":
@@ -194,7 +197,12 @@ def emit(job: Job, kind: str) -> str:
     if kind == "fsdp1":
         return fsdp1_snippet(job)
     if kind == "accelerate":
-        return f"# {_header(job)}\n" + yaml.safe_dump(accelerate_config(job), sort_keys=False)
+        note = ""
+        if STRATEGIES[job.plan.strategy].framework == "fsdp" and job.train.precision.startswith("amp"):
+            compute, _ = _dtypes(job)
+            note = (f"# {job.train.precision}: wrap the forward in torch.autocast('cuda', dtype={_TORCH_DTYPE[compute]}); "
+                    "accelerate's own mixed_precision would give FSDP a MixedPrecisionPolicy (mixed-*)\n")
+        return f"# {_header(job)}\n{note}" + yaml.safe_dump(accelerate_config(job), sort_keys=False)
     if kind == "deepspeed":
         return json.dumps(deepspeed_config(job), indent=2) + "\n"
     if kind == "torchrun":

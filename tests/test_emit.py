@@ -120,3 +120,11 @@ def test_one_gpu_without_a_wrapper_launches_plainly_and_has_nothing_to_wrap():
     bad = CliRunner().invoke(main, ["estimate", "--params", "1e9", "--gpus", "8", "--strategy", "single"])
     assert bad.exit_code != 0 and "runs on at most 1 GPU, got gpus=8" in bad.output
     assert "Traceback" not in bad.output
+
+
+def test_accelerate_keeps_autocast_under_fsdp_out_of_its_mixed_precision_policy():
+    amp = emit(job("fsdp-full-shard", precision="amp-bf16"), "accelerate")
+    assert yaml.safe_load(amp)["mixed_precision"] == "no" and "torch.autocast('cuda', dtype=torch.bfloat16)" in amp
+    mixed = emit(job("fsdp-full-shard", precision="mixed-bf16"), "accelerate")
+    assert yaml.safe_load(mixed)["mixed_precision"] == "bf16" and "autocast" not in mixed
+    assert yaml.safe_load(emit(job("ddp", precision="amp-bf16"), "accelerate"))["mixed_precision"] == "bf16"
