@@ -83,13 +83,19 @@ def relative_throughputs(estimates: list[Estimate], *, interconnect: str | None 
     return [relative_to_ddp(e.job, basis.step) for e in estimates]
 
 
-def min_gpus(*, strategy: str = "all", gpus_per_node: int = 0, **kwargs):
-    """Fewest GPUs on which some strategy (or the one given) fits: ``memplan.search.MinGpus``."""
+def min_gpus(*, strategy: str = "all", gpus_per_node: int = 0, calibration: str | None = "auto", **kwargs):
+    """Fewest GPUs on which some strategy (or the one given) fits: ``memplan.search.MinGpus``;
+    where a calibration applies (as for ``estimate``) its corrected totals decide."""
+    from dataclasses import replace
+
+    from .decide import basis_for
     from .search import min_gpus as search_min_gpus
 
     kwargs.pop("gpus", None)
     choice, jobs = _jobs(strategy=strategy, gpus=1, **kwargs)
-    return choice, search_min_gpus(jobs[0], [j.plan.strategy for j in jobs], gpus_per_node=gpus_per_node)
+    basis = basis_for(jobs[0], calibration=calibration)
+    found = search_min_gpus(jobs[0], [j.plan.strategy for j in jobs], gpus_per_node=gpus_per_node, fits=basis.fits)
+    return choice, replace(found, corrected=basis.corrected(found.estimate))
 
 
 @dataclass(frozen=True)

@@ -236,6 +236,8 @@ def recommend(priority, interconnect, bw, calibration, emit, fmt, **flags):
 @main.command("min-gpus")
 @job_options
 @click.option("--format", "fmt", type=_choice(("table", "json")), default="table", show_default=True)
+@click.option("--calibration", default="auto", show_default=True,
+              help="Corrections from `memplan calibrate fit` (FILE), auto or none, as for estimate.")
 @user_errors
 def min_gpus(fmt, gpus, **flags):
     """The fewest GPUs (1-8, then whole nodes of --gpus-per-node) on which some strategy fits.

@@ -268,11 +268,12 @@ def render_recommendation(choice: ModelChoice, rec: Recommendation, launch: str 
 
 
 def render_min_gpus(choice: ModelChoice, result) -> str:
-    est = result.estimate
-    job = est.job
+    final = result.corrected or result.estimate
+    job = result.estimate.job
+    calibrated = f"; calibrated: {result.corrected.correction.device}" if result.corrected else ""
     lines = [_header(choice, job), "",
-             f"Fewest GPUs: {result.gpus} with {result.strategy} ({_g(est.total_bytes)} of "
-             f"{_g(job.cluster.usable_bytes)} GiB usable, peak in {est.phase})", "", "By strategy:"]
+             f"Fewest GPUs: {result.gpus} with {result.strategy} ({_g(final.total_bytes)} of "
+             f"{_g(job.cluster.usable_bytes)} GiB usable, peak in {final.phase}{calibrated})", "", "By strategy:"]
     lines += [f"  {s:<20} {n if n is not None else 'nothing fits up to the limit'}"
               for s, n in result.by_strategy.items()]
     return "\n".join(lines)
@@ -280,4 +281,5 @@ def render_min_gpus(choice: ModelChoice, result) -> str:
 
 def min_gpus_dict(choice: ModelChoice, result) -> dict:
     return {"inputs": inputs_dict(choice, result.estimate), "gpus": result.gpus, "strategy": result.strategy,
-            "estimate": estimate_dict(result.estimate), "by_strategy": result.by_strategy}
+            "estimate": estimate_dict(result.estimate), "by_strategy": result.by_strategy,
+            "calibrated_total_bytes": result.corrected.total_bytes if result.corrected else None}

@@ -108,6 +108,8 @@ class MinGpus:
     estimate: Estimate
     by_strategy: dict
     """strategy -> fewest GPUs (None: none up to the limit)."""
+    corrected: object | None = None
+    """The estimate with a calibration applied (``memplan.calibration.Corrected``), where one was."""
 
 
 def min_gpus_for(job: Job, *, gpus_per_node: int = 0, limit: int = GPU_LIMIT,

@@ -98,3 +98,15 @@ def test_the_shipped_cpu_calibration_applies_to_a_cpu_job_by_default(shipped_cpu
     job = job_from_spec(ok["spec"])
     assert basis_for(job, calibration="auto").correction is not None
     assert basis_for(job, calibration="none").correction is None
+
+
+def test_min_gpus_counts_with_the_corrected_totals(tmp_path):
+    flags = dict(params="70e9", gpu="h100-sxm", ac="full")
+    _, plain = api.min_gpus(**flags, calibration="none")
+    assert plain.corrected is None
+    path = _saved(tmp_path, _correction(offset_bytes=plain.estimate.headroom_bytes + 2**30))
+    _, corrected = api.min_gpus(**flags, calibration=path)
+    assert corrected.gpus > plain.gpus and corrected.corrected.fits
+    out = CliRunner().invoke(main, ["min-gpus", "--params", "70e9", "--gpu", "h100-sxm", "--ac", "full",
+                                    "--calibration", path])
+    assert out.exit_code == 0 and f"Fewest GPUs: {corrected.gpus} with" in out.output and "calibrated" in out.output
