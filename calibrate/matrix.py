@@ -60,6 +60,8 @@ CASES = (
     Case("hybrid-mixed-w8", _job(strategy="fsdp-hybrid-shard", precision="mixed-bf16", gpus=8, gpus_per_node=4),
          covers="HYBRID_SHARD on a 2x4 mesh"),
     Case("noshard-fp32-w4", _job(strategy="fsdp-no-shard", precision="fp32", gpus=4), covers="NO_SHARD"),
+    Case("full-fp32-w1", _job(strategy="fsdp-full-shard", precision="fp32", gpus=1),
+         covers="FSDP2 on one rank: no all-gather, no prefetch buffer"),
     Case("ddp-fp32-optimizer-peak", _job(strategy="ddp", precision="fp32", seq_len=16, micro_batch=1, impl="foreach"),
          covers="optimizer step is the peak (foreach AdamW)"),
     Case("full-bf16-ga2-w4", _job(strategy="fsdp-full-shard", precision="bf16", grad_accum=2, gpus=4),

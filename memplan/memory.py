@@ -40,6 +40,10 @@ class _Step:
         self.strategy = s = STRATEGIES[job.plan.strategy]
         self.policy = pol = policy or POLICIES[train.precision]
         self.n = s.shard_degree(cluster.gpus, cluster.gpus_per_node)
+        # FSDP2 on an all-gather group of one (no-shard's N×1 mesh, one GPU) copies a unit's
+        # parameters out only when the unit runs: a prefetch allocates nothing
+        # (FSDPParamGroup.unshard / wait_for_unshard, torch 2.13; measured: noshard-fp32-w4)
+        self.gather_group = self.n if s.shards_params else 1
         self.params = model.num_params
         self.block_params = model.block_params()
         self.root_params = self.params - model.num_layers * self.block_params
@@ -147,11 +151,13 @@ class _Step:
         terms = [self._gathered(self.root_params, "unsharded root unit (embeddings, head)")]
         if not s.reshard_after_forward:
             terms.append(self._gathered(L * self.block_params, f"unsharded {L} blocks (forward→backward)"))
-        elif instant == "loss":
+        elif instant == "loss" and self.gather_group > 1:
             # the root's pre-backward hook prefetches the last block's all-gather (measured)
             terms.append(self._gathered(self.block_params, "unsharded last block (backward prefetch)"))
         elif instant == "block":
-            terms.append(self._gathered(2 * self.block_params, "unsharded block + prefetched block"))
+            both = self.gather_group > 1
+            terms.append(self._gathered((2 if both else 1) * self.block_params,
+                                        "unsharded block + prefetched block" if both else "unsharded block"))
         if instant == "block":
             terms.append(_t(B, "unsharded block gradients + reduce-scatter input",
                             f"({self.gather_bytes} + {self.reduce_bytes})·block params",
