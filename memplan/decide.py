@@ -139,16 +139,21 @@ class Option:
         return self.estimate.job
 
     @property
+    def final(self) -> Estimate | Corrected:
+        """What decides: the corrected estimate where a calibration applies."""
+        return self.corrected or self.estimate
+
+    @property
     def total_bytes(self) -> int:
-        return (self.corrected or self.estimate).total_bytes
+        return self.final.total_bytes
 
     @property
     def headroom_bytes(self) -> int:
-        return (self.corrected or self.estimate).headroom_bytes
+        return self.final.headroom_bytes
 
     @property
     def fits(self) -> bool:
-        return (self.corrected or self.estimate).fits
+        return self.final.fits
 
     @property
     def key(self) -> tuple:
@@ -190,14 +195,16 @@ class Basis:
     def corrected(self, est: Estimate) -> Corrected | None:
         return apply(est, self.correction, device_matches=self.device_matches) if self.correction else None
 
+    def final(self, job: Job) -> Estimate | Corrected:
+        est = estimate(job)
+        return self.corrected(est) or est
+
     def headrooms(self, job: Job) -> tuple[int, ...]:
         """Per moment, as ``Estimate.moment_headrooms``: their least is the headroom."""
-        est = estimate(job)
-        return (self.corrected(est) or est).moment_headrooms
+        return self.final(job).moment_headrooms
 
     def fits(self, job: Job) -> bool:
-        est = estimate(job)
-        return (self.corrected(est) or est).fits
+        return self.final(job).fits
 
     def describe(self) -> str:
         c = self.correction
@@ -530,7 +537,7 @@ def _reasons(best: Option | None, fitting: list[Option], options: list[Option], 
     st = best.step
     out.append(f"{len(fitting)} of {len(options)} options fit; ranked by {priority}")
     out.append(f"fits: {_gib(best.total_bytes)} of {_gib(best.job.cluster.usable_bytes)} usable "
-               f"({_gib(best.headroom_bytes)} headroom), peak in {(best.corrected or best.estimate).phase}")
+               f"({_gib(best.headroom_bytes)} headroom), peak in {best.final.phase}")
     out.append(f"predicted {st.tokens_per_s:,.0f} tokens/s per GPU ({best.relative_throughput:.2f}× DDP at the same "
                f"settings): compute {st.compute_s:.3f} s, communication {st.comm_s:.3f} s of which "
                f"{st.exposed_comm_s:.3f} s exposed over {basis.link.interconnect}, offload {st.offload_s:.3f} s per step")
