@@ -100,5 +100,6 @@ def sweep(*, params=None, model=None, gpus=8, strategy="all", precision="mixed-b
                 "strategy": job.plan.strategy, "precision": prec, "activation_checkpointing": mode,
                 "micro_batch": b, "seq_len": s, **rows}))
     if not frames:
-        raise MemplanError(f"no strategy in {strategy!r}; known: {', '.join(j.plan.strategy for j in jobs)}")
+        raise MemplanError(f"no strategy in {strategy!r} runs on gpus={gpus!r} with offload "
+                           f"{fixed.get('offload', 'none')!r}; those that do: {', '.join(j.plan.strategy for j in jobs)}")
     return pd.concat(frames, ignore_index=True)

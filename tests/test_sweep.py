@@ -43,3 +43,10 @@ def test_bad_grids_are_one_line_errors():
         sweep(gpus=[8])
     with pytest.raises(MemplanError, match="positive"):
         sweep(params=7e9, micro_batch=[0, 1])
+
+
+def test_a_one_gpu_strategy_appears_only_on_one_gpu():
+    frame = sweep(params=[7e9], gpus=[1, 8], strategy=["single", "ddp"], gpu_mem=80)
+    assert sorted(zip(frame.gpus, frame.strategy)) == [(1, "ddp"), (1, "single"), (8, "ddp")]
+    with pytest.raises(MemplanError, match=r"no strategy in \['single'\] runs on gpus=\[8\]"):
+        sweep(params=[7e9], gpus=[8], strategy=["single"], gpu_mem=80)
