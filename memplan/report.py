@@ -11,6 +11,7 @@ from .calibration import Applied, Corrected
 from .columns import render_columns
 from .decide import Recommendation
 from .inputs import ModelChoice
+from .strategies import STRATEGIES
 from .units import gib
 
 
@@ -139,7 +140,7 @@ def render_table(choice: ModelChoice, estimates: list[Estimate], applied: Applie
     lines = header + ["", "GiB per GPU at the peak moment of a steady-state step"
                       + ("; vs DDP: predicted tokens/s relative to DDP at the same settings" if relative else "")
                       + ("; documented: the seeds' claim (tables/rules.csv)" if rec else ""),
-                      table, "", fits_line(estimates, finals)]
+                      table, "", fits_line(estimates, finals), *native_note(estimates)]
     if rec:
         lines += ["", *recommendation_summary(rec)]
     return "\n".join(lines)
@@ -153,6 +154,16 @@ def _header(choice: ModelChoice, job) -> str:
             f"{t.optimizer} ({t.optimizer_impl}), AC {t.activation_checkpointing}, {t.attention} attention\n"
             f"cluster  {c.gpus} × {c.gpu_name} {_g(c.gpu_mem_bytes)} GiB ({c.num_nodes} node(s) of "
             f"{c.gpus_per_node}), headroom {c.headroom:.0%}: {_g(c.usable_bytes)} GiB usable")
+
+
+def native_note(estimates: list[Estimate]) -> list[str]:
+    """A line naming the rows whose framework has no built-in form of the precision asked for."""
+    odd = [e.job.plan.strategy for e in estimates if not STRATEGIES[e.job.plan.strategy].runs_natively(e.job.train.precision)]
+    if not odd:
+        return []
+    names = odd[0] if len(odd) == 1 else f"{', '.join(odd[:-1])} and {odd[-1]}"
+    return [f"{names} {'has' if len(odd) == 1 else 'have'} no built-in {estimates[0].job.train.precision}: "
+            "the row is what it would take; the recommendation searches only precisions each framework runs as is."]
 
 
 def fits_line(estimates: list[Estimate], finals=None) -> str:

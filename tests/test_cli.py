@@ -115,3 +115,12 @@ def test_console_script_exits_2_without_traceback():
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("Error:") and "Traceback" not in proc.stderr
+
+
+def test_the_table_names_rows_whose_framework_has_no_built_in_form_of_the_precision():
+    mixed = run("estimate", "--params", "1e9", "--gpus", "1", "--gpu-mem", "80")
+    assert "single and ddp have no built-in mixed-bf16: the row is what it would take" in mixed.output
+    amp = run("estimate", "--params", "1e9", "--gpus", "8", "--gpu-mem", "80", "--precision", "amp-bf16")
+    assert "zero1, zero2 and zero3 have no built-in amp-bf16" in amp.output
+    fsdp = run("estimate", "--params", "1e9", "--gpus", "8", "--gpu-mem", "80", "--strategy", "fsdp-full-shard")
+    assert "built-in" not in fsdp.output
