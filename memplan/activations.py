@@ -154,8 +154,10 @@ def block_kept(model: ModelSpec, train: TrainSpec) -> list[Saved]:
         return [Saved("checkpointed block input", "r·b·s·h", x.r * x.tokens * x.h)]
     saved = block_saved(model, train)
     if mode == "selective":
-        core = {s.name for s in _attention_core(model, x)}
+        # the checkpointed core keeps only its inputs: q, k, v before repeat_kv (kv wide)
+        core = {s.name for s in _attention_core(model, x)} | {"q, k, v"}
         saved = [s for s in saved if s.name not in core]
+        saved.append(Saved("q, k, v (checkpoint inputs)", "c·b·s·(h + 2·kv)", x.c * x.tokens * (x.h + 2 * x.kv)))
     return saved
 
 
