@@ -110,8 +110,11 @@ def _qkv_out(model: ModelSpec, x: Shapes) -> list[Saved]:
     return saved
 
 
-def block_saved(model: ModelSpec, train: TrainSpec) -> list[Saved]:
-    """Bytes one transformer block keeps from its forward for its backward (no AC)."""
+def block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False) -> list[Saved]:
+    """Bytes one transformer block keeps from its forward for its backward (no AC).
+
+    ``inputs_cast``: the block's floating-point inputs arrive already in the compute dtype
+    (FSDP2's MixedPrecisionPolicy casts a unit's forward inputs, cast_forward_inputs=True)."""
     x = shapes(model, train)
     t = x.tokens
     saved: list[Saved] = []
@@ -121,7 +124,10 @@ def block_saved(model: ModelSpec, train: TrainSpec) -> list[Saved]:
             saved.append(Saved("residual after attention (norm input)", "r·b·s·h", x.r * t * x.h))
     saved += _norm(model, x, "norm 1") + _norm(model, x, "norm 2")
     saved += _linear_inputs(model, x)
-    if model.arch in ("llama", "neox") and x.c < 4:
+    if model.arch in ("llama", "neox") and x.c < 4 and inputs_cast:
+        # FSDP cast cos, sin once on entry; q and k share them (measured: 2·c·s·d per block)
+        saved.append(Saved("rotary cos/sin (cast by FSDP)", "2·c·s·d", 2 * x.c * x.s * x.d))
+    elif model.arch in ("llama", "neox") and x.c < 4:
         # cos/sin cast to the compute dtype for q and for k: 4 tables of s×d
         saved.append(Saved("rotary cos/sin casts", "4·c·s·d", 4 * x.c * x.s * x.d))
     saved += _qkv_out(model, x) + _attention_core(model, x)
@@ -145,14 +151,14 @@ def _attention_internals(model: ModelSpec, train: TrainSpec) -> list[Saved]:
     return _attention_core(model, shapes(model, train))
 
 
-def block_kept(model: ModelSpec, train: TrainSpec) -> list[Saved]:
+def block_kept(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False) -> list[Saved]:
     """What each block holds from its forward until its backward, under the AC mode."""
     x = shapes(model, train)
     mode = train.activation_checkpointing
     if mode == "full":
         # checkpoint keeps only the block's input; everything else is recomputed in backward
         return [Saved("checkpointed block input", "r·b·s·h", x.r * x.tokens * x.h)]
-    saved = block_saved(model, train)
+    saved = block_saved(model, train, inputs_cast=inputs_cast)
     if mode == "selective":
         # the checkpointed core keeps only its inputs: q, k, v before repeat_kv (kv wide)
         core = {s.name for s in _attention_core(model, x)} | {"q, k, v"}
@@ -161,7 +167,7 @@ def block_kept(model: ModelSpec, train: TrainSpec) -> list[Saved]:
     return saved
 
 
-def block_backward_transient(model: ModelSpec, train: TrainSpec) -> list[Saved]:
+def block_backward_transient(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False) -> list[Saved]:
     """Extra bytes live while one block runs its backward: recomputed activations under
     AC, plus gradient temporaries (measured: the SwiGLU/GELU backward holds two
     gradients of ffn width beyond the saved tensors; one under autocast)."""
@@ -174,7 +180,7 @@ def block_backward_transient(model: ModelSpec, train: TrainSpec) -> list[Saved]:
         shared = "norm 1: fp32 input" if x.r == 4 else None
         if model.arch != "llama":
             shared = "block input (norm input)"
-        out += [s for s in block_saved(model, train) if s.name != shared]
+        out += [s for s in block_saved(model, train, inputs_cast=inputs_cast) if s.name != shared]
     elif mode == "selective":
         out += _attention_core(model, x)
     return out

@@ -55,6 +55,7 @@ class _Step:
         self.params_on_host = fsdp_offload or offload in ("params", "all")
         # FSDP MixedPrecisionPolicy: the fp32 shard is the master copy; gathered in param_dtype
         self.fsdp_master = s.framework == "fsdp" and pol.master_bytes > 0
+        self.casts_block_inputs = self.fsdp_master and pol.compute_bytes < 4
         self.gather_bytes = pol.compute_bytes if pol.master_bytes else pol.param_bytes
         reduce = train.reduce_dtype
         self.reduce_bytes = DTYPE_BYTES[reduce] if reduce else self.gather_bytes
@@ -186,7 +187,7 @@ class _Step:
         grads = self.grad_terms()
         # with accumulation, earlier micro-batches' gradients are live during forward
         carried = grads if train.grad_accum > 1 else []
-        kept = block_kept(model, train)
+        kept = block_kept(model, train, inputs_cast=self.casts_block_inputs)
         per_block = sum(s.bytes for s in kept)
         formula = " + ".join(s.formula for s in kept)
         all_blocks = [_t(A, f"kept activations of {L} blocks", f"{L} × ({formula})", L * per_block)]
@@ -195,7 +196,7 @@ class _Step:
         outside = _terms(A, pre + post)
         logits = [t for t in outside if t.name.startswith("logits")]
         loss_fwd, loss_bwd = loss_saved(model, train)
-        transient = _terms(A, block_backward_transient(model, train))
+        transient = _terms(A, block_backward_transient(model, train, inputs_cast=self.casts_block_inputs))
         head_grads = self.grad_share(self.root_params, "embedding/head params")
         # the input embedding's gradient comes last, after the first block's backward (a tied
         # embedding already has it from the head)
