@@ -201,7 +201,12 @@ class _Step:
         # the input embedding's gradient comes last, after the first block's backward (a tied
         # embedding already has it from the head)
         pending = model.embedding_params() - (model.vocab_size * model.hidden if model.tied_embeddings else 0)
-        first_grads = grads if carried else self.grad_share(self.params - pending, "params (all but the input embedding)")
+        # and under FSDP the first block's sharded gradients exist only after its reduce-scatter:
+        # inside its backward they are the unsharded block gradients of `gathered` (measured;
+        # DDP's appear during the block's backward, so there the count stays whole)
+        own = self.block_params if self.framework == "fsdp" else 0
+        what = "params (all but the input embedding" + (" and the first block)" if own else ")")
+        first_grads = grads if carried else self.grad_share(self.params - pending - own, what)
         return [
             Moment("forward", "end of forward (cross-entropy)",
                    tuple(states + carried + all_blocks + outside + self.gathered("forward") + _terms(A, loss_fwd))),
