@@ -377,11 +377,10 @@ def _claim_verdict(rule: Rule, measured: float, what: str) -> tuple[bool, str]:
     return ok, f"{what} {measured:.2f}× by the model, {claim}× claimed"
 
 
-def _own_terms(rule: Rule, strategy: str, fixed: dict) -> dict:
-    """The user's fixed axes with the rule's own claims and ``strategy``; a fixed precision the
+def _own_terms(claims: dict, strategy: str, fixed: dict) -> dict:
+    """The user's fixed axes with a rule's own claims and ``strategy``; a fixed precision the
     strategy does not run natively is searched instead (DDP has no mixed-bf16 of its own)."""
-    terms = {**fixed, **{k: v for k, v in (("ac", rule.ac), ("offload", rule.offload), ("precision", rule.precision))
-                         if v is not None}, "strategy": strategy}
+    terms = {**fixed, **{k: v for k, v in claims.items() if v is not None}, "strategy": strategy}
     if "precision" in terms and not STRATEGIES[strategy].runs_natively(terms["precision"]):
         del terms["precision"]
     return terms
@@ -412,7 +411,7 @@ def _judge(rule: Rule, options: list[Option], best: Option | None, job: Job, bas
     if overridden or not candidates:
         # the user's fixed choices exclude the rule's option: judge it on its own terms
         candidates = [o for strategy in rule.strategies
-                      for o in _options(job, _own_terms(rule, strategy, fixed), priority, basis, micro_batch_max=False)
+                      for o in _options(job, _own_terms(claims, strategy, fixed), priority, basis, micro_batch_max=False)
                       if STRATEGIES[strategy].supports_offload(o.job.plan.offload)]
     fitting = sorted((o for o in candidates if o.fits), key=lambda o: _rank(o, priority))
     if not fitting:
