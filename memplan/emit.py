@@ -139,15 +139,18 @@ def deepspeed_config(job: Job) -> dict:
     return config
 
 
+def _autocast_under_fsdp(job: Job) -> bool:
+    """accelerate's bf16/fp16 under FSDP sets a MixedPrecisionPolicy (accelerate 1.x,
+    FullyShardedDataParallelPlugin.set_mixed_precision): mixed-*, not autocast."""
+    return STRATEGIES[job.plan.strategy].framework == "fsdp" and job.train.precision.startswith("amp")
+
+
 def accelerate_config(job: Job) -> dict:
     """``accelerate launch --config_file`` contents (accelerate's own key names)."""
     c, t, s = job.cluster, job.train, STRATEGIES[job.plan.strategy]
     compute, _ = _dtypes(job)
-    # accelerate's bf16/fp16 under FSDP sets a MixedPrecisionPolicy (accelerate 1.x,
-    # FullyShardedDataParallelPlugin.set_mixed_precision): that is mixed-*, not autocast
-    amp_under_fsdp = s.framework == "fsdp" and t.precision.startswith("amp")
     config = {"compute_environment": "LOCAL_MACHINE", "machine_rank": 0, "main_training_function": "main",
-              "mixed_precision": "no" if amp_under_fsdp else {"bf16": "bf16", "fp16": "fp16"}.get(compute, "no"),
+              "mixed_precision": "no" if _autocast_under_fsdp(job) else {"bf16": "bf16", "fp16": "fp16"}.get(compute, "no"),
               "num_machines": c.num_nodes, "num_processes": c.gpus, "rdzv_backend": "static",
               "same_network": True, "use_cpu": False}
     if s.framework == "none":
@@ -198,7 +201,7 @@ def emit(job: Job, kind: str) -> str:
         return fsdp1_snippet(job)
     if kind == "accelerate":
         note = ""
-        if STRATEGIES[job.plan.strategy].framework == "fsdp" and job.train.precision.startswith("amp"):
+        if _autocast_under_fsdp(job):
             compute, _ = _dtypes(job)
             note = (f"# {job.train.precision}: wrap the forward in torch.autocast('cuda', dtype={_TORCH_DTYPE[compute]}); "
                     "accelerate's own mixed_precision would give FSDP a MixedPrecisionPolicy (mixed-*)\n")
