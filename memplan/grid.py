@@ -17,7 +17,7 @@ import numpy as np
 from .errors import MemplanError
 from .inputs import build_jobs
 from .memory import estimate
-from .overheads import ALLOCATOR_SLACK, CUDA_CONTEXT_BYTES, NCCL_BYTES
+from .overheads import fixed_terms, slack_fraction
 from .specs import Job
 
 _POINTS = ((1, 1), (1, 2), (2, 1), (2, 2))  # (b, s): a unique solve for the four coefficients
@@ -56,10 +56,8 @@ def _group_rows(job: Job, b: np.ndarray, s: np.ndarray) -> dict[str, np.ndarray]
     per_moment = _basis(b, s).astype(np.int64) @ coef.T  # configurations × moments, exact integers
     peak = per_moment.argmax(axis=1)  # the first largest, as max() picks in the scalar path
     allocated = per_moment[np.arange(len(b)), peak]
-    overhead = np.zeros_like(allocated)
-    if job.train.device != "cpu":
-        fixed = CUDA_CONTEXT_BYTES + (NCCL_BYTES if job.cluster.gpus > 1 else 0)
-        overhead = fixed + (allocated * ALLOCATOR_SLACK).astype(np.int64)
+    fixed = sum(t.bytes for t in fixed_terms(job))
+    overhead = fixed + (allocated * slack_fraction(job)).astype(np.int64)
     total = allocated + overhead
     headroom = job.cluster.usable_bytes - total
     return {"allocated_bytes": allocated, "overhead_bytes": overhead, "total_bytes": total,

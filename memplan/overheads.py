@@ -18,13 +18,25 @@ NCCL_BYTES = 512 * MIB
 ALLOCATOR_SLACK = 0.10
 
 
-def overhead_terms(job: Job, peak: Moment) -> list[Term]:
+def fixed_terms(job: Job) -> list[Term]:
+    """The overheads that do not follow the allocated bytes; none on CPU."""
     if job.train.device == "cpu":
         return []
     B = Component.BUFFERS
     terms = [Term(B, "CUDA context + cuBLAS", "documented default", CUDA_CONTEXT_BYTES)]
     if job.cluster.gpus > 1:
         terms.append(Term(B, "NCCL buffers", "documented default", NCCL_BYTES))
-    slack = int(peak.allocated_bytes * ALLOCATOR_SLACK)
-    terms.append(Term(B, "caching-allocator slack", f"{ALLOCATOR_SLACK:.0%} of allocated", slack))
+    return terms
+
+
+def slack_fraction(job: Job) -> float:
+    """The caching allocator's slack as a fraction of allocated bytes; none on CPU."""
+    return 0.0 if job.train.device == "cpu" else ALLOCATOR_SLACK
+
+
+def overhead_terms(job: Job, peak: Moment) -> list[Term]:
+    terms, fraction = fixed_terms(job), slack_fraction(job)
+    if fraction:
+        terms.append(Term(Component.BUFFERS, "caching-allocator slack", f"{fraction:.0%} of allocated",
+                          int(peak.allocated_bytes * fraction)))
     return terms

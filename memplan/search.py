@@ -116,10 +116,9 @@ def min_gpus_for(job: Job, *, gpus_per_node: int = 0, limit: int = GPU_LIMIT,
                  fits: Callable[[Job], bool] = _fits) -> int | None:
     """Fewest GPUs (1..node size, then whole nodes) on which ``job``'s own strategy fits."""
     count, node = gpu_counts(gpus_per_node)
-    cap = STRATEGIES[job.plan.strategy].max_gpus
-    if cap is not None and cap < node:  # a strategy for a few GPUs ("single"): try each
-        return next((n for n in range(1, min(cap, limit) + 1) if fits(with_gpus(job, n, gpus_per_node))), None)
-    index_limit = node + limit // node - 1  # count(index_limit - 1) = node · (limit // node) ≤ limit
+    limit = min(limit, STRATEGIES[job.plan.strategy].max_gpus or limit)  # "single": one GPU at most
+    # the number of counts ≤ limit: 1..limit below a node, else count(index_limit - 1) = node · (limit // node)
+    index_limit = limit if limit < node else node + limit // node - 1
     i = _first_true(lambda i: fits(with_gpus(job, count(i), gpus_per_node)), index_limit)
     return None if i is None else count(i)
 
