@@ -22,6 +22,8 @@ class Saved:
     name: str
     formula: str
     bytes: int
+    key: str = ""
+    """Stable identifier for the tensors a moment selects by itself (``memory.MOMENTS``)."""
 
 
 @dataclass(frozen=True)
@@ -208,7 +210,8 @@ def model_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[S
     else:
         post.append(Saved("final norm output (head input)", "r·b·s·h", x.r * t * x.h))
     logits_bytes = x.c
-    post.append(Saved("logits (held by the caller)", f"{logits_bytes}·b·s·V", logits_bytes * t * x.V))
+    post.append(Saved("logits (held by the caller)", f"{logits_bytes}·b·s·V", logits_bytes * t * x.V,
+                      "logits"))
     return pre, post
 
 
@@ -217,10 +220,10 @@ def loss_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[Sa
     its backward starts (ForCausalLMLoss upcasts logits; log_softmax keeps its output)."""
     x = shapes(model, train)
     t, V = x.tokens, x.V
-    lsm = Saved("log_softmax output (fp32)", "4·b·s·V", 4 * t * V)
+    lsm = Saved("log_softmax output (fp32)", "4·b·s·V", 4 * t * V, "loss.log_softmax")
     forward = [lsm]
     if x.c < 4:
-        forward.append(Saved("fp32 copy of logits", "4·b·s·V", 4 * t * V))
+        forward.append(Saved("fp32 copy of logits", "4·b·s·V", 4 * t * V, "loss.logits_fp32"))
     # nll_loss backward makes a b·s·V gradient, log_softmax backward another
-    backward = [lsm, Saved("loss gradients (nll, log_softmax)", "2·4·b·s·V", 8 * t * V)]
+    backward = [lsm, Saved("loss gradients (nll, log_softmax)", "2·4·b·s·V", 8 * t * V, "loss.gradients")]
     return forward, backward

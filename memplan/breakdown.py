@@ -22,6 +22,9 @@ class Term:
     name: str
     formula: str
     bytes: int
+    key: str = ""
+    """A stable identifier ("logits", "fsdp.root_unit"): what moments and later axes
+    select a term by; the name is for display only."""
 
 
 @dataclass(frozen=True)

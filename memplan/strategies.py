@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .frameworks import FRAMEWORKS, Framework
+
 
 @dataclass(frozen=True, kw_only=True)
 class Strategy:
     id: str
     framework: str
-    """none | ddp | fsdp | deepspeed: whose buffers (DDP buckets, FSDP all-gather and
-    reduce-scatter buffers, DeepSpeed buckets) the step holds."""
+    """none | ddp | fsdp | deepspeed: the adapter (``memplan.frameworks``) that says whose
+    buffers (DDP buckets, FSDP all-gather and reduce-scatter buffers, DeepSpeed buckets) the
+    step holds, which precisions run natively and how the job is emitted."""
     shards_params: bool
     shards_grads: bool
     shards_optimizer: bool
@@ -25,9 +28,13 @@ class Strategy:
     def shard_degree(self, gpus: int, gpus_per_node: int) -> int:
         return gpus_per_node if self.shard_group == "node" else gpus
 
+    @property
+    def adapter(self) -> Framework:
+        return FRAMEWORKS[self.framework]
+
     def runs_natively(self, precision: str) -> bool:
-        """Whether the framework has the precision policy built in (``NATIVE_PRECISIONS``)."""
-        return precision in NATIVE_PRECISIONS[self.framework]
+        """Whether the framework has the precision policy built in (``Framework.native_precisions``)."""
+        return precision in self.adapter.native_precisions
 
     def allows_gpus(self, gpus: int) -> bool:
         return self.max_gpus is None or gpus <= self.max_gpus
@@ -39,18 +46,6 @@ class Strategy:
         users = [s.id for s in STRATEGIES.values() if s.offloads]
         return f"one of {', '.join(users)} (this one allows {', '.join(self.offloads) or 'none'})"
 
-
-# Policies each framework runs without hand-written code. DDP and a plain loop have autocast
-# (torch.amp) and a model cast to bf16, but no fp32 master copy behind low-precision weights:
-# that is FSDP's MixedPrecisionPolicy or DeepSpeed's bf16 / fp16 optimizer (whose modes keep
-# master weights; torch.autocast is not a DeepSpeed precision mode, and `--emit deepspeed`
-# writes only these).
-NATIVE_PRECISIONS = {
-    "none": ("fp32", "amp-bf16", "amp-fp16", "bf16"),
-    "ddp": ("fp32", "amp-bf16", "amp-fp16", "bf16"),
-    "fsdp": ("fp32", "amp-bf16", "amp-fp16", "mixed-bf16", "mixed-fp16", "bf16"),
-    "deepspeed": ("fp32", "mixed-bf16", "mixed-fp16"),
-}
 
 _ROWS = (
     # a plain training loop on one GPU: no wrapper, so no buckets or gather buffers (torchtune's

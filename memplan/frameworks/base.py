@@ -1,0 +1,86 @@
+"""What every framework adapter says, and the text helpers their emitters share.
+
+An adapter is one module per framework (``single``, ``ddp``, ``fsdp``, ``deepspeed``) that
+says which buffers the framework holds at each instant of the step, which precision
+policies it runs natively, and how a recommended job is written for it (``--emit``). The
+calibration harness wraps a model with the same framework ids (``calibrate/wrappers.py``),
+since memplan never imports torch.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, ClassVar
+
+from ..breakdown import Component, Term
+from ..errors import MemplanError
+from ..precision import POLICIES
+from ..specs import Job
+
+if TYPE_CHECKING:
+    from ..memory import _Step
+    from ..strategies import Strategy
+
+TORCH_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
+
+
+def term(component: Component, key: str, name: str, formula: str, num_bytes) -> Term:
+    return Term(component, name, formula, int(num_bytes), key)
+
+
+class Framework:
+    """One framework as the memory model, the emitters and the harness see it."""
+
+    id: ClassVar[str]
+    """The id ``Strategy.framework`` names."""
+    label: ClassVar[str]
+    native_precisions: ClassVar[tuple[str, ...]]
+    """Precision policies the framework runs without hand-written code (``Strategy.runs_natively``)."""
+    distributed: ClassVar[bool] = True
+    """Launched one process per GPU (torchrun); False: a plain ``python`` run."""
+    offload_moves_states: ClassVar[bool] = False
+    """Offloading parameters moves gradients and the optimizer step to the host with them."""
+    shard_is_master: ClassVar[bool] = False
+    """Under a mixed policy the fp32 parameter shard is the master copy (no separate one)."""
+    block_grads_after_reduce: ClassVar[bool] = False
+    """A block's sharded gradients exist only after its reduce-scatter (inside its backward
+    they are the unsharded gradients of ``gathered``)."""
+    emitters: ClassVar[dict[str, Callable[[Job, Strategy], str]]] = {}
+    """``--emit`` kinds this framework writes, beyond accelerate and torchrun."""
+
+    def persistent_buffers(self, step: _Step) -> list[Term]:
+        """Buffers held for the whole step."""
+        return []
+
+    def gathered(self, step: _Step, instant: str) -> list[Term]:
+        """Unsharded parameters and gradient buffers held at ``instant``: forward, loss
+        (start of backward) or block (inside a block's backward)."""
+        return []
+
+    def step_buffers(self, step: _Step) -> list[Term]:
+        """Buffers of optimizer.step() beyond the optimizer's own temporaries."""
+        return []
+
+    def accelerate(self, job: Job, strategy: Strategy) -> dict:
+        """accelerate's ``distributed_type`` and this framework's section of its config."""
+        raise NotImplementedError
+
+    def accelerate_mixed_precision(self, job: Job) -> str:
+        """accelerate's ``mixed_precision`` for the job's policy."""
+        compute = POLICIES[job.train.precision].compute_dtype
+        return compute if compute != "fp32" else "no"
+
+    def accelerate_note(self, job: Job) -> str:
+        """A comment line the accelerate config needs beside it."""
+        return ""
+
+
+def header(job: Job) -> str:
+    t, c, p = job.train, job.cluster, job.plan
+    return (f"memplan: {p.strategy}, {t.precision}, AC {t.activation_checkpointing}, offload {p.offload}, "
+            f"micro-batch {t.micro_batch} x accum {t.grad_accum}, seq {t.seq_len}, {c.gpus} GPUs "
+            f"({c.num_nodes} x {c.gpus_per_node})")
+
+
+def needs(job: Job, kind: str, allowed) -> None:
+    if job.plan.strategy not in allowed:
+        raise MemplanError(f"--emit {kind} does not apply to strategy {job.plan.strategy}; it needs one of: "
+                           f"{', '.join(allowed)} (pass --strategy, or pick another --emit)")

@@ -1,0 +1,20 @@
+"""DistributedDataParallel: replicated states plus the Reducer's gradient buckets."""
+from __future__ import annotations
+
+from ..breakdown import Component
+from .base import Framework, term
+from .single import Single
+
+
+class DDP(Framework):
+    id = "ddp"
+    label = "DistributedDataParallel"
+    native_precisions = Single.native_precisions
+
+    def persistent_buffers(self, step) -> list:
+        # Reducer buckets: with gradient_as_bucket_view=False a second copy of every gradient
+        nbytes = step.policy.grad_bytes
+        return [term(Component.BUFFERS, "ddp.buckets", "DDP gradient buckets", f"{nbytes}·P", nbytes * step.params)]
+
+    def accelerate(self, job, strategy) -> dict:
+        return {"distributed_type": "MULTI_GPU"}
