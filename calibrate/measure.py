@@ -13,16 +13,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from memplan.precision import POLICIES
 from memplan.specs import Job
-from memplan.strategies import STRATEGIES
 
-from .workloads import blocks, build_model
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-class Unsupported(ValueError):
-    """A configuration this harness cannot run here (e.g. DeepSpeed not installed)."""
+from .workloads import build_model
+from .wrappers import DTYPES, Unsupported, wrap
 
 
 @dataclass
@@ -40,70 +35,6 @@ class Measurement:
     device_used_bytes: int | None = None
     num_alloc_retries: int | None = None
     phase_peaks: dict[str, int] = field(default_factory=dict)
-
-
-def compute_dtype(precision: str) -> torch.dtype:
-    return DTYPES[precision.split("-")[-1]] if precision != "fp32" else torch.float32
-
-
-def _wrap(model: nn.Module, job: Job, emulated: bool) -> nn.Module:
-    strategy = STRATEGIES[job.plan.strategy]
-    precision = job.train.precision
-    if strategy.framework == "deepspeed":
-        raise Unsupported(f"{strategy.id} needs DeepSpeed, which this harness does not drive")
-    if precision.startswith("mixed") and strategy.framework != "fsdp":
-        raise Unsupported(f"{precision} under {strategy.id} has no native torch implementation")
-    if precision == "bf16":
-        model = model.to(torch.bfloat16)
-    if strategy.framework == "none":
-        return model
-    if strategy.framework == "ddp":
-        return _wrap_ddp(model, emulated)
-    return _wrap_fsdp(model, job)
-
-
-def _wrap_ddp(model: nn.Module, emulated: bool) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    ddp = DDP(model)
-    if emulated:
-        # the fake backend's all-reduce returns no tensor: hand the bucket back unchanged
-        def keep_bucket(_, bucket):
-            fut = torch.futures.Future()
-            fut.set_result(bucket.buffer())
-            return fut
-
-        ddp.register_comm_hook(None, keep_bucket)
-    return ddp
-
-
-def _wrap_fsdp(model: nn.Module, job: Job) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-    strategy = STRATEGIES[job.plan.strategy]
-    world = dist.get_world_size()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if strategy.id == "fsdp-no-shard":
-        mesh = init_device_mesh(device, (world, 1), mesh_dim_names=("replicate", "shard"))
-    elif strategy.shard_group == "node":
-        per_node = job.cluster.gpus_per_node
-        mesh = init_device_mesh(device, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh(device, (world,))
-    kwargs = {"mesh": mesh, "reshard_after_forward": strategy.reshard_after_forward}
-    if job.train.precision.startswith("mixed"):
-        reduce = job.train.reduce_dtype
-        kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=compute_dtype(job.train.precision),
-            reduce_dtype=DTYPES[reduce] if reduce else None,
-        )
-    if job.plan.offload != "none":
-        kwargs["offload_policy"] = CPUOffloadPolicy()
-    for block in blocks(model):
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
 
 
 def _optimizer(model: nn.Module, job: Job) -> torch.optim.Optimizer:
@@ -200,15 +131,16 @@ def run(job: Job, *, steps: int = 3, warmup: int = 2, emulated: bool = False, wo
     meter = _CudaMeter() if on_cuda else _CpuMeter()
     train = job.train
     ids = torch.randint(0, job.model.vocab_size, (train.micro_batch, train.seq_len), device=meter.device)
+    policy = POLICIES[train.precision]
     autocast = (
-        torch.autocast(meter.device.type, dtype=compute_dtype(train.precision))
-        if train.precision.startswith("amp") else contextlib.nullcontext()
+        torch.autocast(meter.device.type, dtype=DTYPES[policy.compute_dtype])
+        if policy.autocast else contextlib.nullcontext()
     )
     with meter:
         with torch.device(meter.device):
             model = build_model(job.model, attention=train.attention, ac=train.activation_checkpointing,
                                 workload=workload)
-        model = _wrap(model, job, emulated)
+        model = wrap(model, job, emulated)
         optimizer = _optimizer(model, job)
         phase_peaks: dict[str, int] = {}
         times = []

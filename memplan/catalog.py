@@ -7,6 +7,7 @@ from functools import cache
 from pathlib import Path
 
 from .errors import MemplanError
+from .precision import POLICIES
 from .specs import ModelSpec
 
 _INSTALLED = Path(__file__).with_name("_tables")
@@ -44,13 +45,10 @@ class GpuSpec:
 
     def peak_flops(self, precision: str) -> float:
         """Peak dense FLOPS of the matmuls a precision policy runs in."""
-        if precision == "fp32":
-            return self.peak_fp32_flops
-        if "bf16" in precision:
-            if self.peak_bf16_flops is None:
-                raise MemplanError(f"{self.name} has no bf16 support; use --precision fp32, amp-fp16 or mixed-fp16")
-            return self.peak_bf16_flops
-        return self.peak_fp16_flops
+        compute = POLICIES[precision].compute_dtype
+        if compute == "bf16" and self.peak_bf16_flops is None:
+            raise MemplanError(f"{self.name} has no bf16 support; use --precision fp32, amp-fp16 or mixed-fp16")
+        return {"fp32": self.peak_fp32_flops, "bf16": self.peak_bf16_flops, "fp16": self.peak_fp16_flops}[compute]
 
 
 def _gpu_row(row: dict[str, str]) -> GpuSpec:

@@ -70,8 +70,7 @@ def resolve_cluster(*, gpus=1, gpus_per_node=0, gpu_mem=None, gpu=None, headroom
     name, mem = "custom", 80 * 2**30
     if gpu is not None:
         spec = catalog.gpu(gpu)
-        if "bf16" in precision and spec.peak_bf16_flops is None:
-            raise MemplanError(f"{spec.name} has no bf16 support; use --precision fp32, amp-fp16 or mixed-fp16")
+        spec.peak_flops(precision)  # refuses a precision the GPU has no matmuls for
         name, mem = spec.name, spec.memory_bytes
     elif gpu_mem is not None:
         mem = parse_bytes(gpu_mem, what="gpu-mem")

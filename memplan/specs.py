@@ -272,9 +272,11 @@ class Job:
     def with_(self, **changes) -> "Job":
         """Copy with fields of the nested specs changed by name, e.g. ``with_(gpus=16, micro_batch=2)``."""
         parts = {"model": self.model, "train": self.train, "cluster": self.cluster, "plan": self.plan}
+        by_part: dict[str, dict] = {}
         for key, value in changes.items():
             owner = next((k for k, v in parts.items() if key in v.__dataclass_fields__), None)
             if owner is None:
                 raise MemplanError(f"unknown setting {key!r}")
-            parts[owner] = replace(parts[owner], **{key: value})
-        return Job(**parts)
+            by_part.setdefault(owner, {})[key] = value
+        # every change applied before any check: a part is validated with all of its changes
+        return Job(**{**parts, **{owner: replace(parts[owner], **kw) for owner, kw in by_part.items()}})

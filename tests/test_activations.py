@@ -2,19 +2,20 @@
 import pytest
 
 from memplan.activations import block_saved
+from memplan.precision import POLICIES
 from memplan.specs import ModelSpec, TrainSpec
 
 torch = pytest.importorskip("torch")
 from calibrate.workloads import Block, rotary_tables  # noqa: E402
-from calibrate.measure import compute_dtype  # noqa: E402
+from calibrate.wrappers import DTYPES  # noqa: E402
 
 
 def measured_block_saved(model: ModelSpec, train: TrainSpec) -> int:
     """Bytes of distinct storages autograd saves in one block's forward (params and the
     shared rotary tables excluded: they are not the block's)."""
     block = Block(model, attention=train.attention, selective_ac=False)
-    low = train.precision.startswith("mixed") or train.precision == "bf16"
-    dtype = compute_dtype(train.precision) if low else torch.float32
+    policy = POLICIES[train.precision]
+    dtype = DTYPES[policy.param_dtype]
     block = block.to(dtype)
     x = torch.randn(train.micro_batch, train.seq_len, model.hidden, dtype=dtype, requires_grad=True)
     cos, sin = rotary_tables(train.seq_len, model.head_dim, "cpu") if model.arch != "gpt2" else (None, None)
@@ -27,7 +28,7 @@ def measured_block_saved(model: ModelSpec, train: TrainSpec) -> int:
             seen[st.data_ptr()] = st.nbytes()
         return t
 
-    autocast = torch.autocast("cpu", dtype=compute_dtype(train.precision), enabled=train.precision.startswith("amp"))
+    autocast = torch.autocast("cpu", dtype=DTYPES[policy.compute_dtype], enabled=policy.autocast)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
         block(x, cos, sin)
     return sum(seen.values())

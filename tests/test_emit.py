@@ -128,3 +128,27 @@ def test_accelerate_keeps_autocast_under_fsdp_out_of_its_mixed_precision_policy(
     mixed = emit(job("fsdp-full-shard", precision="mixed-bf16"), "accelerate")
     assert yaml.safe_load(mixed)["mixed_precision"] == "bf16" and "autocast" not in mixed
     assert yaml.safe_load(emit(job("ddp", precision="amp-bf16"), "accelerate"))["mixed_precision"] == "bf16"
+
+
+@pytest.mark.parametrize("precision,dtype", [("amp-bf16", "torch.bfloat16"), ("amp-fp16", "torch.float16")])
+def test_fsdp_snippets_for_autocast_keep_fp32_parameters_and_autocast_the_forward(precision, dtype):
+    """Bug 3: amp-* was estimated as fp32 parameters + autocast, but the snippet set a
+    param_dtype mixed policy (mixed-*): no param_dtype now, and a forward under autocast."""
+    j = job("fsdp-full-shard", precision=precision)
+    for kind in ("fsdp2", "fsdp1"):
+        text = emit(j, kind)
+        compile(text, f"<{kind}>", "exec")
+        assert "param_dtype" not in text and "MixedPrecision" not in text
+        assert f'with torch.autocast("cuda", dtype={dtype}):' in text
+    # an explicit reduce dtype is still a mixed policy, on the reduction alone
+    reduced = emit(job("fsdp-full-shard", precision=precision, reduce_dtype="bf16"), "fsdp2")
+    assert "MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)" in reduced and "param_dtype" not in reduced
+    mixed = emit(job("fsdp-full-shard", precision=precision.replace("amp", "mixed")), "fsdp2")
+    assert f"MixedPrecisionPolicy(param_dtype={dtype}" in mixed and "autocast" not in mixed
+
+
+def test_fsdp2_autocast_snippet_runs_when_torch_is_here():
+    pytest.importorskip("torch")
+    namespace = {}
+    exec(compile(emit(job("fsdp-full-shard", precision="amp-bf16"), "fsdp2"), "<fsdp2>", "exec"), namespace)
+    assert callable(namespace["wrap"]) and callable(namespace["forward"])
