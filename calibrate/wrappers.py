@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 from memplan.frameworks import FRAMEWORKS
 from memplan.precision import POLICIES

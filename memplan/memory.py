@@ -218,8 +218,8 @@ def model_states(job: Job, policy: Policy | None = None) -> dict[Component, int]
     other than the six named ones (to redo a document's arithmetic on its own terms)."""
     step = _Step(job, policy)
     out = dict.fromkeys((P, G, O), 0)
-    for term in step.param_terms() + step.grad_terms() + step.optimizer_terms():
-        out[term.component] += term.bytes
+    for t in step.param_terms() + step.grad_terms() + step.optimizer_terms():
+        out[t.component] += t.bytes
     return out
 
 

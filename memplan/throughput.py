@@ -175,7 +175,7 @@ def offload_seconds(job: Job, link: Link) -> float:
     policy = POLICIES[job.train.precision]
     shard = job.model.num_params / strategy.shard_degree(job.cluster.gpus, job.cluster.gpus_per_node)
     seconds = 0.0
-    if offload in ("optimizer", "all") or (strategy.framework == "fsdp" and offload == "params"):
+    if offload in ("optimizer", "all") or (strategy.adapter.offload_moves_states and offload == "params"):
         # FSDP CPUOffload(offload_params=True) also steps the optimizer on the CPU.
         seconds += shard * (policy.grad_bytes + policy.param_bytes) / link.host_bytes_s
         seconds += shard * default("host_adam_bytes_per_param") / link.host_dram_bytes_s

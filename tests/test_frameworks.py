@@ -13,7 +13,7 @@ from memplan.strategies import STRATEGIES
 
 
 def job(strategy, **kw):
-    args = dict(model="llama-3.2-1b", gpus=1 if strategy == "single" else 8, strategy=strategy) | kw
+    args = {"model": "llama-3.2-1b", "gpus": 1 if strategy == "single" else 8, "strategy": strategy} | kw
     return build_jobs(**args)[1][0]
 
 

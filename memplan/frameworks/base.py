@@ -8,7 +8,8 @@ since memplan never imports torch.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar
 
 from ..breakdown import Component, Term
 from ..errors import MemplanError
@@ -18,6 +19,9 @@ from ..specs import Job
 if TYPE_CHECKING:
     from ..memory import _Step
     from ..strategies import Strategy
+
+Emitter = Callable[[Job, "Strategy"], str]
+"""Writes one ``--emit`` kind for a job under one of the framework's strategies."""
 
 TORCH_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
 
@@ -43,7 +47,7 @@ class Framework:
     block_grads_after_reduce: ClassVar[bool] = False
     """A block's sharded gradients exist only after its reduce-scatter (inside its backward
     they are the unsharded gradients of ``gathered``)."""
-    emitters: ClassVar[dict[str, Callable[[Job, Strategy], str]]] = {}
+    emitters: ClassVar[dict[str, Emitter]] = {}
     """``--emit`` kinds this framework writes, beyond accelerate and torchrun."""
 
     def persistent_buffers(self, step: _Step) -> list[Term]:

@@ -3,12 +3,13 @@ the config that sets the bucket sizes the memory model charges (tables/deepspeed
 from __future__ import annotations
 
 import json
+from typing import ClassVar
 
 from ..breakdown import Component
 from ..catalog import deepspeed_defaults
 from ..errors import MemplanError
 from ..precision import POLICIES
-from .base import Framework, needs, term
+from .base import Emitter, Framework, needs, term
 
 B = Component.BUFFERS
 ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -23,7 +24,7 @@ def config(job, strategy) -> dict:
                            f"or {DeepSpeed.native_precisions[0]}, got {policy.id}")
     ds = deepspeed_defaults()
     stage = ZERO_STAGE[strategy.id]
-    zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
+    zero: dict[str, object] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
             "reduce_bucket_size": ds["reduce_bucket_size"], "allgather_bucket_size": ds["allgather_bucket_size"]}
     if stage == 3:
         zero.update(stage3_prefetch_bucket_size=ds["stage3_prefetch_bucket_size"],
@@ -45,13 +46,17 @@ def config(job, strategy) -> dict:
     return config
 
 
+def config_json(job, strategy) -> str:
+    return json.dumps(config(job, strategy), indent=2) + "\n"
+
+
 class DeepSpeed(Framework):
     id = "deepspeed"
     label = "DeepSpeed"
     # its bf16 / fp16 optimizer modes keep master weights; torch.autocast is not a DeepSpeed
     # precision mode, and `--emit deepspeed` writes only these
     native_precisions = ("fp32", "mixed-bf16", "mixed-fp16")
-    emitters = {"deepspeed": lambda job, strategy: json.dumps(config(job, strategy), indent=2) + "\n"}
+    emitters: ClassVar[dict[str, Emitter]] = {"deepspeed": config_json}
 
     def gathered(self, step, instant: str) -> list:
         ds, bp = deepspeed_defaults(), step.block_params

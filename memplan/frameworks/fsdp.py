@@ -2,9 +2,11 @@
 unsharded units around the one that runs, and the reduce-scatter input."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 from ..breakdown import Component
 from ..precision import POLICIES
-from .base import TORCH_DTYPE, Framework, header, needs, term
+from .base import TORCH_DTYPE, Emitter, Framework, header, needs, term
 
 B = Component.BUFFERS
 FSDP1_SHARDING = {"fsdp-full-shard": "FULL_SHARD", "fsdp-shard-grad-op": "SHARD_GRAD_OP",
@@ -50,8 +52,8 @@ def _ac_lines(job, indent: str) -> list[str]:
     note = "each block's input kept, the block recomputed" if ac == "full" else "attention recomputed"
     return [f"{indent}# activation checkpointing {ac}: {note}",
             f"{indent}apply_activation_checkpointing(",
-            f"{indent}    model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, "
-            "checkpoint_impl=CheckpointImpl.NO_REENTRANT),",
+            (f"{indent}    model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, "
+             "checkpoint_impl=CheckpointImpl.NO_REENTRANT),"),
             f"{indent}    check_fn=lambda m: isinstance(m, {target}))"]
 
 
@@ -83,8 +85,8 @@ def fsdp2_snippet(job, strategy) -> str:
              "    # shard each block (or the checkpoint wrapper around it), then the root",
              "    wrappers = {id(getattr(m, '_checkpoint_wrapped_module', None)): m for m in model.modules()}",
              "    for block in [m for m in model.modules() if isinstance(m, block_cls)]:",
-             f"        fully_shard(wrappers.get(id(block), block), mesh=mesh, {policies}, "
-             f"reshard_after_forward={strategy.reshard_after_forward})",
+             (f"        fully_shard(wrappers.get(id(block), block), mesh=mesh, {policies}, "
+              f"reshard_after_forward={strategy.reshard_after_forward})"),
              f"    fully_shard(model, mesh=mesh, {policies}, reshard_after_forward=False)",
              "    return model", *_autocast_lines(job), ""]
     return "\n".join(lines)
@@ -98,8 +100,8 @@ def fsdp1_snippet(job, strategy) -> str:
     if mp and not POLICIES[job.train.precision].autocast:
         mp += f", buffer_dtype={TORCH_DTYPE[compute]}"
     lines = [f"# {header(job)}", "import functools", "", "import torch",
-             "from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as FSDP, "
-             f"{'MixedPrecision, ' if mp else ''}ShardingStrategy",
+             ("from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as FSDP, "
+              f"{'MixedPrecision, ' if mp else ''}ShardingStrategy"),
              "from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy", *_ac_imports(job), "", "",
              "def wrap(model: torch.nn.Module, block_cls: type, attention_cls: type | None = None) -> torch.nn.Module:",
              "    model = FSDP(",
@@ -124,7 +126,7 @@ class FSDP(Framework):
     # measured: the first block's sharded gradients appear only after its reduce-scatter
     # (DDP's appear during the block's backward)
     block_grads_after_reduce = True
-    emitters = {"fsdp2": fsdp2_snippet, "fsdp1": fsdp1_snippet}
+    emitters: ClassVar[dict[str, Emitter]] = {"fsdp2": fsdp2_snippet, "fsdp1": fsdp1_snippet}
 
     def gathered(self, step, instant: str) -> list:
         s, L, bp = step.strategy, step.job.model.num_layers, step.block_params
