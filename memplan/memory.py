@@ -58,8 +58,9 @@ MOMENTS = (
 )
 
 
-class _Step:
-    """The quantities one job's moments are built from (per GPU, in bytes)."""
+class Step:
+    """The quantities one job's moments are built from (per GPU, in bytes); what a framework
+    adapter reads to size its buffers."""
 
     def __init__(self, job: Job, policy: Policy | None = None):
         self.job = job
@@ -206,7 +207,7 @@ class _Step:
         """Host RAM per GPU for what is offloaded."""
         if self.job.plan.offload == "none":
             return []
-        on_gpu = _Step(self.job.with_(offload="none"))
+        on_gpu = Step(self.job.with_(offload="none"))
         terms = on_gpu.optimizer_terms() if self.states_on_host else []
         if self.params_on_host:
             terms += on_gpu.param_terms() + (on_gpu.grad_terms() if self.grads_on_host else [])
@@ -216,7 +217,7 @@ class _Step:
 def model_states(job: Job, policy: Policy | None = None) -> dict[Component, int]:
     """Parameters, gradients and optimizer states per GPU, optionally under a policy
     other than the six named ones (to redo a document's arithmetic on its own terms)."""
-    step = _Step(job, policy)
+    step = Step(job, policy)
     out = dict.fromkeys((P, G, O), 0)
     for t in step.param_terms() + step.grad_terms() + step.optimizer_terms():
         out[t.component] += t.bytes
@@ -226,7 +227,7 @@ def model_states(job: Job, policy: Policy | None = None) -> dict[Component, int]
 @lru_cache(maxsize=4096)
 def estimate(job: Job) -> Estimate:
     """Peak per-GPU memory of one configuration: the largest of the step's moments."""
-    step = _Step(job)
+    step = Step(job)
     moments = step.moments()
     peak = max(moments, key=lambda m: m.allocated_bytes)
     host = sum(t.bytes for t in step.host_terms())

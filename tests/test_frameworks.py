@@ -6,7 +6,7 @@ from memplan.emit import KINDS
 from memplan.errors import MemplanError
 from memplan.frameworks import FRAMEWORKS
 from memplan.inputs import build_jobs
-from memplan.memory import MOMENTS, _Step, estimate
+from memplan.memory import MOMENTS, Step, estimate
 from memplan.precision import POLICIES
 from memplan.specs import PRECISIONS
 from memplan.strategies import STRATEGIES
@@ -27,7 +27,7 @@ def test_every_strategy_names_a_registered_adapter_and_every_emit_kind_has_one_w
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_each_moment_is_its_declared_groups_in_order(strategy):
-    step = _Step(job(strategy, grad_accum=1))
+    step = Step(job(strategy, grad_accum=1))
     groups = step.groups()
     assert {g for m in MOMENTS for g in m.groups} <= set(groups)
     for spec, moment in zip(MOMENTS, step.moments()):
@@ -36,7 +36,7 @@ def test_each_moment_is_its_declared_groups_in_order(strategy):
 
 
 def test_the_logits_are_found_by_key_and_live_until_the_first_block_backward():
-    step = _Step(job("ddp"))
+    step = Step(job("ddp"))
     t = step.job.train
     (logits,) = step.groups()["logits"]
     # the head's output in the compute dtype: c·b·s·V

@@ -17,7 +17,7 @@ from ..precision import POLICIES
 from ..specs import Job
 
 if TYPE_CHECKING:
-    from ..memory import _Step
+    from ..memory import Step
     from ..strategies import Strategy
 
 Emitter = Callable[[Job, "Strategy"], str]
@@ -50,16 +50,16 @@ class Framework:
     emitters: ClassVar[dict[str, Emitter]] = {}
     """``--emit`` kinds this framework writes, beyond accelerate and torchrun."""
 
-    def persistent_buffers(self, step: _Step) -> list[Term]:
+    def persistent_buffers(self, step: Step) -> list[Term]:
         """Buffers held for the whole step."""
         return []
 
-    def gathered(self, step: _Step, instant: str) -> list[Term]:
+    def gathered(self, step: Step, instant: str) -> list[Term]:
         """Unsharded parameters and gradient buffers held at ``instant``: forward, loss
         (start of backward) or block (inside a block's backward)."""
         return []
 
-    def step_buffers(self, step: _Step) -> list[Term]:
+    def step_buffers(self, step: Step) -> list[Term]:
         """Buffers of optimizer.step() beyond the optimizer's own temporaries."""
         return []
 
