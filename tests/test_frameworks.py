@@ -7,7 +7,7 @@ from memplan.errors import MemplanError
 from memplan.frameworks import FRAMEWORKS
 from memplan.inputs import build_jobs
 from memplan.memory import MOMENTS, Step, estimate
-from memplan.precision import POLICIES
+from memplan.precision import DTYPE_BYTES, POLICIES
 from memplan.specs import PRECISIONS
 from memplan.strategies import STRATEGIES
 
@@ -56,6 +56,15 @@ def test_framework_buffers_come_from_the_adapter_of_the_strategy():
     assert "deepspeed.fp32_grad_partition" in keys["zero2"]
     assert "deepspeed.fp32_grad_partition" not in {
         t.key for t in estimate(job("zero2", precision="fp32")).moments[-1].terms}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES.values()), ids=list(POLICIES))
+def test_a_policys_dtypes_agree_with_its_byte_counts(policy):
+    assert DTYPE_BYTES[policy.compute_dtype] == policy.compute_bytes
+    assert DTYPE_BYTES[policy.param_dtype] == policy.param_bytes
+    # a master copy sits only behind low-precision parameters, autocast only over fp32 ones
+    assert not (policy.master and not policy.low_precision_params)
+    assert not (policy.autocast and policy.low_precision_params)
 
 
 def test_with_applies_every_change_before_validating():
