@@ -46,9 +46,10 @@ class GpuSpec:
     def peak_flops(self, precision: str) -> float:
         """Peak dense FLOPS of the matmuls a precision policy runs in."""
         compute = POLICIES[precision].compute_dtype
-        if compute == "bf16" and self.peak_bf16_flops is None:
+        peak = {"fp32": self.peak_fp32_flops, "bf16": self.peak_bf16_flops, "fp16": self.peak_fp16_flops}[compute]
+        if peak is None:
             raise MemplanError(f"{self.name} has no bf16 support; use --precision fp32, amp-fp16 or mixed-fp16")
-        return {"fp32": self.peak_fp32_flops, "bf16": self.peak_bf16_flops, "fp16": self.peak_fp16_flops}[compute]
+        return peak
 
 
 def _gpu_row(row: dict[str, str]) -> GpuSpec:

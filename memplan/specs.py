@@ -279,4 +279,6 @@ class Job:
                 raise MemplanError(f"unknown setting {key!r}")
             by_part.setdefault(owner, {})[key] = value
         # every change applied before any check: a part is validated with all of its changes
-        return Job(**{**parts, **{owner: replace(parts[owner], **kw) for owner, kw in by_part.items()}})
+        for owner, kw in by_part.items():
+            parts[owner] = replace(parts[owner], **kw)
+        return Job(**parts)
