@@ -8,8 +8,8 @@ from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
 GB = 10**9
 # 002_*: "fp16 params and grads, fp32 Adam" with no fp32 master copy
-SEED_002 = Policy(id="seed-002", param_bytes=2, compute_bytes=2, stream_bytes=2, grad_bytes=2, master_bytes=0,
-                  state_bytes=4)
+SEED_002 = Policy(id="seed-002", compute_dtype="fp16", param_bytes=2, compute_bytes=2, stream_bytes=2, grad_bytes=2,
+                  master_bytes=0, state_bytes=4)
 
 
 def llama(params_b: float) -> ModelSpec:
