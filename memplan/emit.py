@@ -19,6 +19,9 @@ _TORCH_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torc
 _FSDP1_SHARDING = {"fsdp-full-shard": "FULL_SHARD", "fsdp-shard-grad-op": "SHARD_GRAD_OP",
                    "fsdp-hybrid-shard": "HYBRID_SHARD", "fsdp-no-shard": "NO_SHARD"}
 _ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
+WRITES = {"fsdp2": ("fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid-shard"), "fsdp1": tuple(_FSDP1_SHARDING),
+          "deepspeed": tuple(_ZERO_STAGE)}
+"""The strategies each framework's own form writes (accelerate and torchrun launch any)."""
 
 
 def _dtypes(job: Job) -> tuple[str, str]:
@@ -63,7 +66,7 @@ def _ac_imports(job: Job) -> list[str]:
 
 def fsdp2_snippet(job: Job) -> str:
     """``fully_shard`` per block, then the root (torchtitan's parallelize order: AC first)."""
-    _needs(job, "fsdp2", ("fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid-shard"))
+    _needs(job, "fsdp2", WRITES["fsdp2"])
     compute, reduce = _dtypes(job)
     c = job.cluster
     hybrid = STRATEGIES[job.plan.strategy].shard_group == "node"
@@ -91,7 +94,7 @@ def fsdp2_snippet(job: Job) -> str:
 
 def fsdp1_snippet(job: Job) -> str:
     """``FullyShardedDataParallel`` with a transformer auto-wrap policy per block."""
-    _needs(job, "fsdp1", tuple(_FSDP1_SHARDING))
+    _needs(job, "fsdp1", WRITES["fsdp1"])
     compute, reduce = _dtypes(job)
     offload = job.plan.offload in ("params", "all")
     lines = [f"# {_header(job)}", "import functools", "", "import torch",
@@ -113,7 +116,7 @@ def fsdp1_snippet(job: Job) -> str:
 
 def deepspeed_config(job: Job) -> dict:
     """A DeepSpeed config whose bucket sizes are the ones the memory model charges."""
-    _needs(job, "deepspeed", tuple(_ZERO_STAGE))
+    _needs(job, "deepspeed", WRITES["deepspeed"])
     if job.train.precision not in ("mixed-bf16", "mixed-fp16", "fp32"):
         raise MemplanError(f"--emit deepspeed needs precision mixed-bf16, mixed-fp16 or fp32, "
                            f"got {job.train.precision}")

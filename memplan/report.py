@@ -9,7 +9,7 @@ import json
 from .breakdown import Component, Estimate
 from .calibration import Applied, Corrected
 from .columns import render_columns
-from .decide import Fix, Reason, Recommendation, Rejected, RuleVerdict
+from .decide import FRAMEWORKS, Fix, Reason, Recommendation, Rejected, RuleVerdict, framework_strategies
 from .inputs import ModelChoice
 from .strategies import STRATEGIES
 from .units import gib
@@ -286,7 +286,7 @@ def fix_change(f: Fix) -> str:
         return f"more GPUs: {f.error}" if f.error else f"more GPUs: {f.value} (instead of {f.from_gpus})"
     change = _FIX_CHANGES[f.axis].format(f.value)
     if f.blocked_by:
-        return f"{change}: not available with {'strategy' if f.blocked_by in STRATEGIES else 'framework'} {f.blocked_by}"
+        return f"{change}: not available with strateg{'y' if len(f.blocked_by) == 1 else 'ies'} {', '.join(f.blocked_by)}"
     return change
 
 
@@ -307,8 +307,14 @@ def calibration_text(basis) -> str:
             f"±{c.residual_pct:.2f} %; speed measured for: {measured}{where}")
 
 
-def reason_text(r: Reason, framework_from: str | None = None) -> str:
-    """One reason for the pick; ``framework_from`` names what restricted the framework (a flag)."""
+def _strategies_named(strategies: tuple[str, ...]) -> str:
+    """A framework's name where they are all of its strategies, else their ids."""
+    name = next((f for f in FRAMEWORKS if framework_strategies(f) == strategies), None)
+    return f"{name} strategies" if name else ", ".join(strategies)
+
+
+def reason_text(r: Reason, restricted_by: str | None = None) -> str:
+    """One reason for the pick; ``restricted_by`` names what restricted the framework (a flag)."""
     o = r.option
     if r.code == "assumed_gpu":
         what = "links (compute: measured speed)" if r.basis.measured_compute else "peak FLOPS and links"
@@ -317,8 +323,8 @@ def reason_text(r: Reason, framework_from: str | None = None) -> str:
         return calibration_text(r.basis)
     if r.code == "kept_as_given":
         return "kept as given: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in r.fixed)
-    if r.code == "framework":
-        return f"searched only {r.framework} strategies" + (f" ({framework_from})" if framework_from else "")
+    if r.code == "restricted":
+        return f"searched only {_strategies_named(r.strategies)}" + (f" ({restricted_by})" if restricted_by else "")
     if r.code == "nothing_fits":
         return f"none of the {r.num_options} options fits; the closest: {o.label()}"
     if r.code == "ranked":
@@ -370,7 +376,7 @@ def _fix_dict(f: Fix) -> dict:
             "axis": f.axis, "value": f.value, "from_gpus": f.from_gpus, "blocked_by": f.blocked_by, "error": f.error}
 
 
-def _reason_dict(r: Reason, framework_from: str | None) -> dict:
+def _reason_dict(r: Reason, restricted_by: str | None) -> dict:
     """A reason's code and numbers (its sentence is in ``reasons``, at the same index)."""
     out: dict = {"code": r.code}
     if r.code in ("assumed_gpu", "predicted"):
@@ -383,8 +389,8 @@ def _reason_dict(r: Reason, framework_from: str | None) -> dict:
                    device_matches=r.basis.device_matches)
     if r.code == "kept_as_given":
         out["fixed"] = dict(r.fixed)
-    if r.code == "framework":
-        out.update(framework=r.framework, restricted_by=framework_from)
+    if r.code == "restricted":
+        out.update(strategies=list(r.strategies), restricted_by=restricted_by)
     if r.code in ("nothing_fits", "ranked"):
         out.update(num_options=r.num_options, num_fitting=r.num_fitting or 0)
     if r.code == "ranked":
@@ -398,7 +404,7 @@ def _reason_dict(r: Reason, framework_from: str | None) -> dict:
     return out
 
 
-def recommendation_dict(rec: Recommendation, framework_from: str | None = None) -> dict:
+def recommendation_dict(rec: Recommendation, restricted_by: str | None = None) -> dict:
     """DESIGN.md's ``recommendation`` keys (None where nothing fits), plus what was rejected,
     the rule verdicts and the fixes: each with its sentence and its code and numbers."""
     best = _option_dict(rec.best) if rec.best else {}
@@ -409,15 +415,15 @@ def recommendation_dict(rec: Recommendation, framework_from: str | None = None) 
         "tokens_per_s_per_gpu": best.get("tokens_per_s_per_gpu"),
         "relative_throughput": best.get("relative_throughput"),
         "total_bytes": best.get("total_bytes"),
-        "reasons": [reason_text(r, framework_from) for r in rec.reasons],
+        "reasons": [reason_text(r, restricted_by) for r in rec.reasons],
         "rules": [_verdict_dict(v) for v in rec.rules],
         "rejected": [_rejected_dict(r) for r in rec.rejected],
         "fixes": [_fix_dict(f) for f in rec.fixes],
         "link": {"gpu": rec.link.gpu_name, "assumed_gpu": rec.link.assumed_gpu, "interconnect": rec.link.interconnect,
                  "intra_node_bytes_s": rec.link.intra_node_bytes_s, "inter_node_bytes_s": rec.link.inter_node_bytes_s},
         "calibration": calibration_text(rec.basis) if rec.basis.correction else None,
-        "framework": rec.framework,
-        "reason_details": [_reason_dict(r, framework_from) for r in rec.reasons],
+        "searched_strategies": list(rec.searched) if rec.searched else None,
+        "reason_details": [_reason_dict(r, restricted_by) for r in rec.reasons],
     }
 
 
@@ -440,11 +446,11 @@ def recommendation_summary(rec: Recommendation) -> list[str]:
 
 
 def render_recommendation(choice: ModelChoice, rec: Recommendation, launch: str | None = None,
-                          framework_from: str | None = None) -> str:
+                          restricted_by: str | None = None) -> str:
     """Everything: the pick and its reasons, every rejected option, every matching rule, fixes, launch config."""
     job = (rec.best or rec.options[0]).job
     lines = [_header(choice, job), "", *recommendation_summary(rec)[:2], "", "Reasons:"]
-    lines += [f"  - {reason_text(r, framework_from)}" for r in rec.reasons]
+    lines += [f"  - {reason_text(r, restricted_by)}" for r in rec.reasons]
     if rec.fixes:
         lines += ["", "Nothing fits. Single changes, each with its resulting memory:"]
         lines += [f"  - {fix_line(f)}" for f in rec.fixes]

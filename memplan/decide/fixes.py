@@ -8,15 +8,15 @@ from .. import search
 from ..errors import MemplanError
 from ..specs import Job
 from ..strategies import STRATEGIES
-from .options import Basis, Option, candidate_jobs, framework_strategies, ranked
+from .options import Basis, Option, candidate_jobs, ranked
 
 
 @dataclass(frozen=True, kw_only=True)
 class Fix:
     """One change, as data: ``axis`` (gpus, strategy, ac, offload, micro_batch, precision) set to
     ``value`` (None for strategy: another one), the option it results in and whether that fits.
-    Without an option, ``blocked_by`` names the fixed strategy (or the framework searched) that
-    rules the change out, or ``error`` says why no GPU count helps."""
+    Without an option, ``blocked_by`` names the strategies that rule the change out, or
+    ``error`` says why no GPU count helps."""
 
     axis: str
     value: int | str | None
@@ -24,7 +24,8 @@ class Fix:
     fits: bool
     from_gpus: int | None = None
     """gpus: the job's own count."""
-    blocked_by: str | None = None
+    blocked_by: tuple[str, ...] = ()
+    """The strategies (fixed, or all that were searched) none of which can make the change."""
     error: str | None = None
 
     def line(self) -> str:
@@ -34,11 +35,11 @@ class Fix:
         return fix_line(self)
 
 
-def _smallest(job: Job, fixed: dict, axis: str, value, basis: Basis, priority: str, framework: str | None,
-              blocked_by: str | None) -> Fix:
+def _smallest(job: Job, fixed: dict, axis: str, value, basis: Basis, priority: str,
+              allowed: tuple[str, ...] | None, blocked_by: tuple[str, ...]) -> Fix:
     """The best option that fits with ``fixed`` (else the smallest), at the fixed micro-batch."""
     opts = [basis.evaluate(j.with_(micro_batch=fixed.get("micro_batch", job.train.micro_batch)))
-            for j in candidate_jobs(job, fixed, framework)]
+            for j in candidate_jobs(job, fixed, allowed)]
     if not opts:
         return Fix(axis=axis, value=value, option=None, fits=False, blocked_by=blocked_by)
     fitting = ranked(opts, priority)
@@ -58,18 +59,19 @@ def _more_gpus(job: Job, base_fixed: dict, strategies: list[str], basis: Basis) 
                from_gpus=job.cluster.gpus)
 
 
-def fixes(job: Job, fixed: dict, priority: str, basis: Basis, framework: str | None = None) -> list[Fix]:
+def fixes(job: Job, fixed: dict, priority: str, basis: Basis, allowed: tuple[str, ...] | None = None) -> list[Fix]:
     """Single changes, each alone: more GPUs, another strategy (when one was fixed), AC full,
     offload, micro-batch 1, pure bf16; the ones that fit first."""
     base_fixed = {**{"ac": job.train.activation_checkpointing, "offload": job.plan.offload,
                      "micro_batch": job.train.micro_batch}, **fixed}
-    if "strategy" not in fixed or STRATEGIES[fixed["strategy"]].runs_natively(job.train.precision):
-        base_fixed.setdefault("precision", job.train.precision)  # else searched among the native ones
     strategy = fixed.get("strategy")
-    strategies = [strategy] if strategy else framework_strategies(framework) if framework else list(STRATEGIES)
+    strategies = [strategy] if strategy else list(allowed or STRATEGIES)
+    if any(STRATEGIES[s].runs_natively(job.train.precision) for s in strategies):
+        base_fixed.setdefault("precision", job.train.precision)  # else searched among the native ones
 
     def smallest(changed: dict, axis: str, value) -> Fix:
-        return _smallest(job, changed, axis, value, basis, priority, framework, strategy or framework)
+        return _smallest(job, changed, axis, value, basis, priority, allowed,
+                         (strategy,) if strategy else allowed or ())
 
     out = [_more_gpus(job, base_fixed, strategies, basis)]
     if strategy:

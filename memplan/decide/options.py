@@ -27,12 +27,26 @@ def simplicity_ranks() -> dict[str, int]:
     return {row["id"]: int(row["rank"]) for row in catalog.read_table("simplicity.csv")}
 
 
-def framework_strategies(framework: str) -> list[str]:
+def framework_strategies(framework: str) -> tuple[str, ...]:
     """The strategy ids of one of ``FRAMEWORKS``."""
     if framework not in FRAMEWORKS:
         raise MemplanError(f"framework {framework!r} is not one of: {', '.join(FRAMEWORKS)}")
     own = "none" if framework == "single" else framework
-    return [s.id for s in STRATEGIES.values() if s.framework == own]
+    return tuple(s.id for s in STRATEGIES.values() if s.framework == own)
+
+
+def allowed_strategies(framework: str | None, strategies=None) -> tuple[str, ...] | None:
+    """The strategies of ``framework`` that are among ``strategies`` (None, None: all, as None)."""
+    if framework is None and strategies is None:
+        return None
+    for s in strategies or ():
+        if s not in STRATEGIES:
+            raise MemplanError(f"strategy {s!r} is not one of: {', '.join(STRATEGIES)}")
+    own = framework_strategies(framework) if framework else tuple(STRATEGIES)
+    allowed = tuple(s for s in own if strategies is None or s in strategies)
+    if not allowed:
+        raise MemplanError(f"framework {framework} runs none of: {', '.join(strategies)}; it runs: {', '.join(own)}")
+    return allowed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,13 +173,13 @@ def _precisions(job: Job) -> tuple[str, ...]:
     return ("mixed-bf16", "amp-bf16", "fp32") if has_bf16 else ("mixed-fp16", "amp-fp16", "fp32")
 
 
-def candidate_jobs(job: Job, fixed: dict, framework: str | None = None) -> list[Job]:
-    """Every strategy × precision × AC × offload allowed by ``fixed`` (axis -> value) and
-    ``framework`` (one of ``FRAMEWORKS``, or None: all), at micro-batch 1 (the micro-batch is
-    searched afterwards)."""
+def candidate_jobs(job: Job, fixed: dict, allowed: tuple[str, ...] | None = None) -> list[Job]:
+    """Every strategy × precision × AC × offload allowed by ``fixed`` (axis -> value) and among
+    the strategies ``allowed`` (None: all), at micro-batch 1 (the micro-batch is searched
+    afterwards)."""
     strategies = [fixed["strategy"]] if "strategy" in fixed else strategies_on(job.cluster.gpus)
-    if framework:
-        strategies = [s for s in strategies if s in framework_strategies(framework)]
+    if allowed is not None:
+        strategies = [s for s in strategies if s in allowed]
     precisions = [fixed["precision"]] if "precision" in fixed else list(_precisions(job))
     acs = [fixed["ac"]] if "ac" in fixed else list(AC_MODES)
     offloads = [fixed["offload"]] if "offload" in fixed else list(OFFLOADS)
@@ -181,12 +195,12 @@ def candidate_jobs(job: Job, fixed: dict, framework: str | None = None) -> list[
 
 
 def search_options(job: Job, fixed: dict, priority: str, basis: Basis, *, micro_batch_max: bool = False,
-                   framework: str | None = None) -> list[Option]:
+                   allowed: tuple[str, ...] | None = None) -> list[Option]:
     """Each candidate of ``candidate_jobs`` at its micro-batch: the one fixed, else the largest
     that fits up to the cap (``--micro-batch max``: without it), 1 when ranked by memory."""
     cap = int(default("micro_batch_cap"))
     options = []
-    for candidate in candidate_jobs(job, fixed, framework):
+    for candidate in candidate_jobs(job, fixed, allowed):
         if "micro_batch" in fixed and not micro_batch_max:
             mb = fixed["micro_batch"]
         else:

@@ -10,8 +10,8 @@ from ..specs import Job
 from ..throughput import Link
 from ..units import GIB
 from .fixes import Fix, fixes
-from .options import (AXES, FRAMEWORKS, PRIORITIES, Basis, Option, Rejected, basis_for, candidate_jobs,
-                      framework_strategies, rank, ranked, reject, search_options)
+from .options import (AXES, PRIORITIES, Basis, Option, Rejected, allowed_strategies, basis_for, candidate_jobs,
+                      rank, ranked, reject, search_options)
 from .rules import RuleVerdict, judge, rules, size_class
 
 
@@ -22,7 +22,7 @@ class Reason:
     - assumed_gpu: no GPU named; throughput as on ``basis.link.gpu_name``
     - calibrated: ``basis`` carries a calibration
     - kept_as_given: ``fixed`` axes were not searched
-    - framework: only ``framework``'s strategies were searched
+    - restricted: only ``strategies`` were searched (a framework's, or what a launch form writes)
     - nothing_fits: none of ``num_options``; ``option`` is the closest
     - ranked: ``num_fitting`` of ``num_options`` fit, ranked by ``priority``
     - fits: ``option`` (the pick) fits
@@ -33,7 +33,7 @@ class Reason:
     code: str
     basis: Basis | None = None
     fixed: tuple[tuple[str, object], ...] = ()
-    framework: str | None = None
+    strategies: tuple[str, ...] = ()
     option: Option | None = None
     num_options: int | None = None
     num_fitting: int | None = None
@@ -58,8 +58,8 @@ class Recommendation:
     fixes: tuple[Fix, ...]
     options: tuple[Option, ...]
     """Every option evaluated (the best micro-batch of each combination)."""
-    framework: str | None = None
-    """The framework the search was restricted to (None: all)."""
+    searched: tuple[str, ...] | None = None
+    """The strategies the search was restricted to (None: all that run on the GPUs)."""
 
     @property
     def link(self) -> Link:
@@ -70,21 +70,19 @@ class Recommendation:
         return tuple(v for v in self.rules if not v.agrees)
 
 
-def _check(job: Job, fixed: dict, priority: str, framework: str | None) -> None:
+def _check(job: Job, fixed: dict, priority: str, allowed: tuple[str, ...] | None) -> None:
     if priority not in PRIORITIES:
         raise MemplanError(f"priority {priority!r} is not one of: {', '.join(PRIORITIES)}")
     unknown = set(fixed) - set(AXES)
     if unknown:
         raise MemplanError(f"cannot fix {', '.join(sorted(unknown))}; fixable: {', '.join(AXES)}")
-    if framework is None:
+    if allowed is None:
         return
-    own = framework_strategies(framework)
-    if fixed.get("strategy", own[0]) not in own:
-        raise MemplanError(f"strategy {fixed['strategy']} is not a {framework} strategy; {framework} runs: "
-                           f"{', '.join(own)}")
-    if not candidate_jobs(job, fixed, framework):
-        raise MemplanError(f"no {framework} strategy runs on {job.cluster.gpus} GPUs with the choices given; "
-                           f"{framework} runs: {', '.join(own)}; frameworks: {', '.join(FRAMEWORKS)}")
+    if fixed.get("strategy", allowed[0]) not in allowed:
+        raise MemplanError(f"strategy {fixed['strategy']} is not among the strategies searched: {', '.join(allowed)}")
+    if not candidate_jobs(job, fixed, allowed):
+        raise MemplanError(f"no strategy searched ({', '.join(allowed)}) runs on {job.cluster.gpus} GPUs with the "
+                           "choices given")
 
 
 def _ddp_fits(job: Job, fixed: dict, options: list[Option], basis: Basis) -> bool:
@@ -98,14 +96,16 @@ def _ddp_fits(job: Job, fixed: dict, options: list[Option], basis: Basis) -> boo
 
 def recommend_job(job: Job, *, fixed: dict | None = None, priority: str = "speed", interconnect: str | None = None,
                   bw_gbs: float | None = None, micro_batch_max: bool = False,
-                  calibration: str | None = None, framework: str | None = None) -> Recommendation:
+                  calibration: str | None = None, framework: str | None = None,
+                  strategies: tuple[str, ...] | None = None) -> Recommendation:
     """The best option that fits for ``job`` by ``priority``, with reasons, rejections, rule verdicts
     and, when nothing fits, the single changes that would make it fit.
 
     ``fixed`` maps axes the user chose explicitly (strategy, precision, ac, offload, micro_batch)
     to their values; the others are searched. ``calibration`` (a corrections file, ``auto`` for
     the ones shipped for the job's device, or None) moves what fits and how fast (``Basis``).
-    ``framework`` (single | ddp | fsdp | deepspeed) searches only that framework's strategies.
+    ``framework`` (single | ddp | fsdp | deepspeed) searches only that framework's strategies,
+    ``strategies`` only those (``memplan.emit.WRITES``: the ones a launch form writes).
 
     Example usage::
 
@@ -113,9 +113,10 @@ def recommend_job(job: Job, *, fixed: dict | None = None, priority: str = "speed
         rec.best.label(), [(v.rule.id, v.code, v.value) for v in rec.contradicted]
     """
     fixed = dict(fixed or {})
-    _check(job, fixed, priority, framework)
+    allowed = allowed_strategies(framework, strategies)
+    _check(job, fixed, priority, allowed)
     basis = basis_for(job, interconnect=interconnect, bw_gbs=bw_gbs, calibration=calibration)
-    options = search_options(job, fixed, priority, basis, micro_batch_max=micro_batch_max, framework=framework)
+    options = search_options(job, fixed, priority, basis, micro_batch_max=micro_batch_max, allowed=allowed)
     fitting = ranked(options, priority)
     best = fitting[0] if fitting else None
     rejected = tuple(reject(o, best, priority) for o in sorted(options, key=lambda o: (not o.fits, rank(o, priority)))
@@ -124,14 +125,14 @@ def recommend_job(job: Job, *, fixed: dict | None = None, priority: str = "speed
                   gpus=job.cluster.gpus, nodes=job.cluster.num_nodes, priority=priority,
                   ddp_fits=_ddp_fits(job, fixed, options, basis))
     verdicts = tuple(judge(r, options, best, job, basis, priority, fixed) for r in rules() if r.matches(**inputs))
-    reasons = _reasons(best, fitting, options, priority, basis, fixed, framework)
-    found = tuple(fixes(job, fixed, priority, basis, framework)) if best is None else ()
+    reasons = _reasons(best, fitting, options, priority, basis, fixed, allowed)
+    found = tuple(fixes(job, fixed, priority, basis, allowed)) if best is None else ()
     return Recommendation(priority=priority, basis=basis, best=best, reasons=reasons, rejected=rejected,
-                          rules=verdicts, fixes=found, options=tuple(options), framework=framework)
+                          rules=verdicts, fixes=found, options=tuple(options), searched=allowed)
 
 
 def _reasons(best: Option | None, fitting: list[Option], options: list[Option], priority: str, basis: Basis,
-             fixed: dict, framework: str | None) -> tuple[Reason, ...]:
+             fixed: dict, allowed: tuple[str, ...] | None) -> tuple[Reason, ...]:
     out = []
     if basis.link.assumed_gpu:
         out.append(Reason(code="assumed_gpu", basis=basis))
@@ -139,8 +140,8 @@ def _reasons(best: Option | None, fitting: list[Option], options: list[Option], 
         out.append(Reason(code="calibrated", basis=basis))
     if fixed:
         out.append(Reason(code="kept_as_given", fixed=tuple(fixed.items())))
-    if framework:
-        out.append(Reason(code="framework", framework=framework))
+    if allowed is not None:
+        out.append(Reason(code="restricted", strategies=allowed))
     if best is None:
         closest = min(options, key=lambda o: o.total_bytes)
         return (*out, Reason(code="nothing_fits", num_options=len(options), option=closest))
