@@ -154,7 +154,7 @@ def test_simplicity_priority_prefers_no_offload_then_simpler_strategies():
 
 
 def test_fixed_choices_stay_fixed():
-    fixed = dict(strategy="fsdp-full-shard", ac="selective", micro_batch=2, precision="mixed-bf16")
+    fixed = {"strategy": "fsdp-full-shard", "ac": "selective", "micro_batch": 2, "precision": "mixed-bf16"}
     _, rec = api.recommend(params="13e9", gpus=8, gpu="h100-sxm", **fixed)
     assert {(o.job.plan.strategy, o.job.train.activation_checkpointing, o.job.train.micro_batch,
              o.job.train.precision) for o in rec.options} == {("fsdp-full-shard", "selective", 2, "mixed-bf16")}
@@ -191,7 +191,7 @@ def test_more_gpus_fix_names_the_fewest_that_fit():
     fix = next(f for f in rec.fixes if f.axis == "gpus")
     job = fix.option.job
     assert fix.fits and fix.value == job.cluster.gpus and fix.from_gpus == 8 and estimate(job).fits
-    count, node = search.gpu_counts(0)
+    count, _ = search.gpu_counts(0)
     previous = count(next(i for i in range(10**6) if count(i) == fix.value) - 1)
     assert not any(estimate(search.with_gpus(job.with_(strategy=s), previous)).fits for s in strategies_on(previous))
 

@@ -62,8 +62,8 @@ def _more_gpus(job: Job, base_fixed: dict, strategies: list[str], basis: Basis) 
 def fixes(job: Job, fixed: dict, priority: str, basis: Basis, allowed: tuple[str, ...] | None = None) -> list[Fix]:
     """Single changes, each alone: more GPUs, another strategy (when one was fixed), AC full,
     offload, micro-batch 1, pure bf16; the ones that fit first."""
-    base_fixed = {**{"ac": job.train.activation_checkpointing, "offload": job.plan.offload,
-                     "micro_batch": job.train.micro_batch}, **fixed}
+    base_fixed = {"ac": job.train.activation_checkpointing, "offload": job.plan.offload,
+                  "micro_batch": job.train.micro_batch, **fixed}
     strategy = fixed.get("strategy")
     strategies = [strategy] if strategy else list(allowed or STRATEGIES)
     if any(STRATEGIES[s].runs_natively(job.train.precision) for s in strategies):

@@ -8,7 +8,7 @@ from functools import cache
 
 from .. import catalog, search
 from ..breakdown import Estimate, Fit
-from ..calibration import Calibration, Correction, Corrected, apply, resolve
+from ..calibration import Calibration, Corrected, Correction, apply, resolve
 from ..errors import MemplanError
 from ..memory import estimate
 from ..specs import AC_MODES, OFFLOADS, Job, Plan
