@@ -28,12 +28,6 @@ class Fix:
     """The strategies (fixed, or all that were searched) none of which can make the change."""
     error: str | None = None
 
-    def line(self) -> str:
-        """The change as a sentence (written by ``memplan.report``)."""
-        from ..report import fix_line
-
-        return fix_line(self)
-
 
 def _smallest(job: Job, fixed: dict, axis: str, value, basis: Basis, priority: str,
               allowed: tuple[str, ...] | None, blocked_by: tuple[str, ...]) -> Fix:

@@ -48,6 +48,8 @@ class Reason:
 
 @dataclass(frozen=True, kw_only=True)
 class Recommendation:
+    """What ``recommend_job`` found: the pick (or none), and every why as data."""
+
     priority: str
     basis: Basis
     best: Option | None
@@ -71,6 +73,8 @@ class Recommendation:
 
 
 def _check(job: Job, fixed: dict, priority: str, allowed: tuple[str, ...] | None) -> None:
+    """Bad input, one line each: an unknown priority or axis, a fixed strategy outside the
+    search, a search with nothing to run."""
     if priority not in PRIORITIES:
         raise MemplanError(f"priority {priority!r} is not one of: {', '.join(PRIORITIES)}")
     unknown = set(fixed) - set(AXES)
@@ -121,11 +125,10 @@ def recommend_job(job: Job, *, fixed: dict | None = None, priority: str = "speed
     best = fitting[0] if fitting else None
     rejected = tuple(reject(o, best, priority) for o in sorted(options, key=lambda o: (not o.fits, rank(o, priority)))
                      if best is None or o.key != best.key)
-    ddp_fits = _ddp_fits(job, fixed, options, basis)
-    verdicts = tuple(judge(r, options, best, job, basis, priority, fixed) for r in rules()
-                     if r.matches(params=size_class(job.model.num_params), gpu_mem_gib=job.cluster.gpu_mem_bytes / GIB,
-                                  gpus=job.cluster.gpus, nodes=job.cluster.num_nodes, priority=priority,
-                                  ddp_fits=ddp_fits))
+    inputs = {"params": size_class(job.model.num_params), "gpu_mem_gib": job.cluster.gpu_mem_bytes / GIB,
+              "gpus": job.cluster.gpus, "nodes": job.cluster.num_nodes, "priority": priority,
+              "ddp_fits": _ddp_fits(job, fixed, options, basis)}
+    verdicts = tuple(judge(r, options, best, job, basis, priority, fixed) for r in rules() if r.matches(**inputs))
     reasons = _reasons(best, fitting, options, priority, basis, fixed, allowed)
     found = tuple(fixes(job, fixed, priority, basis, allowed)) if best is None else ()
     return Recommendation(priority=priority, basis=basis, best=best, reasons=reasons, rejected=rejected,
