@@ -207,7 +207,7 @@ def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
 @click.option("--emit", type=_choice(("fsdp2", "fsdp1", "accelerate", "deepspeed", "torchrun")),
               help="Print the launch configuration of the recommendation in this form (fsdp2, fsdp1 and "
                    "deepspeed search only the strategies they write).")
-@click.option("--framework", type=_choice(("single", "ddp", "fsdp", "deepspeed")),
+@click.option("--framework", type=_choice(("single", "ddp", "fsdp", "deepspeed")),  # = decide.FRAMEWORKS
               help="Search only this framework's strategies [default: all; with --emit fsdp2|fsdp1|deepspeed, "
                    "the ones it writes].")
 @click.option("--format", "fmt", type=_choice(("table", "json")), default="table", show_default=True)
