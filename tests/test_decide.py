@@ -381,3 +381,17 @@ def test_searched_options_are_launchable_with_the_frameworks_own_precision(param
     assert {o.job.train.precision for o in rec.options if o.job.plan.strategy == "ddp"} == {"amp-bf16", "fp32"}
     _, forced = api.recommend(params=params, gpus=gpus, gpu="a100-80gb", strategy="ddp", precision="mixed-bf16")
     assert {o.job.train.precision for o in forced.options} == {"mixed-bf16"}
+
+
+def test_estimate_corrected_and_option_share_one_fit():
+    """What fits means once (breakdown.Fit): headroom is usable minus total, for the estimate,
+    its calibrated correction and the option deciding on it alike."""
+    from memplan.breakdown import Fit
+
+    _, rec = api.recommend(model="gpt2", gpus=1, device="cpu")  # the shipped CPU corrections apply
+    for option in rec.options:
+        assert option.corrected is not None
+        for fit in (option, option.estimate, option.corrected):
+            assert isinstance(fit, Fit) and fit.usable_bytes == option.job.cluster.usable_bytes
+            assert fit.headroom_bytes == fit.usable_bytes - fit.total_bytes and fit.fits == (fit.headroom_bytes >= 0)
+        assert option.total_bytes == option.corrected.total_bytes
