@@ -47,7 +47,8 @@ FIXABLE = ("strategy", "precision", "ac", "offload", "micro_batch")
 
 
 def recommend(*, priority: str = "speed", interconnect: str | None = None, bw: float | None = None,
-              calibration: str | None = "auto", **kwargs) -> tuple[ModelChoice, "Recommendation"]:
+              calibration: str | None = "auto", framework: str | None = None,
+              strategies: tuple[str, ...] | None = None, **kwargs) -> tuple[ModelChoice, "Recommendation"]:
     """The best option that fits, by ``priority`` (speed | memory | simplicity).
 
     Takes estimate_all's keywords; every one of strategy, precision, ac, offload and micro_batch
@@ -55,6 +56,8 @@ def recommend(*, priority: str = "speed", interconnect: str | None = None, bw: f
     ``micro_batch="max"`` searches the largest micro-batch. ``interconnect`` (nvlink | infiniband
     | ethernet | pcie) or ``bw`` (GB/s per direction) set the link between nodes. ``calibration``
     as for ``estimate``: a calibrated total decides what fits, measured speed replaces the defaults.
+    ``framework`` (single | ddp | fsdp | deepspeed) searches only that framework's strategies,
+    ``strategies`` only those.
     """
     from .decide import recommend_job
 
@@ -67,7 +70,8 @@ def recommend(*, priority: str = "speed", interconnect: str | None = None, bw: f
     args = {k: v for k, v in kwargs.items() if v is not None and k != "micro_batch"}
     choice, jobs = build_jobs(**args)
     rec = recommend_job(jobs[0], fixed=fixed, priority=priority, interconnect=interconnect, bw_gbs=bw,
-                        micro_batch_max=micro_batch_max, calibration=calibration)
+                        micro_batch_max=micro_batch_max, calibration=calibration, framework=framework,
+                        strategies=strategies)
     return choice, rec
 
 

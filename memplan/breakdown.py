@@ -2,6 +2,7 @@
 peak moment, with the terms that add up to them."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -48,8 +49,32 @@ class Moment:
         return sum(t.bytes for t in self.terms)
 
 
+class Fit(ABC):
+    """What fitting means, once: a total against the usable memory (capacity less the headroom
+    fraction). ``Estimate``, ``calibration.Corrected`` and the decision's ``Option`` are ones."""
+
+    @property
+    @abstractmethod
+    def total_bytes(self) -> int:
+        """Bytes on the GPU at the peak, overheads included."""
+
+    @property
+    @abstractmethod
+    def usable_bytes(self) -> int:
+        """What the job's cluster may use per GPU."""
+
+    @property
+    def headroom_bytes(self) -> int:
+        """Usable memory minus total; negative: does not fit."""
+        return self.usable_bytes - self.total_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_bytes >= 0
+
+
 @dataclass(frozen=True)
-class Estimate:
+class Estimate(Fit):
     """Peak per-GPU memory of one configuration."""
 
     job: "object"
@@ -80,13 +105,8 @@ class Estimate:
         return self.allocated_bytes + self.overhead_bytes
 
     @property
-    def headroom_bytes(self) -> int:
-        """Usable memory (capacity less the headroom fraction) minus total; negative: does not fit."""
-        return self.job.cluster.usable_bytes - self.total_bytes
-
-    @property
-    def fits(self) -> bool:
-        return self.headroom_bytes >= 0
+    def usable_bytes(self) -> int:
+        return self.job.cluster.usable_bytes
 
     @property
     def moment_headrooms(self) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .breakdown import Component, Estimate
+from .breakdown import Component, Estimate, Fit
 from .errors import MemplanError
 
 GROUPS = {
@@ -156,7 +156,7 @@ def load(path: str | Path) -> Calibration:
 
 
 @dataclass(frozen=True)
-class Corrected:
+class Corrected(Fit):
     """An estimate with a calibration applied: the peak over the same moments, corrected."""
 
     estimate: Estimate
@@ -175,12 +175,8 @@ class Corrected:
         return self.allocated_bytes + self.overhead_bytes
 
     @property
-    def headroom_bytes(self) -> int:
-        return self.estimate.job.cluster.usable_bytes - self.total_bytes
-
-    @property
-    def fits(self) -> bool:
-        return self.headroom_bytes >= 0
+    def usable_bytes(self) -> int:
+        return self.estimate.usable_bytes
 
     @property
     def moment_headrooms(self) -> tuple[int, ...]:

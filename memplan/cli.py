@@ -205,10 +205,14 @@ def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
 @job_options
 @decision_options
 @click.option("--emit", type=_choice(("fsdp2", "fsdp1", "accelerate", "deepspeed", "torchrun")),
-              help="Print the launch configuration of the recommendation in this form.")
+              help="Print the launch configuration of the recommendation in this form (fsdp2, fsdp1 and "
+                   "deepspeed search only the strategies they write).")
+@click.option("--framework", type=_choice(("single", "ddp", "fsdp", "deepspeed")),  # = decide.FRAMEWORKS
+              help="Search only this framework's strategies [default: all; with --emit fsdp2|fsdp1|deepspeed, "
+                   "the ones it writes].")
 @click.option("--format", "fmt", type=_choice(("table", "json")), default="table", show_default=True)
 @user_errors
-def recommend(priority, interconnect, bw, calibration, emit, fmt, **flags):
+def recommend(priority, interconnect, bw, calibration, emit, framework, fmt, **flags):
     """The best option that fits (strategy, precision, AC, offload, micro-batch), why, what was
     rejected, and which documented rules the arithmetic agrees with or contradicts.
 
@@ -219,18 +223,21 @@ def recommend(priority, interconnect, bw, calibration, emit, fmt, **flags):
     import json
 
     from . import api, report
+    from .emit import WRITES
     from .emit import emit as emit_text
 
+    writes = WRITES.get(emit)  # --emit fsdp2 | fsdp1 | deepspeed: search only what it writes
+    source = ", ".join([f"--framework {framework}"] * bool(framework) + [f"--emit {emit}"] * bool(writes)) or None
     choice, rec = api.recommend(priority=priority, interconnect=interconnect, bw=bw, calibration=calibration,
-                                **_explicit(flags))
+                                framework=framework, strategies=writes, **_explicit(flags))
     launch = emit_text(rec.best.job, emit) if emit and rec.best else None
     if emit and rec.best is None:
         raise MemplanError("nothing fits, so there is nothing to --emit; apply one of the changes listed "
                            "(run without --emit to see them)")
     if fmt == "json":
-        click.echo(json.dumps({**report.recommendation_dict(rec), "launch": launch}, indent=2))
+        click.echo(json.dumps({**report.recommendation_dict(rec, source), "launch": launch}, indent=2))
     else:
-        click.echo(report.render_recommendation(choice, rec, launch))
+        click.echo(report.render_recommendation(choice, rec, launch, source))
 
 
 @main.command("min-gpus")

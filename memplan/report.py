@@ -9,7 +9,7 @@ import json
 from .breakdown import Component, Estimate
 from .calibration import Applied, Corrected
 from .columns import render_columns
-from .decide import Recommendation
+from .decide import FRAMEWORKS, Fix, Reason, Recommendation, Rejected, RuleVerdict, framework_strategies
 from .inputs import ModelChoice
 from .strategies import STRATEGIES
 from .units import gib
@@ -210,6 +210,138 @@ def _claim(rule) -> str:
     lo, hi = rule.claimed_rel_min, rule.claimed_rel_max
     return f"{lo:.2f}" if lo == hi else f"{lo:.2f}–{hi:.2f}"
 
+
+def _gib(num_bytes: int) -> str:
+    return f"{_g(num_bytes)} GiB"
+
+
+def _tokens(option) -> str:
+    return f"{option.step.tokens_per_s:,.0f}"
+
+
+# ---------------------------------------------------------------------------- decisions as sentences
+
+def rejected_reason(r: Rejected) -> str:
+    """Why an option was not picked."""
+    o = r.option
+    if r.code == "does_not_fit":
+        return f"does not fit by {_gib(r.over_by_bytes)} (total {_gib(o.total_bytes)} > {_gib(o.usable_bytes)} usable)"
+    slower = r.slower_fraction
+    speed = (f"{slower:.0%} slower" if slower >= 0.01 else f"{slower:.1%} slower" if slower > 0.0005
+             else "as fast")
+    if r.code == "more_memory":
+        return f"uses {_gib(r.extra_bytes)} more; {speed}"
+    if r.code == "less_simple":
+        j = o.job
+        return f"less simple ({j.plan.strategy}, offload {j.plan.offload}, AC {j.train.activation_checkpointing}); {speed}"
+    return f"{speed} ({_tokens(o)} vs {_tokens(r.best)} tokens/s per GPU)"
+
+
+def _rule_option(rule) -> str:
+    what = " or ".join(rule.strategies) or "activation checkpointing"
+    extras = ([f"AC {rule.ac}"] if rule.ac else []) + ([f"offload {rule.offload}"] if rule.offload else [])
+    return " + ".join([what, *extras])
+
+
+def verdict_detail(v: RuleVerdict) -> str:
+    """What the arithmetic says about a rule's claim, with numbers."""
+    rule, o = v.rule, v.option
+    if v.code in ("within_claim", "outside_claim"):
+        measured = f"{v.value:.2f}× by the model, {_claim(rule)}× claimed"
+        if rule.kind == "ac-cost":
+            return (f"AC {rule.ac} throughput relative to none ({v.strategy}): {measured} (full recompute adds one "
+                    f"forward: 2·N + 4·L·h·s FLOPs per token on top of 6·N + 12·L·h·s)")
+        st = v.step
+        return (f"{v.strategy} relative to DDP: {measured} (communication {st.comm_s:.3f} s, exposed "
+                f"{st.exposed_comm_s:.3f} s, offload {st.offload_s:.3f} s vs compute {st.compute_s:.3f} s per step "
+                f"over {v.interconnect})")
+    if v.code == "does_not_fit":
+        return (f"{_rule_option(rule)} does not fit: its smallest option ({o.label()}) needs "
+                f"{_gib(o.total_bytes)} > {_gib(o.usable_bytes)} usable")
+    rel = f"; {o.relative_throughput:.2f}× DDP by the model" + (
+        f", {v.claimed_low:.2f}× claimed" if v.claimed_low is not None else "")
+    if v.code == "best":
+        return f"{o.label()} is the best option{rel}"
+    best = v.versus
+    if v.code == "more_memory":
+        return (f"{o.label()} fits but needs {v.value:.0%} more memory ({_gib(o.total_bytes)} vs "
+                f"{_gib(best.total_bytes)} for {best.job.plan.strategy}){rel}")
+    slower = f"{v.value:.0%}" if v.value >= 0.01 else f"{v.value:.1%}"
+    return (f"{o.label()} fits ({_gib(o.headroom_bytes)} headroom) and is {slower} slower than "
+            f"{best.job.plan.strategy} ({_tokens(o)} vs {_tokens(best)} tokens/s per GPU){rel}")
+
+
+def verdict_line(v: RuleVerdict) -> str:
+    head = "agrees" if v.agrees else "contradicted by the arithmetic"
+    return f"[{v.rule.id}] {v.rule.source} ({v.rule.section}): \"{v.rule.quote}\" -> {head}: {verdict_detail(v)}"
+
+
+_FIX_CHANGES = {"strategy": "another strategy", "ac": "activation checkpointing {}", "offload": "offload {}",
+                "micro_batch": "micro-batch {}", "precision": "lower precision: pure {} (no fp32 master copy)"}
+
+
+def fix_change(f: Fix) -> str:
+    """The change a fix makes, as the user would make it."""
+    if f.axis == "gpus":
+        return f"more GPUs: {f.error}" if f.error else f"more GPUs: {f.value} (instead of {f.from_gpus})"
+    change = _FIX_CHANGES[f.axis].format(f.value)
+    if f.blocked_by:
+        return f"{change}: not available with strateg{'y' if len(f.blocked_by) == 1 else 'ies'} {', '.join(f.blocked_by)}"
+    return change
+
+
+def fix_line(f: Fix) -> str:
+    """The change with the memory it results in."""
+    if f.option is None:
+        return fix_change(f)
+    o = f.option
+    verdict = "fits" if f.fits else f"still over by {_gib(-o.headroom_bytes)}"
+    return f"{fix_change(f)}: {o.label()} -> {_gib(o.total_bytes)} of {_gib(o.usable_bytes)} usable, {verdict}"
+
+
+def calibration_text(basis) -> str:
+    c = basis.correction
+    measured = ", ".join(t.strategy for t in c.throughput) or "none"
+    where = "" if basis.device_matches else " (fitted on another device: treat with care)"
+    return (f"calibrated by {basis.calibration.path}: {c.device}, torch {c.torch_version}, memory band "
+            f"±{c.residual_pct:.2f} %; speed measured for: {measured}{where}")
+
+
+def _strategies_named(strategies: tuple[str, ...]) -> str:
+    """A framework's name where they are all of its strategies, else their ids."""
+    name = next((f for f in FRAMEWORKS if framework_strategies(f) == strategies), None)
+    return f"{name} strategies" if name else ", ".join(strategies)
+
+
+def reason_text(r: Reason, restricted_by: str | None = None) -> str:
+    """One reason for the pick; ``restricted_by`` names what restricted the framework (a flag)."""
+    o = r.option
+    if r.code == "assumed_gpu":
+        what = "links (compute: measured speed)" if r.basis.measured_compute else "peak FLOPS and links"
+        return f"throughput assumes {r.basis.link.gpu_name} (no --gpu given): its {what}"
+    if r.code == "calibrated":
+        return calibration_text(r.basis)
+    if r.code == "kept_as_given":
+        return "kept as given: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in r.fixed)
+    if r.code == "restricted":
+        return f"searched only {_strategies_named(r.strategies)}" + (f" ({restricted_by})" if restricted_by else "")
+    if r.code == "nothing_fits":
+        return f"none of the {r.num_options} options fits; the closest: {o.label()}"
+    if r.code == "ranked":
+        return f"{r.num_fitting} of {r.num_options} options fit; ranked by {r.priority}"
+    if r.code == "fits":
+        return (f"fits: {_gib(o.total_bytes)} of {_gib(o.usable_bytes)} usable ({_gib(o.headroom_bytes)} headroom), "
+                f"peak in {o.final.phase}")
+    if r.code == "predicted":
+        st = o.step
+        return (f"predicted {_tokens(o)} tokens/s per GPU ({o.relative_throughput:.2f}× DDP at the same settings): "
+                f"compute {st.compute_s:.3f} s, communication {st.comm_s:.3f} s of which {st.exposed_comm_s:.3f} s "
+                f"exposed over {r.basis.link.interconnect}, offload {st.offload_s:.3f} s per step")
+    return f"runner-up: {r.rejected.option.label()} ({rejected_reason(r.rejected)})"
+
+
+# ---------------------------------------------------------------------------- decisions as data
+
 def _option_dict(option) -> dict:
     j = option.job
     return {"strategy": j.plan.strategy, "precision": j.train.precision,
@@ -219,9 +351,62 @@ def _option_dict(option) -> dict:
             "step_s": option.step.step_s, "relative_throughput": option.relative_throughput}
 
 
-def recommendation_dict(rec: Recommendation) -> dict:
+def _step_dict(st) -> dict:
+    return {"compute_s": st.compute_s, "comm_s": st.comm_s, "exposed_comm_s": st.exposed_comm_s,
+            "offload_s": st.offload_s, "step_s": st.step_s}
+
+
+def _verdict_dict(v: RuleVerdict) -> dict:
+    return {"id": v.rule.id, "kind": v.rule.kind, "source": v.rule.source, "section": v.rule.section,
+            "quote": v.rule.quote, "verdict": "agrees" if v.agrees else "contradicted", "detail": verdict_detail(v),
+            "code": v.code, "metric": v.metric, "value": v.value, "unit": v.unit, "claimed_low": v.claimed_low,
+            "claimed_high": v.claimed_high, "tolerance": v.tolerance, "strategy": v.strategy,
+            "option": _option_dict(v.option) if v.option else None,
+            "versus": _option_dict(v.versus) if v.versus else None,
+            "step": _step_dict(v.step) if v.step else None, "interconnect": v.interconnect}
+
+
+def _rejected_dict(r: Rejected) -> dict:
+    return {**_option_dict(r.option), "reason": rejected_reason(r), "reason_code": r.code,
+            "over_by_bytes": r.over_by_bytes, "slower_fraction": r.slower_fraction, "extra_bytes": r.extra_bytes}
+
+
+def _fix_dict(f: Fix) -> dict:
+    return {"change": fix_change(f), "fits": f.fits, **({"option": _option_dict(f.option)} if f.option else {}),
+            "axis": f.axis, "value": f.value, "from_gpus": f.from_gpus, "blocked_by": f.blocked_by, "error": f.error}
+
+
+def _reason_dict(r: Reason, restricted_by: str | None) -> dict:
+    """A reason's code and numbers (its sentence is in ``reasons``, at the same index)."""
+    out: dict = {"code": r.code}
+    if r.code in ("assumed_gpu", "predicted"):
+        out.update(gpu=r.basis.link.gpu_name, interconnect=r.basis.link.interconnect,
+                   measured_compute=r.basis.measured_compute)
+    if r.code == "calibrated":
+        c = r.basis.correction
+        out.update(path=r.basis.calibration.path, device=c.device, torch_version=c.torch_version,
+                   band_pct=c.residual_pct, speed_measured_for=[t.strategy for t in c.throughput],
+                   device_matches=r.basis.device_matches)
+    if r.code == "kept_as_given":
+        out["fixed"] = dict(r.fixed)
+    if r.code == "restricted":
+        out.update(strategies=list(r.strategies), restricted_by=restricted_by)
+    if r.code in ("nothing_fits", "ranked"):
+        out.update(num_options=r.num_options, num_fitting=r.num_fitting or 0)
+    if r.code == "ranked":
+        out["priority"] = r.priority
+    if r.option is not None:
+        out["option"] = {**_option_dict(r.option), "usable_bytes": r.option.usable_bytes, "phase": r.option.final.phase}
+    if r.code == "predicted":
+        out["step"] = _step_dict(r.option.step)
+    if r.rejected is not None:
+        out["option"] = _rejected_dict(r.rejected)
+    return out
+
+
+def recommendation_dict(rec: Recommendation, restricted_by: str | None = None) -> dict:
     """DESIGN.md's ``recommendation`` keys (None where nothing fits), plus what was rejected,
-    the rule verdicts and the fixes."""
+    the rule verdicts and the fixes: each with its sentence and its code and numbers."""
     best = _option_dict(rec.best) if rec.best else {}
     keys = ("strategy", "precision", "activation_checkpointing", "offload", "micro_batch")
     return {
@@ -230,16 +415,15 @@ def recommendation_dict(rec: Recommendation) -> dict:
         "tokens_per_s_per_gpu": best.get("tokens_per_s_per_gpu"),
         "relative_throughput": best.get("relative_throughput"),
         "total_bytes": best.get("total_bytes"),
-        "reasons": list(rec.reasons),
-        "rules": [{"id": v.rule.id, "kind": v.rule.kind, "source": v.rule.source, "section": v.rule.section,
-                   "quote": v.rule.quote, "verdict": "agrees" if v.agrees else "contradicted", "detail": v.detail}
-                  for v in rec.rules],
-        "rejected": [{**_option_dict(r.option), "reason": r.reason} for r in rec.rejected],
-        "fixes": [{"change": f.change, "fits": f.fits, **({"option": _option_dict(f.option)} if f.option else {})}
-                  for f in rec.fixes],
+        "reasons": [reason_text(r, restricted_by) for r in rec.reasons],
+        "rules": [_verdict_dict(v) for v in rec.rules],
+        "rejected": [_rejected_dict(r) for r in rec.rejected],
+        "fixes": [_fix_dict(f) for f in rec.fixes],
         "link": {"gpu": rec.link.gpu_name, "assumed_gpu": rec.link.assumed_gpu, "interconnect": rec.link.interconnect,
                  "intra_node_bytes_s": rec.link.intra_node_bytes_s, "inter_node_bytes_s": rec.link.inter_node_bytes_s},
-        "calibration": rec.basis.describe() if rec.basis.correction else None,
+        "calibration": calibration_text(rec.basis) if rec.basis.correction else None,
+        "searched_strategies": list(rec.searched) if rec.searched else None,
+        "reason_details": [_reason_dict(r, restricted_by) for r in rec.reasons],
     }
 
 
@@ -251,7 +435,7 @@ def recommendation_summary(rec: Recommendation) -> list[str]:
              "No documented rule matches these inputs.")
     if rec.best is None:
         fix = next((f for f in rec.fixes if f.fits), None)
-        return ["Recommendation: nothing fits.", *([f"Smallest change: {fix.line()}"] if fix else []), rules]
+        return ["Recommendation: nothing fits.", *([f"Smallest change: {fix_line(fix)}"] if fix else []), rules]
     st = rec.best.step
     return [f"Recommendation ({rec.priority}): {rec.best.label()}",
             f"  {_g(rec.best.total_bytes)} GiB per GPU, {st.tokens_per_s:,.0f} tokens/s per GPU predicted "
@@ -261,18 +445,19 @@ def recommendation_summary(rec: Recommendation) -> list[str]:
             + ("; calibrated" if rec.basis.correction else ""), rules]
 
 
-def render_recommendation(choice: ModelChoice, rec: Recommendation, launch: str | None = None) -> str:
+def render_recommendation(choice: ModelChoice, rec: Recommendation, launch: str | None = None,
+                          restricted_by: str | None = None) -> str:
     """Everything: the pick and its reasons, every rejected option, every matching rule, fixes, launch config."""
     job = (rec.best or rec.options[0]).job
     lines = [_header(choice, job), "", *recommendation_summary(rec)[:2], "", "Reasons:"]
-    lines += [f"  - {r}" for r in rec.reasons]
+    lines += [f"  - {reason_text(r, restricted_by)}" for r in rec.reasons]
     if rec.fixes:
         lines += ["", "Nothing fits. Single changes, each with its resulting memory:"]
-        lines += [f"  - {f.line()}" for f in rec.fixes]
+        lines += [f"  - {fix_line(f)}" for f in rec.fixes]
     lines += ["", f"Documented rules matching these inputs ({len(rec.rules)}):"]
-    lines += [f"  - {v.line()}" for v in rec.rules] or ["  (none)"]
+    lines += [f"  - {verdict_line(v)}" for v in rec.rules] or ["  (none)"]
     lines += ["", f"Rejected options ({len(rec.rejected)}):"]
-    lines += [f"  - {r.option.label()}: {r.reason}" for r in rec.rejected]
+    lines += [f"  - {r.option.label()}: {rejected_reason(r)}" for r in rec.rejected]
     if launch:
         lines += ["", "Launch configuration:", launch.rstrip("\n")]
     return "\n".join(lines)

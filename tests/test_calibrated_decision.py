@@ -42,7 +42,7 @@ def test_corrected_totals_decide_what_fits_in_the_recommendation(tmp_path):
         assert option.fits == corrected.fits
     assert rec.best is not None and rec.best.fits
     assert rec.best.key != plain.best.key  # the plain winner no longer fits once corrected
-    assert any("calibrated by" in r for r in rec.reasons)
+    assert any(r.code == "calibrated" and r.basis is rec.basis for r in rec.reasons)
 
 
 def test_measured_mfu_replaces_the_default_and_unmeasured_strategies_take_the_mean(tmp_path):

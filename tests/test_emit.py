@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from memplan.catalog import deepspeed_defaults
 from memplan.cli import main
-from memplan.emit import KINDS, deepspeed_config, emit
+from memplan.emit import KINDS, WRITES, deepspeed_config, emit
 from memplan.errors import MemplanError
 from memplan.inputs import build_jobs
 
@@ -102,9 +102,42 @@ def test_cli_recommend_emit():
     assert result.exit_code == 0, result.output
     code = result.output.split("Launch configuration:\n", 1)[1]
     compile(code, "<cli>", "exec")
-    bad = CliRunner().invoke(main, ["recommend", "--params", "7e9", "--gpus", "8", "--gpu", "a100-40gb",
-                                    "--emit", "deepspeed"])
-    assert bad.exit_code == 2 and "does not apply to strategy fsdp-full-shard" in bad.output
+
+
+@pytest.mark.parametrize("kind", sorted(WRITES))
+@pytest.mark.parametrize("model", [("params", "7e9", "a100-40gb"), ("model", "gpt2", "a100-80gb")])
+def test_recommend_emit_searches_only_what_it_writes(kind, model):
+    """Bug 5: `--emit deepspeed` when the best option overall is FSDP failed ("does not apply to
+    strategy fsdp-full-shard"), and `--emit fsdp2` when it is fsdp-no-shard (which fsdp2 does not
+    write). Asking for a launch form chooses its framework: the search keeps to what it writes."""
+    import memplan
+
+    source, name, gpu = model
+    args = [f"--{source}", name, "--gpus", "8", "--gpu", gpu]
+    result = CliRunner().invoke(main, ["recommend", *args, "--emit", kind, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["strategy"] in WRITES[kind] and sorted(data["searched_strategies"]) == sorted(WRITES[kind])
+    restricted = next(r for r in data["reason_details"] if r["code"] == "restricted")
+    assert restricted["strategies"] == data["searched_strategies"] and restricted["restricted_by"] == f"--emit {kind}"
+    _, rec = memplan.api.recommend(**{source: name}, gpus=8, gpu=gpu, strategies=WRITES[kind])
+    assert data["launch"] == emit(rec.best.job, kind)
+    text = CliRunner().invoke(main, ["recommend", *args, "--emit", kind]).output
+    # all of a framework's strategies by its name (fsdp2 does not write fsdp-no-shard: by theirs)
+    name = {"deepspeed": "deepspeed strategies", "fsdp1": "fsdp strategies"}.get(kind, ", ".join(data["searched_strategies"]))
+    assert f"  - searched only {name} (--emit {kind})\n" in text
+
+
+def test_recommend_framework_flag():
+    args = ["recommend", "--params", "7e9", "--gpus", "8", "--gpu", "a100-40gb"]
+    ok = CliRunner().invoke(main, [*args, "--framework", "deepspeed", "--format", "json"])
+    assert ok.exit_code == 0 and json.loads(ok.output)["strategy"] in ("zero1", "zero2", "zero3")
+    clash = CliRunner().invoke(main, [*args, "--framework", "fsdp", "--emit", "deepspeed"])
+    assert clash.exit_code == 2 and "framework fsdp runs none of: zero1, zero2, zero3" in clash.output
+    fixed = CliRunner().invoke(main, [*args, "--strategy", "ddp", "--emit", "deepspeed"])
+    assert fixed.exit_code == 2 and "strategy ddp is not among the strategies searched" in fixed.output
+    plain = CliRunner().invoke(main, [*args, "--emit", "accelerate", "--format", "json"])
+    assert json.loads(plain.output)["searched_strategies"] is None  # accelerate launches every framework
 
 
 def test_one_gpu_without_a_wrapper_launches_plainly_and_has_nothing_to_wrap():

@@ -11,6 +11,8 @@ from .base import TORCH_DTYPE, Emitter, Framework, header, needs, term
 B = Component.BUFFERS
 FSDP1_SHARDING = {"fsdp-full-shard": "FULL_SHARD", "fsdp-shard-grad-op": "SHARD_GRAD_OP",
                   "fsdp-hybrid-shard": "HYBRID_SHARD", "fsdp-no-shard": "NO_SHARD"}
+FSDP2_STRATEGIES = ("fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid-shard")
+"""The strategies ``fully_shard`` writes (no-shard is FSDP1's NO_SHARD)."""
 
 
 def _gathered(step, key: str, count: int, name: str):
@@ -66,7 +68,7 @@ def _ac_imports(job) -> list[str]:
 
 def fsdp2_snippet(job, strategy) -> str:
     """``fully_shard`` per block, then the root (torchtitan's parallelize order: AC first)."""
-    needs(job, "fsdp2", ("fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid-shard"))
+    needs(job, "fsdp2", FSDP2_STRATEGIES)
     c, mp = job.cluster, _mp_args(job)
     mesh = (f'init_device_mesh("cuda", ({c.num_nodes}, {c.gpus_per_node}), mesh_dim_names=("replicate", "shard"))'
             if strategy.shard_group == "node" else f'init_device_mesh("cuda", ({c.gpus},))')

@@ -1,0 +1,244 @@
+"""Options: every allowed strategy × precision × AC × offload × micro-batch, estimated exactly
+and timed on one ``Basis`` (links and, where one applies, a calibration), then ranked."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from functools import cache
+
+from .. import catalog, search
+from ..breakdown import Estimate, Fit
+from ..calibration import Calibration, Corrected, Correction, apply, resolve
+from ..errors import MemplanError
+from ..memory import estimate
+from ..specs import AC_MODES, OFFLOADS, Job, Plan
+from ..strategies import STRATEGIES, strategies_on
+from ..throughput import Link, StepTime, default, link_for, relative_to_ddp, step_time
+
+PRIORITIES = ("speed", "memory", "simplicity")
+AXES = ("strategy", "precision", "ac", "offload", "micro_batch")
+FRAMEWORKS = ("single", "ddp", "fsdp", "deepspeed")
+"""What ``framework=`` restricts the search to; ``single`` is a plain loop (``Strategy.framework`` none)."""
+_AC_ORDER = {mode: i for i, mode in enumerate(AC_MODES)}  # none < selective < full: more recompute
+
+
+@cache
+def simplicity_ranks() -> dict[str, int]:
+    return {row["id"]: int(row["rank"]) for row in catalog.read_table("simplicity.csv")}
+
+
+def framework_strategies(framework: str) -> tuple[str, ...]:
+    """The strategy ids of one of ``FRAMEWORKS``."""
+    if framework not in FRAMEWORKS:
+        raise MemplanError(f"framework {framework!r} is not one of: {', '.join(FRAMEWORKS)}")
+    own = "none" if framework == "single" else framework
+    return tuple(s.id for s in STRATEGIES.values() if s.framework == own)
+
+
+def allowed_strategies(framework: str | None, strategies=None) -> tuple[str, ...] | None:
+    """The strategies of ``framework`` that are among ``strategies`` (None, None: all, as None)."""
+    if framework is None and strategies is None:
+        return None
+    for s in strategies or ():
+        if s not in STRATEGIES:
+            raise MemplanError(f"strategy {s!r} is not one of: {', '.join(STRATEGIES)}")
+    own = framework_strategies(framework) if framework else tuple(STRATEGIES)
+    allowed = tuple(s for s in own if strategies is None or s in strategies)
+    if not allowed:
+        raise MemplanError(f"framework {framework} runs none of: {', '.join(strategies)}; it runs: {', '.join(own)}")
+    return allowed
+
+
+@dataclass(frozen=True, kw_only=True)
+class Option(Fit):
+    """One configuration, estimated and timed."""
+
+    estimate: Estimate
+    corrected: Corrected | None = None
+    """The estimate with the calibration applied, where one applies: its total decides."""
+    step: StepTime
+    relative_throughput: float
+    """Tokens/s over DDP's at the same settings (DDP fitting or not)."""
+
+    @property
+    def job(self) -> Job:
+        return self.estimate.job
+
+    @property
+    def final(self) -> Estimate | Corrected:
+        """What decides: the corrected estimate where a calibration applies."""
+        return self.corrected or self.estimate
+
+    @property
+    def total_bytes(self) -> int:
+        return self.final.total_bytes
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.estimate.usable_bytes
+
+    @property
+    def key(self) -> tuple:
+        j = self.job
+        return (j.plan.strategy, j.train.precision, j.train.activation_checkpointing, j.plan.offload,
+                j.train.micro_batch)
+
+    def label(self) -> str:
+        j = self.job
+        return (f"{j.plan.strategy}, {j.train.precision}, AC {j.train.activation_checkpointing}, "
+                f"offload {j.plan.offload}, micro-batch {j.train.micro_batch}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Basis:
+    """What every option is judged on: the links and, where a calibration applies, its correction
+    (the corrected total decides what fits; the measured MFU — or, on the very device it was
+    measured on, FLOP/s — and exposed communication replace the throughput defaults)."""
+
+    link: Link
+    calibration: Calibration | None = None
+    correction: Correction | None = None
+    device_matches: bool = False
+
+    @property
+    def measured_compute(self) -> bool:
+        """Compute time from FLOP/s measured on this very device (no datasheet peak involved)."""
+        return bool(self.correction and self.device_matches
+                    and any(t.mfu is None for t in self.correction.throughput))
+
+    def step(self, job: Job) -> StepTime:
+        fit = self.correction.speed(job.plan.strategy) if self.correction else None
+        if fit is None:
+            return step_time(job, self.link)
+        measured = fit.achieved_flops if fit.mfu is None and self.device_matches else None
+        return step_time(job, self.link, mfu=fit.mfu, achieved_flops=measured,
+                         exposed_fraction=fit.exposed_comm_fraction)
+
+    def corrected(self, est: Estimate) -> Corrected | None:
+        return apply(est, self.correction, device_matches=self.device_matches) if self.correction else None
+
+    def final(self, job: Job) -> Estimate | Corrected:
+        est = estimate(job)
+        return self.corrected(est) or est
+
+    def headrooms(self, job: Job) -> tuple[int, ...]:
+        """Per moment, as ``Estimate.moment_headrooms``: their least is the headroom."""
+        return self.final(job).moment_headrooms
+
+    def fits(self, job: Job) -> bool:
+        return self.final(job).fits
+
+    def evaluate(self, job: Job) -> Option:
+        est = estimate(job)
+        return Option(estimate=est, corrected=self.corrected(est), step=self.step(job),
+                      relative_throughput=relative_to_ddp(job, self.step))
+
+
+def basis_for(job: Job, *, interconnect: str | None = None, bw_gbs: float | None = None,
+              calibration: str | None = None) -> Basis:
+    found = resolve(job, calibration)
+    link = link_for(job, interconnect=interconnect, bw_gbs=bw_gbs)
+    if found is None:
+        return Basis(link=link)
+    loaded, correction, same = found
+    return Basis(link=link, calibration=loaded, correction=correction, device_matches=same)
+
+
+def rank(option: Option, priority: str) -> tuple:
+    """The sort key of ``option`` by ``priority``: the least is the best."""
+    speed = -option.step.tokens_per_s
+    simple = simplicity_ranks()[option.job.plan.strategy]
+    mem = option.total_bytes
+    if priority == "memory":
+        return (mem, speed, simple)
+    if priority == "simplicity":
+        return (option.job.plan.offload != "none", simple, _AC_ORDER[option.job.train.activation_checkpointing],
+                speed, mem)
+    # within 3 significant figures: as fast; then an option with a safe margin, then the simpler
+    tight = option.headroom_bytes < default("safe_headroom_fraction") * option.usable_bytes
+    return (-float(f"{-speed:.3g}"), tight, simple, mem)
+
+
+def ranked(options: list[Option], priority: str) -> list[Option]:
+    """The options that fit, best first."""
+    return sorted((o for o in options if o.fits), key=lambda o: rank(o, priority))
+
+
+def _precisions(job: Job) -> tuple[str, ...]:
+    """Precisions tried when the user fixed none: the mixed policy first (the safe default);
+    fp32 and autocast use more memory and are never faster; pure bf16 (no master copy)
+    changes the numerics, so it is tried only when asked for."""
+    gpu_name = job.cluster.gpu_name
+    has_bf16 = gpu_name == "custom" or catalog.gpu(gpu_name).peak_bf16_flops is not None
+    return ("mixed-bf16", "amp-bf16", "fp32") if has_bf16 else ("mixed-fp16", "amp-fp16", "fp32")
+
+
+def candidate_jobs(job: Job, fixed: dict, allowed: tuple[str, ...] | None = None) -> list[Job]:
+    """Every strategy × precision × AC × offload allowed by ``fixed`` (axis -> value) and among
+    the strategies ``allowed`` (None: all), at micro-batch 1 (the micro-batch is searched
+    afterwards)."""
+    strategies = [fixed["strategy"]] if "strategy" in fixed else strategies_on(job.cluster.gpus)
+    if allowed is not None:
+        strategies = [s for s in strategies if s in allowed]
+    precisions = [fixed["precision"]] if "precision" in fixed else list(_precisions(job))
+    acs = [fixed["ac"]] if "ac" in fixed else list(AC_MODES)
+    offloads = [fixed["offload"]] if "offload" in fixed else list(OFFLOADS)
+    jobs = []
+    for s, p, a, o in itertools.product(strategies, precisions, acs, offloads):
+        if not STRATEGIES[s].supports_offload(o):
+            continue
+        if not STRATEGIES[s].runs_natively(p) and not {"strategy", "precision"} <= set(fixed):
+            continue  # a recommendation must be launchable: searched options only where native
+        train = replace(job.train, precision=p, activation_checkpointing=a, micro_batch=1)
+        jobs.append(replace(job, train=train, plan=Plan(strategy=s, offload=o)))
+    return jobs
+
+
+def search_options(job: Job, fixed: dict, priority: str, basis: Basis, *, micro_batch_max: bool = False,
+                   allowed: tuple[str, ...] | None = None) -> list[Option]:
+    """Each candidate of ``candidate_jobs`` at its micro-batch: the one fixed, else the largest
+    that fits up to the cap (``--micro-batch max``: without it), 1 when ranked by memory."""
+    cap = int(default("micro_batch_cap"))
+    options = []
+    for candidate in candidate_jobs(job, fixed, allowed):
+        if "micro_batch" in fixed and not micro_batch_max:
+            mb = fixed["micro_batch"]
+        else:
+            limit = search.MICRO_BATCH_LIMIT if micro_batch_max else cap
+            found = search.max_micro_batch(candidate, limit=limit, headrooms=basis.headrooms)
+            mb = 1 if found == 0 or (priority == "memory" and not micro_batch_max) else found
+        options.append(basis.evaluate(candidate.with_(micro_batch=mb)))
+    return options
+
+
+def slower_fraction(option: Option, than: Option) -> float:
+    """How much fewer tokens/s ``option`` predicts than ``than``: 0.22 is 22 % slower."""
+    return 1 - option.step.tokens_per_s / than.step.tokens_per_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rejected:
+    """An option not picked, and why, as data: ``code`` is does_not_fit, more_memory (ranked by
+    memory), less_simple (ranked by simplicity) or slower."""
+
+    option: Option
+    code: str
+    best: Option | None
+    over_by_bytes: int | None = None
+    """does_not_fit: total minus usable."""
+    slower_fraction: float | None = None
+    """Every code but does_not_fit: 1 - its tokens/s over the best's."""
+    extra_bytes: int | None = None
+    """more_memory: its total minus the best's."""
+
+
+def reject(option: Option, best: Option | None, priority: str) -> Rejected:
+    if not option.fits:
+        return Rejected(option=option, code="does_not_fit", best=best, over_by_bytes=-option.headroom_bytes)
+    slower = slower_fraction(option, best)
+    if priority == "memory":
+        return Rejected(option=option, code="more_memory", best=best, slower_fraction=slower,
+                        extra_bytes=option.total_bytes - best.total_bytes)
+    code = ("less_simple" if priority == "simplicity" and rank(option, priority)[:3] != rank(best, priority)[:3]
+            else "slower")
+    return Rejected(option=option, code=code, best=best, slower_fraction=slower)

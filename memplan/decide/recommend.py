@@ -1,0 +1,156 @@
+"""The engine: search the options, pick the best that fits by a priority, judge the matching
+rules against the same arithmetic and, when nothing fits, list the single changes. Every
+result is data; ``memplan.report`` writes the sentences."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import MemplanError
+from ..specs import Job
+from ..throughput import Link
+from ..units import GIB
+from .fixes import Fix, fixes
+from .options import (AXES, PRIORITIES, Basis, Option, Rejected, allowed_strategies, basis_for, candidate_jobs,
+                      rank, ranked, reject, search_options)
+from .rules import RuleVerdict, judge, rules, size_class
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reason:
+    """One reason for the pick, as data. ``code``:
+
+    - assumed_gpu: no GPU named; throughput as on ``basis.link.gpu_name``
+    - calibrated: ``basis`` carries a calibration
+    - kept_as_given: ``fixed`` axes were not searched
+    - restricted: only ``strategies`` were searched (a framework's, or what a launch form writes)
+    - nothing_fits: none of ``num_options``; ``option`` is the closest
+    - ranked: ``num_fitting`` of ``num_options`` fit, ranked by ``priority``
+    - fits: ``option`` (the pick) fits
+    - predicted: ``option``'s step time over ``basis.link``
+    - runner_up: ``rejected`` is the next best
+    """
+
+    code: str
+    basis: Basis | None = None
+    fixed: tuple[tuple[str, object], ...] = ()
+    strategies: tuple[str, ...] = ()
+    option: Option | None = None
+    num_options: int | None = None
+    num_fitting: int | None = None
+    priority: str | None = None
+    rejected: Rejected | None = None
+
+    def __str__(self) -> str:
+        from ..report import reason_text
+
+        return reason_text(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recommendation:
+    """What ``recommend_job`` found: the pick (or none), and every why as data."""
+
+    priority: str
+    basis: Basis
+    best: Option | None
+    """None: nothing fits; see ``fixes``."""
+    reasons: tuple[Reason, ...]
+    rejected: tuple[Rejected, ...]
+    rules: tuple[RuleVerdict, ...]
+    fixes: tuple[Fix, ...]
+    options: tuple[Option, ...]
+    """Every option evaluated (the best micro-batch of each combination)."""
+    searched: tuple[str, ...] | None = None
+    """The strategies the search was restricted to (None: all that run on the GPUs)."""
+
+    @property
+    def link(self) -> Link:
+        return self.basis.link
+
+    @property
+    def contradicted(self) -> tuple[RuleVerdict, ...]:
+        return tuple(v for v in self.rules if not v.agrees)
+
+
+def _check(job: Job, fixed: dict, priority: str, allowed: tuple[str, ...] | None) -> None:
+    """Bad input, one line each: an unknown priority or axis, a fixed strategy outside the
+    search, a search with nothing to run."""
+    if priority not in PRIORITIES:
+        raise MemplanError(f"priority {priority!r} is not one of: {', '.join(PRIORITIES)}")
+    unknown = set(fixed) - set(AXES)
+    if unknown:
+        raise MemplanError(f"cannot fix {', '.join(sorted(unknown))}; fixable: {', '.join(AXES)}")
+    if allowed is None:
+        return
+    if fixed.get("strategy", allowed[0]) not in allowed:
+        raise MemplanError(f"strategy {fixed['strategy']} is not among the strategies searched: {', '.join(allowed)}")
+    if not candidate_jobs(job, fixed, allowed):
+        raise MemplanError(f"no strategy searched ({', '.join(allowed)}) runs on {job.cluster.gpus} GPUs with the "
+                           "choices given")
+
+
+def _ddp_fits(job: Job, fixed: dict, options: list[Option], basis: Basis) -> bool:
+    """Whether DDP fits at the user's settings: from the options searched, or — DDP not among
+    them (another strategy fixed, another framework) — on its own."""
+    ddp = [o for o in options if o.job.plan.strategy == "ddp"]
+    if ddp:
+        return any(o.fits for o in ddp)
+    return any(basis.fits(j) for j in candidate_jobs(job, {**fixed, "strategy": "ddp", "offload": "none"}))
+
+
+def recommend_job(job: Job, *, fixed: dict | None = None, priority: str = "speed", interconnect: str | None = None,
+                  bw_gbs: float | None = None, micro_batch_max: bool = False,
+                  calibration: str | None = None, framework: str | None = None,
+                  strategies: tuple[str, ...] | None = None) -> Recommendation:
+    """The best option that fits for ``job`` by ``priority``, with reasons, rejections, rule verdicts
+    and, when nothing fits, the single changes that would make it fit.
+
+    ``fixed`` maps axes the user chose explicitly (strategy, precision, ac, offload, micro_batch)
+    to their values; the others are searched. ``calibration`` (a corrections file, ``auto`` for
+    the ones shipped for the job's device, or None) moves what fits and how fast (``Basis``).
+    ``framework`` (single | ddp | fsdp | deepspeed) searches only that framework's strategies,
+    ``strategies`` only those (``memplan.emit.WRITES``: the ones a launch form writes).
+
+    Example usage::
+
+        rec = recommend_job(job, fixed={"precision": "mixed-bf16"}, priority="speed")
+        rec.best.label(), [(v.rule.id, v.code, v.value) for v in rec.contradicted]
+    """
+    fixed = dict(fixed or {})
+    allowed = allowed_strategies(framework, strategies)
+    _check(job, fixed, priority, allowed)
+    basis = basis_for(job, interconnect=interconnect, bw_gbs=bw_gbs, calibration=calibration)
+    options = search_options(job, fixed, priority, basis, micro_batch_max=micro_batch_max, allowed=allowed)
+    fitting = ranked(options, priority)
+    best = fitting[0] if fitting else None
+    rejected = tuple(reject(o, best, priority) for o in sorted(options, key=lambda o: (not o.fits, rank(o, priority)))
+                     if best is None or o.key != best.key)
+    inputs = {"params": size_class(job.model.num_params), "gpu_mem_gib": job.cluster.gpu_mem_bytes / GIB,
+              "gpus": job.cluster.gpus, "nodes": job.cluster.num_nodes, "priority": priority,
+              "ddp_fits": _ddp_fits(job, fixed, options, basis)}
+    verdicts = tuple(judge(r, options, best, job, basis, priority, fixed) for r in rules() if r.matches(**inputs))
+    reasons = _reasons(best, fitting, options, priority, basis, fixed, allowed)
+    found = tuple(fixes(job, fixed, priority, basis, allowed)) if best is None else ()
+    return Recommendation(priority=priority, basis=basis, best=best, reasons=reasons, rejected=rejected,
+                          rules=verdicts, fixes=found, options=tuple(options), searched=allowed)
+
+
+def _reasons(best: Option | None, fitting: list[Option], options: list[Option], priority: str, basis: Basis,
+             fixed: dict, allowed: tuple[str, ...] | None) -> tuple[Reason, ...]:
+    out = []
+    if basis.link.assumed_gpu:
+        out.append(Reason(code="assumed_gpu", basis=basis))
+    if basis.correction:
+        out.append(Reason(code="calibrated", basis=basis))
+    if fixed:
+        out.append(Reason(code="kept_as_given", fixed=tuple(fixed.items())))
+    if allowed is not None:
+        out.append(Reason(code="restricted", strategies=allowed))
+    if best is None:
+        closest = min(options, key=lambda o: o.total_bytes)
+        return (*out, Reason(code="nothing_fits", num_options=len(options), option=closest))
+    out += [Reason(code="ranked", num_fitting=len(fitting), num_options=len(options), priority=priority),
+            Reason(code="fits", option=best), Reason(code="predicted", option=best, basis=basis)]
+    if len(fitting) > 1:
+        out.append(Reason(code="runner_up", rejected=reject(fitting[1], best, priority)))
+    return tuple(out)

@@ -1,0 +1,215 @@
+"""The documented rules of tables/rules.csv as data, which of them match a job, and each one's
+verdict: what the same arithmetic says about its claim, in numbers. Where a rule and the
+arithmetic disagree, the arithmetic decides and the verdict says so."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+from .. import catalog
+from ..errors import MemplanError
+from ..specs import Job
+from ..strategies import STRATEGIES
+from ..throughput import StepTime, default, relative_to_ddp
+from .options import Basis, Option, ranked, search_options, slower_fraction
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rule:
+    """One row of tables/rules.csv: a condition on the inputs and what a seed document claims."""
+
+    id: str
+    kind: str
+    """recommend: an option to use; penalty: a strategy's throughput relative to DDP;
+    ac-cost: throughput with activation checkpointing relative to without."""
+    min_params: float | None
+    max_params: float | None
+    min_gpu_mem_gib: float | None
+    max_gpu_mem_gib: float | None
+    min_gpus: int | None
+    max_gpus: int | None
+    min_nodes: int | None
+    max_nodes: int | None
+    priorities: tuple[str, ...]
+    when_ddp_fits: bool | None
+    strategies: tuple[str, ...]
+    precision: str | None
+    ac: str | None
+    offload: str | None
+    claimed_rel_min: float | None
+    claimed_rel_max: float | None
+    source: str
+    section: str
+    quote: str
+
+    def matches(self, *, params: int, gpu_mem_gib: float, gpus: int, nodes: int, priority: str,
+                ddp_fits: bool) -> bool:
+        """Inclusive ranges, as the seeds write them ('7-13B' and '13B+' both hold a 13B model);
+        ``params`` is the size class (see ``size_class``)."""
+        return ((self.min_params is None or params >= self.min_params)
+                and (self.max_params is None or params <= self.max_params)
+                and (self.min_gpu_mem_gib is None or gpu_mem_gib >= self.min_gpu_mem_gib)
+                and (self.max_gpu_mem_gib is None or gpu_mem_gib <= self.max_gpu_mem_gib)
+                and (self.min_gpus is None or gpus >= self.min_gpus)
+                and (self.max_gpus is None or gpus <= self.max_gpus)
+                and (self.min_nodes is None or nodes >= self.min_nodes)
+                and (self.max_nodes is None or nodes <= self.max_nodes)
+                and (not self.priorities or priority in self.priorities)
+                and (self.when_ddp_fits is None or self.when_ddp_fits == ddp_fits))
+
+    @property
+    def claims(self) -> dict[str, str | None]:
+        """The option terms the rule names besides its strategies (None: any)."""
+        return {"ac": self.ac, "offload": self.offload, "precision": self.precision}
+
+
+def size_class(num_params: int) -> float:
+    """A model's size as the seeds name it: to the nearest billion from 1B up (Llama-2 '7B' has
+    6.74e9 parameters, '13B' 13.02e9), the exact count below."""
+    return round(num_params / 1e9) * 1e9 if num_params >= 1e9 else float(num_params)
+
+
+def _num(text: str, kind=float):
+    return kind(float(text)) if text.strip() else None
+
+
+def _row_to_rule(row: dict[str, str]) -> Rule:
+    strategies = tuple(s for s in row["strategy"].split("|") if s)
+    for s in strategies:
+        if s not in STRATEGIES:
+            raise MemplanError(f"tables/rules.csv row {row['id']}: strategy {s!r} is not one of: {', '.join(STRATEGIES)}")
+    return Rule(
+        id=row["id"], kind=row["kind"], min_params=_num(row["min_params"]), max_params=_num(row["max_params"]),
+        min_gpu_mem_gib=_num(row["min_gpu_mem_gib"]), max_gpu_mem_gib=_num(row["max_gpu_mem_gib"]),
+        min_gpus=_num(row["min_gpus"], int), max_gpus=_num(row["max_gpus"], int),
+        min_nodes=_num(row["min_nodes"], int), max_nodes=_num(row["max_nodes"], int),
+        priorities=tuple(p for p in row["priority"].split("|") if p),
+        when_ddp_fits={"yes": True, "no": False}.get(row["when_ddp_fits"]),
+        strategies=strategies, precision=row["precision"] or None, ac=row["ac"] or None,
+        offload=row["offload"] or None, claimed_rel_min=_num(row["claimed_rel_min"]),
+        claimed_rel_max=_num(row["claimed_rel_max"]), source=row["source"], section=row["section"],
+        quote=row["quote"],
+    )
+
+
+@cache
+def rules() -> tuple[Rule, ...]:
+    return tuple(_row_to_rule(row) for row in catalog.read_table("rules.csv"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuleVerdict:
+    """What the arithmetic says about one rule, as data (``memplan.report`` writes it out).
+
+    ``code``: within_claim / outside_claim (penalty, ac-cost: ``value`` is the modelled
+    throughput ratio against the claimed range widened by ``tolerance``); for a recommend rule,
+    best (its option is the pick), does_not_fit (``value``: the smallest total of its options,
+    bytes), more_memory (ranked by memory: extra fraction of the pick's total) or slower
+    (fraction of the pick's tokens/s); ``agrees`` when that is within ``tolerance``."""
+
+    rule: Rule
+    agrees: bool
+    code: str
+    metric: str
+    """relative_to_ddp | ac_relative_throughput | total_bytes | extra_memory_fraction | slower_fraction"""
+    value: float
+    unit: str
+    """x (a ratio), bytes or fraction"""
+    tolerance: float | None = None
+    option: Option | None = None
+    """recommend: the rule's own best option that fits (its smallest, when none does)."""
+    versus: Option | None = None
+    """more_memory, slower: the pick it is compared with."""
+    strategy: str | None = None
+    """penalty: the strategy relative to DDP; ac-cost: the one the AC cost is modelled on."""
+    step: StepTime | None = None
+    """penalty: the step times behind the ratio, over ``interconnect``."""
+    interconnect: str | None = None
+
+    @property
+    def claimed_low(self) -> float | None:
+        return self.rule.claimed_rel_min
+
+    @property
+    def claimed_high(self) -> float | None:
+        return self.rule.claimed_rel_max
+
+    @property
+    def detail(self) -> str:
+        """The verdict as a sentence (written by ``memplan.report``)."""
+        from ..report import verdict_detail
+
+        return verdict_detail(self)
+
+
+def _claim_verdict(rule: Rule, measured: float, **fields) -> RuleVerdict:
+    close = default("close_fraction")
+    ok = rule.claimed_rel_min - close <= measured <= rule.claimed_rel_max + close
+    return RuleVerdict(rule=rule, agrees=ok, code="within_claim" if ok else "outside_claim", value=measured,
+                       unit="x", tolerance=close, **fields)
+
+
+def _own_terms(claims: dict, strategy: str, fixed: dict) -> dict:
+    """The user's fixed axes with a rule's own claims and ``strategy``; a fixed precision the
+    strategy does not run natively is searched instead (DDP has no mixed-bf16 of its own)."""
+    terms = {**fixed, **{k: v for k, v in claims.items() if v is not None}, "strategy": strategy}
+    if "precision" in terms and not STRATEGIES[strategy].runs_natively(terms["precision"]):
+        del terms["precision"]
+    return terms
+
+
+def _axis_value(option: Option, axis: str) -> str:
+    j = option.job
+    return {"ac": j.train.activation_checkpointing, "offload": j.plan.offload, "precision": j.train.precision}[axis]
+
+
+def _rule_options(rule: Rule, options: list[Option], job: Job, basis: Basis, priority: str,
+                  fixed: dict) -> list[Option]:
+    """The searched options the rule speaks about; where the user's fixed choices (or the
+    framework searched) exclude them, the rule's options on its own terms."""
+    mine = [o for o in options if o.job.plan.strategy in rule.strategies
+            and all(v is None or v == _axis_value(o, k) for k, v in rule.claims.items())]
+    overridden = any(v is not None and k in fixed and fixed[k] != v for k, v in rule.claims.items())
+    if mine and not overridden:
+        return mine
+    return [o for strategy in rule.strategies
+            for o in search_options(job, _own_terms(rule.claims, strategy, fixed), priority, basis)
+            if STRATEGIES[strategy].supports_offload(o.job.plan.offload)]
+
+
+def _judge_recommend(rule: Rule, options: list[Option], best: Option | None, job: Job, basis: Basis,
+                     priority: str, fixed: dict) -> RuleVerdict:
+    close = default("close_fraction")
+    candidates = _rule_options(rule, options, job, basis, priority, fixed)
+    fitting = ranked(candidates, priority)
+    if not fitting:
+        smallest = min(candidates, key=lambda o: o.total_bytes)
+        return RuleVerdict(rule=rule, agrees=False, code="does_not_fit", metric="total_bytes",
+                           value=smallest.total_bytes, unit="bytes", option=smallest)
+    mine = fitting[0]
+    if best is None or mine.key == best.key:
+        return RuleVerdict(rule=rule, agrees=True, code="best", metric="relative_to_ddp",
+                           value=mine.relative_throughput, unit="x", option=mine)
+    if priority == "memory":
+        extra = mine.total_bytes / best.total_bytes - 1
+        return RuleVerdict(rule=rule, agrees=extra <= close, code="more_memory", metric="extra_memory_fraction",
+                           value=extra, unit="fraction", tolerance=close, option=mine, versus=best)
+    slower = slower_fraction(mine, best)
+    return RuleVerdict(rule=rule, agrees=slower <= close, code="slower", metric="slower_fraction", value=slower,
+                       unit="fraction", tolerance=close, option=mine, versus=best)
+
+
+def judge(rule: Rule, options: list[Option], best: Option | None, job: Job, basis: Basis,
+          priority: str, fixed: dict) -> RuleVerdict:
+    """The verdict on ``rule`` given the searched ``options`` and the pick ``best`` (None: nothing fits)."""
+    ref = best.job if best else job
+    if rule.kind == "ac-cost":
+        with_ac = basis.step(ref.with_(activation_checkpointing=rule.ac))
+        without = basis.step(ref.with_(activation_checkpointing="none"))
+        return _claim_verdict(rule, with_ac.tokens_per_s / without.tokens_per_s, metric="ac_relative_throughput",
+                              strategy=ref.plan.strategy)
+    if rule.kind == "penalty":
+        ref = ref.with_(offload="none").with_(strategy=rule.strategies[0]).with_(offload=rule.offload or "none")
+        return _claim_verdict(rule, relative_to_ddp(ref, basis.step), metric="relative_to_ddp",
+                              strategy=rule.strategies[0], step=basis.step(ref), interconnect=basis.link.interconnect)
+    return _judge_recommend(rule, options, best, job, basis, priority, fixed)
