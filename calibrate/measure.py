@@ -16,7 +16,7 @@ import torch.nn as nn
 from memplan.specs import Job
 from memplan.strategies import STRATEGIES
 
-from .workloads import blocks, build_model
+from .workloads import blocks, build_model, make_batch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -199,7 +199,7 @@ def run(job: Job, *, steps: int = 3, warmup: int = 2, emulated: bool = False, wo
     on_cuda = torch.cuda.is_available() and job.train.device == "cuda"
     meter = _CudaMeter() if on_cuda else _CpuMeter()
     train = job.train
-    ids = torch.randint(0, job.model.vocab_size, (train.micro_batch, train.seq_len), device=meter.device)
+    inputs, labels = make_batch(job.model, micro_batch=train.micro_batch, seq_len=train.seq_len, device=meter.device)
     autocast = (
         torch.autocast(meter.device.type, dtype=compute_dtype(train.precision))
         if train.precision.startswith("amp") else contextlib.nullcontext()
@@ -220,7 +220,7 @@ def run(job: Job, *, steps: int = 3, warmup: int = 2, emulated: bool = False, wo
             for _ in range(train.grad_accum):
                 meter.new_step()
                 with autocast:
-                    loss, logits = model(ids, ids)
+                    loss, logits = model(inputs, labels)
                 if measured:
                     phase_peaks["forward"] = max(phase_peaks.get("forward", 0), meter.peak())
                 (loss / train.grad_accum).backward()
