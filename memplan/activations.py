@@ -178,6 +178,8 @@ def block_backward_transient(model: ModelSpec, train: TrainSpec, *, inputs_cast:
     x = shapes(model, train)
     k = 1 if x.autocast or model.arch == "vit" else 2
     out = [Saved("block backward gradient temporaries", f"{k}·c·b·s·f", k * x.c * x.tokens * x.f)]
+    if model.arch == "vit":
+        out += _vit_live_in_backward(model, x)
     mode = train.activation_checkpointing
     if mode == "full":
         # the recompute saves the checkpointed input itself (no copy) where a norm keeps it as is
@@ -249,6 +251,13 @@ def _vit_embedding_saved(model: ModelSpec, x: Shapes) -> list[Saved]:
     if x.p > 0:
         pre.append(Saved("embedding dropout mask", "m·b·s·h", x.m * x.tokens * x.h))
     return pre
+
+
+def _vit_live_in_backward(model: ModelSpec, x: Shapes) -> list[Saved]:
+    """Live while a ViT block runs its backward, measured on top of the one ffn-wide
+    temporary: the gradient flowing into the block, and what the embeddings saved (the
+    patch conv's input is freed only by the last backward node)."""
+    return [Saved("gradient into the block", "r·b·s·h", x.r * x.tokens * x.h), *_vit_embedding_saved(model, x)]
 
 
 def _vit_head_saved(model: ModelSpec, x: Shapes) -> list[Saved]:
