@@ -267,7 +267,7 @@ def _vit_train(model: ModelSpec, train: TrainSpec) -> TrainSpec:
     if train.seq_len == tokens:
         return train
     if train.seq_len != TrainSpec.__dataclass_fields__["seq_len"].default:
-        raise MemplanError(f"seq-len {train.seq_len} does not apply to vit {model.name}: its sequence is fixed by "
+        raise MemplanError(f"seq-len {train.seq_len} does not apply to {model.name} (vit): its sequence is fixed by "
                            f"the image size at {tokens} tokens ({tokens - 1} patches + the class token); leave seq-len "
                            f"at its default or give {tokens}")
     return replace(train, seq_len=tokens)
