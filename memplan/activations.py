@@ -7,8 +7,8 @@ transformers' ViTForImageClassification (modeling_vit.py);
 
 Symbols: b micro-batch, s sequence (a ViT's patches + 1), h hidden, kv the k/v width (GQA),
 a heads, d head dim, f ffn width, V vocabulary (a ViT's classes), C·H·W an image's pixels;
-c compute bytes, r residual-stream bytes, m dropout-mask bytes (CUDA's fused dropout keeps a 1-byte mask, CPU's composite dropout a mask in the
-input dtype).
+c compute bytes, r residual-stream bytes, m dropout-mask bytes (CUDA's fused dropout keeps a
+1-byte mask, CPU's composite dropout a mask in the input dtype).
 """
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ def test_vit_job_takes_its_token_count_whatever_the_default_seq_len():
 
 
 def test_vit_refuses_a_seq_len_that_is_not_its_token_count():
-    with pytest.raises(MemplanError, match=r"seq-len 512 does not apply to vit-large-patch16-224 \(vit\): .*197 tokens \(196 patches"):
+    refusal = r"seq-len 512 does not apply to vit-large-patch16-224 \(vit\): .*197 tokens \(196 patches"
+    with pytest.raises(MemplanError, match=refusal):
         Job(model=VIT_L, train=TrainSpec(seq_len=512))
 
 
