@@ -254,9 +254,11 @@ def _vit_embedding_saved(model: ModelSpec, x: Shapes) -> list[Saved]:
 
 
 def _vit_live_in_backward(model: ModelSpec, x: Shapes) -> list[Saved]:
-    """Live while a ViT block runs its backward, measured on top of the one ffn-wide
-    temporary: the gradient flowing into the block, and what the embeddings saved (the
-    patch conv's input is freed only by the last backward node)."""
+    """Live while a ViT block runs its backward, on top of the one ffn-wide temporary
+    (measured: MemTracker's Temp at the DDP peak is c·b·s·f + r·b·s·h + the fc2 weight
+    gradient): the gradient flowing into the block, and what the embeddings saved, which
+    the patch conv's backward frees only at the very end (the block moments of memory.py
+    keep, of what is saved outside the blocks, only the logits)."""
     return [Saved("gradient into the block", "r·b·s·h", x.r * x.tokens * x.h), *_vit_embedding_saved(model, x)]
 
 
