@@ -249,14 +249,17 @@ def _vit_embedding_saved(model: ModelSpec, x: Shapes) -> list[Saved]:
         conv = x.h * model.image_channels * model.patch_size**2
         pre.append(Saved("autocast patch conv weight copy", "c·h·C·p²", x.c * conv))
     if x.p > 0:
-        pre.append(Saved("embedding dropout mask", "m·b·s·h", x.m * x.tokens * x.h))
+        # the embeddings are in the stream dtype (the class token and positions promote the
+        # conv's output), so CPU's mask takes r bytes where CUDA's fused dropout keeps 1 (measured)
+        mask = x.r if x.m == x.c else 1
+        pre.append(Saved("embedding dropout mask", f"{mask}·b·s·h", mask * x.tokens * x.h))
     return pre
 
 
 def _vit_live_in_backward(model: ModelSpec, x: Shapes) -> list[Saved]:
     """Live while a ViT block runs its backward, on top of the one ffn-wide temporary
     (measured: MemTracker's Temp at the DDP peak is c·b·s·f + r·b·s·h + the fc2 weight
-    gradient): the gradient flowing into the block, and what the embeddings saved, which
+    gradient, which is left to the gradient terms): the gradient flowing into the block, and what the embeddings saved, which
     the patch conv's backward frees only at the very end (the block moments of memory.py
     keep, of what is saved outside the blocks, only the logits)."""
     return [Saved("gradient into the block", "r·b·s·h", x.r * x.tokens * x.h), *_vit_embedding_saved(model, x)]
