@@ -15,6 +15,11 @@ LLAMA = ModelSpec(name="llama-tiny", arch="llama", num_layers=4, hidden=256, num
 GPT2 = ModelSpec(name="gpt2-tiny", arch="gpt2", num_layers=4, hidden=256, num_heads=8, ffn_hidden=1024,
                  vocab_size=4096, max_positions=256, tied_embeddings=True, linear_bias=True, dropout=0.1)
 
+# 128×128 images in 8×8 patches: 256 patches + the class token, about the decoders' 256 tokens
+VIT = ModelSpec(name="vit-tiny", arch="vit", num_layers=4, hidden=256, num_heads=8, ffn_hidden=1024, vocab_size=10,
+                linear_bias=True, max_positions=257, patch_size=8)
+VIT_TOKENS = VIT.max_positions
+
 
 @dataclass(frozen=True)
 class Case:
@@ -82,6 +87,15 @@ CASES = (
          workload="hf", covers="transformers model, FSDP, gradient checkpointing"),
     Case("hf-gpt2-sgo-fp32-w2", _job(GPT2, strategy="fsdp-shard-grad-op", precision="fp32", attention="eager"),
          workload="hf", covers="transformers GPT2LMHeadModel"),
+    Case("hf-vit-ddp-fp32", _job(VIT, strategy="ddp", precision="fp32", seq_len=VIT_TOKENS), mode="local",
+         workload="hf", covers="transformers ViTForImageClassification: patches + class token, classifier head"),
+    Case("hf-vit-full-amp-eager-w4", _job(VIT, strategy="fsdp-full-shard", precision="amp-bf16", attention="eager",
+                                          gpus=4, seq_len=VIT_TOKENS),
+         workload="hf", covers="ViT, autocast, eager, FSDP"),
+    Case("hf-vit-full-mixed-ac-w4", _job(VIT, strategy="fsdp-full-shard", precision="mixed-bf16", ac="full", gpus=4,
+                                         seq_len=VIT_TOKENS), workload="hf", covers="ViT, FSDP mixed, full AC"),
+    Case("hf-vit-single-bf16", _job(VIT, strategy="single", precision="bf16", gpus=1, seq_len=VIT_TOKENS),
+         workload="hf", covers="ViT, pure bf16, one rank"),
 )
 
 

@@ -16,7 +16,7 @@ import torch.nn as nn
 from memplan.precision import POLICIES
 from memplan.specs import Job
 
-from .workloads import build_model
+from .workloads import build_model, make_batch
 from .wrappers import DTYPES, Unsupported, wrap
 
 
@@ -130,7 +130,7 @@ def run(job: Job, *, steps: int = 3, warmup: int = 2, emulated: bool = False, wo
     on_cuda = torch.cuda.is_available() and job.train.device == "cuda"
     meter = _CudaMeter() if on_cuda else _CpuMeter()
     train = job.train
-    ids = torch.randint(0, job.model.vocab_size, (train.micro_batch, train.seq_len), device=meter.device)
+    inputs, labels = make_batch(job.model, micro_batch=train.micro_batch, seq_len=train.seq_len, device=meter.device)
     policy = POLICIES[train.precision]
     autocast = (
         torch.autocast(meter.device.type, dtype=DTYPES[policy.compute_dtype])
@@ -152,7 +152,7 @@ def run(job: Job, *, steps: int = 3, warmup: int = 2, emulated: bool = False, wo
             for _ in range(train.grad_accum):
                 meter.new_step()
                 with autocast:
-                    loss, logits = model(ids, ids)
+                    loss, logits = model(inputs, labels)
                 if measured:
                     phase_peaks["forward"] = max(phase_peaks.get("forward", 0), meter.peak())
                 (loss / train.grad_accum).backward()

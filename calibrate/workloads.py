@@ -140,7 +140,7 @@ class CausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, *, attention: str = "sdpa", ac: str = "none"):
         super().__init__()
         if spec.arch == "vit":
-            raise ValueError("vit workloads are not built by calibrate; use a decoder family")
+            raise ValueError("a vit is not a causal LM: build_model(spec, workload='hf') builds it as HFViT")
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden)
         self.embed_positions = nn.Embedding(spec.max_positions, spec.hidden) if spec.max_positions else None
@@ -171,6 +171,10 @@ class CausalLM(nn.Module):
 
 def build_model(spec: ModelSpec, *, attention: str, ac: str, workload: str = "native") -> nn.Module:
     """``native``: the reference blocks above; ``hf``: the transformers model of the same shapes."""
+    if spec.arch == "vit" and workload != "hf":
+        raise ValueError("vit has no native workload; use workload 'hf' (transformers ViTForImageClassification)")
+    if spec.arch == "vit":
+        return HFViT(spec, attention=attention, ac=ac)
     if workload == "hf":
         return HFCausalLM(spec, attention=attention, ac=ac)
     model = CausalLM(spec, attention=attention, ac=ac)
@@ -180,6 +184,22 @@ def build_model(spec: ModelSpec, *, attention: str, ac: str, workload: str = "na
         for i, layer in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(layer)
     return model
+
+
+def make_batch(spec: ModelSpec, *, micro_batch: int, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch as the model's forward takes it: (input ids, labels) for a causal LM,
+    (pixel values b×C×H×W in fp32, one class label per image) for a ViT."""
+    if spec.arch == "vit":
+        side = image_side(spec)
+        pixels = torch.randn(micro_batch, spec.image_channels, side, side, device=device)
+        return pixels, torch.randint(0, spec.vocab_size, (micro_batch,), device=device)
+    ids = torch.randint(0, spec.vocab_size, (micro_batch, seq_len), device=device)
+    return ids, ids
+
+
+def image_side(spec: ModelSpec) -> int:
+    """The square image's side: max_positions is (side / patch)² patches + the class token."""
+    return spec.patch_size * math.isqrt(spec.max_positions - 1)
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -194,6 +214,8 @@ def hf_config(spec: ModelSpec, *, attention: str):
     """A transformers config with the spec's shapes (random weights, nothing downloaded)."""
     from transformers import AutoConfig
 
+    if spec.arch == "vit":
+        return _hf_vit_config(spec, attention=attention)
     if spec.arch not in _HF_TYPES:
         raise ValueError(f"no Hugging Face workload for arch {spec.arch}")
     common = dict(vocab_size=spec.vocab_size, tie_word_embeddings=spec.tied_embeddings)
@@ -214,6 +236,49 @@ def hf_config(spec: ModelSpec, *, attention: str):
     return config
 
 
+def _hf_vit_config(spec: ModelSpec, *, attention: str):
+    from transformers import ViTConfig
+
+    config = ViTConfig(hidden_size=spec.hidden, num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                       intermediate_size=spec.ffn_hidden, hidden_act=spec.activation, image_size=image_side(spec),
+                       patch_size=spec.patch_size, num_channels=spec.image_channels, num_labels=spec.vocab_size,
+                       hidden_dropout_prob=spec.dropout, attention_probs_dropout_prob=spec.dropout)
+    config._attn_implementation = attention
+    return config
+
+
+def _enable_hf_checkpointing(model, ac: str) -> None:
+    if ac == "selective":
+        raise ValueError("Hugging Face models offer full activation checkpointing only")
+    if ac == "full":
+        # transformers 5 renamed gradient_checkpointing_enable (the old name warns)
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+class HFViT(nn.Module):
+    """transformers ViTForImageClassification built from a config; forward(pixel_values,
+    labels) returns (loss, logits)."""
+
+    def __init__(self, spec: ModelSpec, *, attention: str, ac: str):
+        super().__init__()
+        from transformers import ViTForImageClassification
+
+        self.hf = ViTForImageClassification(hf_config(spec, attention=attention))
+        _enable_hf_checkpointing(self.hf, ac)
+
+    @property
+    def layers(self):
+        return self.hf.vit.layers
+
+    def forward(self, pixel_values, labels):
+        out = self.hf(pixel_values=pixel_values, labels=labels)
+        return out.loss, out.logits
+
+
 class HFCausalLM(nn.Module):
     """A transformers AutoModelForCausalLM built from a config, returning (loss, logits)."""
 
@@ -221,16 +286,8 @@ class HFCausalLM(nn.Module):
         super().__init__()
         from transformers import AutoModelForCausalLM
 
-        if ac == "selective":
-            raise ValueError("Hugging Face models offer full activation checkpointing only")
         self.hf = AutoModelForCausalLM.from_config(hf_config(spec, attention=attention))
-        if ac == "full":
-            # transformers 5 renamed gradient_checkpointing_enable (the old name warns)
-            enable = getattr(self.hf, "activation_checkpointing_enable", None)
-            if enable is not None:
-                enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _enable_hf_checkpointing(self.hf, ac)
 
     @property
     def layers(self):

@@ -1,13 +1,14 @@
 """Tensors autograd saves for backward, counted from the implementations themselves.
 
 Every count below was read off torch's saved-tensor hooks on the Hugging Face-style
-blocks of ``calibrate/workloads.py`` (modeling_llama.py / modeling_gpt2.py layouts);
+blocks of ``calibrate/workloads.py`` (modeling_llama.py / modeling_gpt2.py layouts) and on
+transformers' ViTForImageClassification (modeling_vit.py);
 ``tests/test_activations.py`` re-reads them and compares byte for byte.
 
-Symbols: b micro-batch, s sequence, h hidden, kv the k/v width (GQA), a heads, d head
-dim, f ffn width, V vocabulary; c compute bytes, r residual-stream bytes, m dropout-mask
-bytes (CUDA's fused dropout keeps a 1-byte mask, CPU's composite dropout a mask in the
-input dtype).
+Symbols: b micro-batch, s sequence (a ViT's patches + 1), h hidden, kv the k/v width (GQA),
+a heads, d head dim, f ffn width, V vocabulary (a ViT's classes), C·H·W an image's pixels;
+c compute bytes, r residual-stream bytes, m dropout-mask bytes (CUDA's fused dropout keeps a
+1-byte mask, CPU's composite dropout a mask in the input dtype).
 """
 from __future__ import annotations
 
@@ -57,8 +58,10 @@ def shapes(model: ModelSpec, train: TrainSpec) -> Shapes:
     if attention == "sdpa":
         attention = "math-fp32" if on_cpu and model.dropout > 0 else "flash"
     c = policy.compute_bytes
+    # ViTEmbeddings: one token per patch plus the class token, whatever seq-len says
+    s = model.max_positions if model.arch == "vit" else train.seq_len
     return Shapes(
-        b=train.micro_batch, s=train.seq_len, h=model.hidden, kv=model.kv_hidden, a=model.num_heads,
+        b=train.micro_batch, s=s, h=model.hidden, kv=model.kv_hidden, a=model.num_heads,
         d=model.head_dim, f=model.ffn_hidden, V=model.vocab_size, c=c, r=policy.stream_bytes,
         m=c if on_cpu else 1, p=model.dropout, autocast=policy.autocast, attention=attention,
     )
@@ -81,7 +84,7 @@ def _linear_inputs(model: ModelSpec, x: Shapes) -> list[Saved]:
     t = x.tokens
     if x.autocast:
         # autocast casts the fp32 input once per linear, and each cast is saved
-        casts = 5 if model.arch == "llama" else 2  # q,k,v,gate,up | fused qkv, up
+        casts = {"llama": 5, "vit": 4}.get(model.arch, 2)  # q,k,v,gate,up | q,k,v,fc1 | fused qkv, up
         return [Saved("autocast input casts", f"{casts}·c·b·s·h", casts * x.c * t * x.h)]
     return [Saved("norm outputs (linear inputs)", "2·r·b·s·h", 2 * x.r * t * x.h)]
 
@@ -122,7 +125,7 @@ def block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False
     saved: list[Saved] = []
     if model.arch != "llama":
         saved.append(Saved("block input (norm input)", "r·b·s·h", x.r * t * x.h))
-        if model.arch == "gpt2":
+        if model.arch in ("gpt2", "vit"):  # sequential residual: the second norm has its own input
             saved.append(Saved("residual after attention (norm input)", "r·b·s·h", x.r * t * x.h))
     saved += _norm(model, x, "norm 1") + _norm(model, x, "norm 2")
     saved += _linear_inputs(model, x)
@@ -172,10 +175,13 @@ def block_kept(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False)
 def block_backward_transient(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False) -> list[Saved]:
     """Extra bytes live while one block runs its backward: recomputed activations under
     AC, plus gradient temporaries (measured: the SwiGLU/GELU backward holds two
-    gradients of ffn width beyond the saved tensors; one under autocast)."""
+    gradients of ffn width beyond the saved tensors; one under autocast, and one in ViT's
+    MLP, whose exact GELU has a fused backward)."""
     x = shapes(model, train)
-    k = 1 if x.autocast else 2
+    k = 1 if x.autocast or model.arch == "vit" else 2
     out = [Saved("block backward gradient temporaries", f"{k}·c·b·s·f", k * x.c * x.tokens * x.f)]
+    if model.arch == "vit":
+        out += _vit_live_in_backward(model, x)
     mode = train.activation_checkpointing
     if mode == "full":
         # the recompute saves the checkpointed input itself (no copy) where a norm keeps it as is
@@ -191,6 +197,8 @@ def block_backward_transient(model: ModelSpec, train: TrainSpec, *, inputs_cast:
 def model_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[Saved]]:
     """Saved outside the blocks: before them (embeddings) and after (final norm, head input, logits)."""
     x = shapes(model, train)
+    if model.arch == "vit":
+        return _vit_embedding_saved(model, x), _vit_head_saved(model, x)
     t = x.tokens
     pre = []
     if model.arch in ("llama", "neox") and (x.c == 4 or train.activation_checkpointing == "full"):
@@ -219,6 +227,8 @@ def loss_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[Sa
     """Cross-entropy on fp32 logits: what is live while the loss runs forward, and while
     its backward starts (ForCausalLMLoss upcasts logits; log_softmax keeps its output)."""
     x = shapes(model, train)
+    if model.arch == "vit":
+        return _vit_loss_saved(x)
     t, V = x.tokens, x.V
     lsm = Saved("log_softmax output (fp32)", "4·b·s·V", 4 * t * V, "loss.log_softmax")
     forward = [lsm]
@@ -227,3 +237,54 @@ def loss_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[Sa
     # nll_loss backward makes a b·s·V gradient, log_softmax backward another
     backward = [lsm, Saved("loss gradients (nll, log_softmax)", "2·4·b·s·V", 8 * t * V, "loss.gradients")]
     return forward, backward
+
+
+def _vit_embedding_saved(model: ModelSpec, x: Shapes) -> list[Saved]:
+    """ViTEmbeddings: the patch Conv2d keeps its input, the fp32 pixel batch itself (the data
+    loader's, not counted, as a decoder's token ids are not) or its copy in the compute dtype
+    (made by autocast, by the bf16 model's pixel_values.to(dtype), or by FSDP's cast of the
+    root's inputs); the class token and positions add nothing saved."""
+    pixels = x.b * model.image_channels * model.patch_size**2 * (x.s - 1)
+    pre = []
+    if x.c < 4:
+        pre.append(Saved("pixel values cast (patch conv input)", "c·b·C·H·W", x.c * pixels))
+    if x.autocast:
+        conv = x.h * model.image_channels * model.patch_size**2
+        pre.append(Saved("autocast patch conv weight copy", "c·h·C·p²", x.c * conv))
+    if x.p > 0:
+        # the embeddings are in the stream dtype (the class token and positions promote the
+        # conv's output), so CPU's mask takes r bytes where CUDA's fused dropout keeps 1 (measured)
+        mask = x.r if x.m == x.c else 1
+        pre.append(Saved("embedding dropout mask", f"{mask}·b·s·h", mask * x.tokens * x.h))
+    return pre
+
+
+def _vit_live_in_backward(model: ModelSpec, x: Shapes) -> list[Saved]:
+    """Live while a ViT block runs its backward, on top of the one ffn-wide temporary
+    (measured: MemTracker's Temp at the DDP peak is c·b·s·f + r·b·s·h + the fc2 weight
+    gradient, which is left to the gradient terms): the gradient flowing into the block, and what the embeddings saved, which
+    the patch conv's backward frees only at the very end (the block moments of memory.py
+    keep, of what is saved outside the blocks, only the logits)."""
+    return [Saved("gradient into the block", "r·b·s·h", x.r * x.tokens * x.h), *_vit_embedding_saved(model, x)]
+
+
+def _vit_head_saved(model: ModelSpec, x: Shapes) -> list[Saved]:
+    """The final LayerNorm runs over every token; the classifier reads the class token only,
+    a slice that pins the whole norm output, or under autocast a cast copy of that row."""
+    t = x.tokens
+    post = [Saved("final norm input", "r·b·s·h", x.r * t * x.h)] + _norm(model, x, "final norm")
+    if x.autocast:
+        post.append(Saved("class token cast (classifier input)", "c·b·h", x.c * x.b * x.h))
+        post.append(Saved("autocast classifier weight copy", "c·V·h", x.c * x.V * x.h))
+    else:
+        post.append(Saved("final norm output (pinned by the class-token slice)", "r·b·s·h", x.r * t * x.h))
+    post.append(Saved("logits (held by the caller)", "c·b·V", x.c * x.b * x.V))
+    return post
+
+
+def _vit_loss_saved(x: Shapes) -> tuple[list[Saved], list[Saved]]:
+    """ForImageClassification's cross-entropy over b rows, on the logits as they are
+    (fp32 under autocast, which runs log_softmax in fp32)."""
+    k = 4 if x.autocast else x.c
+    lsm = Saved("log_softmax output", f"{k}·b·V", k * x.b * x.V)
+    return [lsm], [lsm, Saved("loss gradients (nll, log_softmax)", f"2·{k}·b·V", 2 * k * x.b * x.V)]

@@ -34,6 +34,10 @@ def _check_positive(obj, *names):
             raise MemplanError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
 
 
+def _square_grid_plus_one(n: int) -> bool:
+    return n >= 2 and math.isqrt(n - 1) ** 2 == n - 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """A decoder-only transformer (or a ViT encoder) described by its shapes.
@@ -85,6 +89,9 @@ class ModelSpec:
             raise MemplanError(f"hidden {self.hidden} is not divisible by heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
             raise MemplanError(f"heads {self.num_heads} is not divisible by kv-heads {self.num_kv_heads}")
+        if self.arch == "vit" and not _square_grid_plus_one(self.max_positions):
+            raise MemplanError(f"vit max_positions must be its patch count + 1 over a square patch grid "
+                               f"(197 = 14² + 1 for 224-pixel images in 16-pixel patches), got {self.max_positions}")
         if not 0.0 <= self.dropout < 1.0:
             raise MemplanError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.num_layers > 10_000 or self.hidden > 1_000_000 or self.vocab_size > 10_000_000:
@@ -161,6 +168,7 @@ class TrainSpec:
     """One optimizer step: micro-batches, precision, optimizer and memory-saving switches."""
 
     seq_len: int = 2048
+    """Tokens per sample; a ViT's are fixed by its image size (``Job`` sets them)."""
     micro_batch: int = 1
     grad_accum: int = 1
     precision: str = "mixed-bf16"
@@ -252,6 +260,19 @@ class Plan:
             )
 
 
+def _vit_train(model: ModelSpec, train: TrainSpec) -> TrainSpec:
+    """A ViT sees every patch plus the class token (ViTEmbeddings), whatever seq-len says: the
+    default seq-len becomes that count; any other value is refused rather than ignored."""
+    tokens = model.max_positions
+    if train.seq_len == tokens:
+        return train
+    if train.seq_len != TrainSpec.__dataclass_fields__["seq_len"].default:
+        raise MemplanError(f"seq-len {train.seq_len} does not apply to {model.name} (vit): its sequence is fixed by "
+                           f"the image size at {tokens} tokens ({tokens - 1} patches + the class token); leave seq-len "
+                           f"at its default or give {tokens}")
+    return replace(train, seq_len=tokens)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Job:
     """Everything one estimate needs."""
@@ -264,6 +285,8 @@ class Job:
     def __post_init__(self):
         from .strategies import STRATEGIES
 
+        if self.model.arch == "vit":
+            object.__setattr__(self, "train", _vit_train(self.model, self.train))
         strategy = STRATEGIES[self.plan.strategy]
         if not strategy.allows_gpus(self.cluster.gpus):
             raise MemplanError(f"strategy {strategy.id!r} ({strategy.label}) runs on at most {strategy.max_gpus} "

@@ -1,12 +1,12 @@
 """The activation model against torch's own saved-tensor hooks, block by block."""
 import pytest
 
-from memplan.activations import block_saved
+from memplan.activations import block_saved, loss_saved, model_saved
 from memplan.precision import POLICIES
 from memplan.specs import ModelSpec, TrainSpec
 
 torch = pytest.importorskip("torch")
-from calibrate.workloads import Block, rotary_tables  # noqa: E402
+from calibrate.workloads import Block, hf_config, make_batch, rotary_tables  # noqa: E402
 from calibrate.wrappers import DTYPES  # noqa: E402
 
 
@@ -51,3 +51,50 @@ def test_block_saved_bytes_match_autograd(arch, precision, attention, kv, dropou
     train = TrainSpec(seq_len=64, micro_batch=2, precision=precision, attention=attention, device="cpu")
     estimated = sum(s.bytes for s in block_saved(model, train))
     assert estimated == measured_block_saved(model, train)
+
+
+def measured_vit_saved(model: ModelSpec, train: TrainSpec) -> tuple[int, int]:
+    """Bytes autograd saves in one transformers ViTLayer, and in a one-layer
+    ViTForImageClassification outside its layer (params, the batch itself and 0-dim scalars
+    such as nll_loss's total weight excluded)."""
+    from transformers import ViTForImageClassification
+
+    policy = POLICIES[train.precision]
+    dtype = DTYPES[policy.param_dtype]
+    vit = ViTForImageClassification(hf_config(model, attention=train.attention)).to(dtype)
+    layer = vit.vit.layers[0]
+    x = torch.randn(train.micro_batch, model.max_positions, model.hidden, dtype=dtype, requires_grad=True)
+    pixels, labels = make_batch(model, micro_batch=train.micro_batch, seq_len=train.seq_len, device="cpu")
+    skip = {t.untyped_storage().data_ptr() for t in (*vit.parameters(), pixels, labels)}
+    autocast = torch.autocast("cpu", dtype=DTYPES[policy.compute_dtype], enabled=policy.autocast)
+
+    def saved_bytes(forward) -> int:
+        seen = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in skip and t.dim() > 0:
+                seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+            forward()
+        return sum(seen.values())
+
+    block = saved_bytes(lambda: layer(x))
+    return block, saved_bytes(lambda: vit(pixel_values=pixels, labels=labels)) - block
+
+
+VIT_CASES = [(p, a, dropout) for p in ("fp32", "amp-bf16", "mixed-bf16", "bf16") for a in ("sdpa", "eager")
+             for dropout in (0.0, 0.1)]
+
+
+@pytest.mark.parametrize("precision,attention,dropout", VIT_CASES)
+def test_vit_saved_bytes_match_autograd(precision, attention, dropout):
+    model = ModelSpec(arch="vit", num_layers=1, hidden=128, num_heads=8, ffn_hidden=344, vocab_size=10,
+                      linear_bias=True, max_positions=65, patch_size=8, dropout=dropout)
+    train = TrainSpec(seq_len=2048, micro_batch=2, precision=precision, attention=attention, device="cpu")
+    pre, post = model_saved(model, train)
+    outside = [s for s in pre + post + loss_saved(model, train)[0] if not s.name.startswith("logits")]
+    estimated = (sum(s.bytes for s in block_saved(model, train)), sum(s.bytes for s in outside))
+    assert estimated == measured_vit_saved(model, train)
