@@ -278,7 +278,7 @@ def _vit_head_saved(model: ModelSpec, x: Shapes) -> list[Saved]:
         post.append(Saved("autocast classifier weight copy", "c·V·h", x.c * x.V * x.h))
     else:
         post.append(Saved("final norm output (pinned by the class-token slice)", "r·b·s·h", x.r * t * x.h))
-    post.append(Saved("logits (held by the caller)", "c·b·V", x.c * x.b * x.V))
+    post.append(Saved("logits (held by the caller)", "c·b·V", x.c * x.b * x.V, "logits"))
     return post
 
 
