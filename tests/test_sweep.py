@@ -80,3 +80,22 @@ def test_a_one_gpu_strategy_appears_only_on_one_gpu():
     assert sorted(zip(frame.gpus, frame.strategy)) == [(1, "ddp"), (1, "single"), (8, "ddp")]
     with pytest.raises(MemplanError, match=r"no strategy in \['single'\] runs on gpus=\[8\]"):
         sweep(params=[7e9], gpus=[8], strategy=["single"], gpu_mem=80)
+
+
+def test_a_family_whose_token_terms_move_with_the_gpu_count_is_solved_group_by_group(monkeypatch):
+    """Were activations to depend on the GPU count (tensor parallelism would), the check at a
+    family's last group fails and every group is solved on its own: here 64 GPUs add 64·b·s
+    bytes to every moment, which the shared coefficients of 8 GPUs cannot carry."""
+    import memplan.grid as grid
+
+    plain = sweep(params=[7e9], gpus=[8, 64], strategy=["zero3"], micro_batch=[1, 4], seq_len=[512, 2048])
+    moment_bytes = grid._moment_bytes
+
+    def shifted(job, b, s):
+        extra = job.cluster.gpus * b * s if job.cluster.gpus == 64 else 0
+        return [v + extra for v in moment_bytes(job, b, s)]
+
+    monkeypatch.setattr(grid, "_moment_bytes", shifted)
+    moved = sweep(params=[7e9], gpus=[8, 64], strategy=["zero3"], micro_batch=[1, 4], seq_len=[512, 2048])
+    extra = np.where(plain.gpus == 64, plain.gpus * plain.micro_batch * plain.seq_len, 0)
+    assert (moved.allocated_bytes == plain.allocated_bytes + extra).all()
