@@ -57,19 +57,22 @@ def _listify(value) -> list:
     return list(value) if isinstance(value, (list, tuple, range, np.ndarray)) else [value]
 
 
-def _family_coefficients(jobs: list[Job]) -> list[np.ndarray]:
-    """Coefficients (moments × 4) of each job of a family that differs only in GPU count."""
+def _family_coefficients(jobs: list[Job]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Coefficients (moments × 4) and moment phases of each job of a family that differs only
+    in GPU count."""
+    base = [_moments(job, 1, 1) for job in jobs]
+    phases = [np.array([m.phase for m in moments]) for moments in base]  # the same at every (b, s)
     first = _coefficients(jobs[0])
     tokens = first[:, 1:]  # c1..c3: the same on every GPU count
-    out = [first] + [np.column_stack([np.array(_moment_bytes(job, 1, 1)) - tokens.sum(axis=1), tokens])
-                     for job in jobs[1:]]
+    out = [first] + [np.column_stack([np.array([m.allocated_bytes for m in moments]) - tokens.sum(axis=1), tokens])
+                     for moments in base[1:]]
     check = _basis(np.array(_CHECK[0]), np.array(_CHECK[1])).astype(np.int64) @ out[-1].T
-    if list(check) == _moment_bytes(jobs[-1], *_CHECK):
-        return out
-    return [_coefficients(job) for job in jobs]
+    if list(check) != _moment_bytes(jobs[-1], *_CHECK):
+        out = [_coefficients(job) for job in jobs]
+    return list(zip(out, phases))
 
 
-def _group_rows(job: Job, coef: np.ndarray, basis: np.ndarray) -> dict[str, np.ndarray]:
+def _group_rows(job: Job, coef: np.ndarray, phases: np.ndarray, basis: np.ndarray) -> dict[str, np.ndarray]:
     """The columns of one group from its coefficients; ``basis``: configurations × 4."""
     per_moment = basis @ coef.T  # configurations × moments, exact integers
     peak = per_moment.argmax(axis=1)  # the first largest, as max() picks in the scalar path
@@ -78,7 +81,6 @@ def _group_rows(job: Job, coef: np.ndarray, basis: np.ndarray) -> dict[str, np.n
     overhead = fixed + (allocated * slack_fraction(job)).astype(np.int64)
     total = allocated + overhead
     headroom = job.cluster.usable_bytes - total
-    phases = np.array([m.phase for m in _moments(job, 1, 1)])  # a moment's phase is the same at every (b, s)
     return {"allocated_bytes": allocated, "overhead_bytes": overhead, "total_bytes": total,
             "headroom_bytes": headroom, "fits": headroom >= 0, "phase": phases[peak]}
 
@@ -118,9 +120,9 @@ def sweep(*, params=None, model=None, gpus=8, strategy="all", precision="mixed-b
     for labels, job in groups:
         families.setdefault((labels["model"], labels["params"], labels["strategy"], labels["precision"],
                              labels["activation_checkpointing"]), []).append(job)
-    coef = {id(job): c for family in families.values() for job, c in zip(family, _family_coefficients(family))}
+    solved = {id(job): c for family in families.values() for job, c in zip(family, _family_coefficients(family))}
     basis = _basis(b, s).astype(np.int64)
-    parts = [_group_rows(job, coef[id(job)], basis) for _, job in groups]
+    parts = [_group_rows(job, *solved[id(job)], basis) for _, job in groups]
     columns = {name: np.repeat([labels[name] for labels, _ in groups], len(b)) for name in groups[0][0]}
     columns |= {"micro_batch": np.tile(b, len(groups)), "seq_len": np.tile(s, len(groups))}
     columns |= {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
