@@ -33,3 +33,16 @@ def test_help_and_json_do_not_import_tabulate():
     assert "tabulate" not in _modules_after(["--help"])
     assert "tabulate" not in _modules_after(["estimate", "--params", "13e9", "--gpus", "8", "--format", "json"])
     assert "tabulate" in _modules_after(["estimate", "--params", "13e9", "--gpus", "8"])
+
+
+def test_the_calibration_report_is_a_markdown_table_of_the_records_as_written(shipped_cpu_records):
+    from calibrate import report
+
+    table = report.rows(shipped_cpu_records)
+    lines = report.render_table(table).splitlines()[:len(table) + 2]
+    assert lines[0].startswith("| id ") and set(lines[1]) == {"|", "-"}
+    widths = {len(line) for line in lines}
+    assert len(widths) == 1  # every row padded to the same columns
+    first = [cell.strip() for cell in lines[2].strip("|").split("|")]
+    assert first[:3] == [table[0]["id"], table[0]["run"], table[0]["status"]]
+    assert first[5] == report._pct(table[0]["error_pct"])  # "-0.01", signed and two decimals, not parsed
