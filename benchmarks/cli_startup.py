@@ -1,8 +1,11 @@
 """Wall time of the main job, `memplan estimate --params 13e9 --gpus 8 --gpu-mem 80`, as a
-user sees it (a fresh process each time), and proof that it never imports torch.
+user sees it (a fresh process each time), and proof that it never imports torch. The CPU
+time (user + system) of each process is quoted too: on a loaded machine it moves far less
+than the wall time.
 
     python benchmarks/cli_startup.py [runs]
 """
+import resource
 import statistics
 import subprocess
 import sys
@@ -12,10 +15,22 @@ MAIN_JOB = ["estimate", "--params", "13e9", "--gpus", "8", "--gpu-mem", "80"]
 CLI = [sys.executable, "-m", "memplan.cli"]
 
 
-def wall_s(args) -> float:
-    start = time.perf_counter()
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def times_s(args) -> tuple[float, float]:
+    """Wall and CPU seconds of one fresh process running ``args``."""
+    cpu, start = _children_cpu_s(), time.perf_counter()
     subprocess.run(CLI + args, check=True, capture_output=True)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, _children_cpu_s() - cpu
+
+
+def _quote(args, runs: int) -> str:
+    wall, cpu = zip(*(times_s(args) for _ in range(runs)))
+    return (f"median {statistics.median(wall):.3f} s wall (min {min(wall):.3f}, max {max(wall):.3f}), "
+            f"median {statistics.median(cpu):.3f} s CPU")
 
 
 def imported_modules(args) -> set[str]:
@@ -27,11 +42,8 @@ def imported_modules(args) -> set[str]:
 
 
 def main(runs: int = 10) -> None:
-    times = sorted(wall_s(MAIN_JOB) for _ in range(runs))
-    print(f"memplan {' '.join(MAIN_JOB)}: median {statistics.median(times):.3f} s, "
-          f"min {times[0]:.3f} s, max {times[-1]:.3f} s over {runs} fresh processes")
-    bare = sorted(wall_s(["--version"]) for _ in range(runs))
-    print(f"memplan --version (interpreter + click start-up alone): median {statistics.median(bare):.3f} s")
+    print(f"memplan {' '.join(MAIN_JOB)}: {_quote(MAIN_JOB, runs)} over {runs} fresh processes")
+    print(f"memplan --version (interpreter + click start-up alone): {_quote(['--version'], runs)}")
     heavy = {"torch", "pandas", "matplotlib", "transformers"} & imported_modules(MAIN_JOB)
     print(f"heavy modules imported by the main job: {sorted(heavy) or 'none'}")
 

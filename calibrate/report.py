@@ -14,7 +14,6 @@ import json
 import statistics
 
 
-from memplan.columns import render_columns
 from memplan.errors import MemplanError
 
 from .records import STATUSES, describe, estimate_summary, job_from_spec
@@ -94,12 +93,14 @@ def _short(text, width: int = 80) -> str:
 
 
 def render_table(table: list[dict]) -> str:
-    body = render_columns(
+    from tabulate import tabulate  # here, not at the top: JSON and CSV never pay its import
+
+    body = tabulate(
         [[r["id"], r["run"], r["status"], _mib(r["measured_bytes"]), _mib(r["estimated_bytes"]), _pct(r["error_pct"]),
           r["measured_phase"] or "", r["estimated_phase"] or "", _short(r["error"])] for r in table],
         headers=["id", "run", "status", "measured MiB", "estimated MiB", "error %", "measured phase",
                  "estimated phase", "error"],
-        markdown=True,
+        tablefmt="github", disable_numparse=True,
     )
     return "\n".join([body, "", *summary_lines(table)])
 

@@ -1,4 +1,5 @@
-"""The data tables shipped in ``tables/``: model presets, GPU datasheets, DeepSpeed defaults."""
+"""The data tables shipped in ``tables/``: model presets, GPU datasheets, DeepSpeed defaults,
+runtime overheads and decision settings, each row with its source."""
 from __future__ import annotations
 
 import csv
@@ -111,3 +112,26 @@ def model_preset(name: str) -> ModelSpec:
 def deepspeed_defaults() -> dict[str, int]:
     """DeepSpeed ZeRO's buffer sizes (in elements) when its config leaves them unset."""
     return {row["key"]: int(row["value"]) for row in read_table("deepspeed.csv")}
+
+
+def _settings(name: str) -> dict[str, float]:
+    return {row["key"]: float(row["value"]) for row in read_table(name)}
+
+
+@cache
+def overheads() -> dict[str, float]:
+    """Per-GPU bytes outside the allocator's tensors (tables/overheads.csv)."""
+    return _settings("overheads.csv")
+
+
+@cache
+def decision_settings() -> dict[str, float]:
+    """The recommendation's settings that are choices, not physics (tables/decision.csv)."""
+    return _settings("decision.csv")
+
+
+def decision_setting(name: str) -> float:
+    settings = decision_settings()
+    if name not in settings:
+        raise MemplanError(f"decision setting {name!r} is not in tables/decision.csv; known: {', '.join(settings)}")
+    return settings[name]

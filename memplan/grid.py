@@ -4,8 +4,12 @@ Within a group that shares everything but micro-batch b and sequence length s, e
 count of every moment is c0 + c1·s + c2·b·s + c3·b·s² (states and buffers are constant,
 activations scale with the b·s tokens, eager attention with b·s², rotary tables with s),
 so four scalar estimates fix each moment's integer coefficients and numpy evaluates the
-rest. The basis is checked, not assumed: each group is re-estimated at a fifth point, and a
-test compares random rows with the scalar path byte for byte.
+rest. Across GPU counts only c0 moves (states and gathered buffers are divided among the
+GPUs; activations are each GPU's own), so a family of groups that differs only in GPU count
+takes its c1..c3 from its first group and each further group's c0 from one estimate. The
+bases are checked, not assumed: the first group is re-estimated at a fifth point, the
+family's last group at that point too (else each group is solved on its own), and a test
+compares random grids with the scalar path byte for byte.
 """
 from __future__ import annotations
 
@@ -28,12 +32,15 @@ def _basis(b, s):
     return np.stack([np.ones_like(s), s, b * s, b * s * s], axis=-1).astype(np.float64)
 
 
+def _moments(job: Job, b: int, s: int) -> tuple:
+    return estimate(job.with_(micro_batch=b, seq_len=s)).moments
+
+
 def _moment_bytes(job: Job, b: int, s: int) -> list[int]:
-    est = estimate(job.with_(micro_batch=b, seq_len=s))
-    return [m.allocated_bytes for m in est.moments]
+    return [m.allocated_bytes for m in _moments(job, b, s)]
 
 
-def _coefficients(job: Job) -> tuple[np.ndarray, list[str]]:
+def _coefficients(job: Job) -> np.ndarray:
     """Integer coefficients (moments × 4) of the group of ``job``."""
     values = np.array([_moment_bytes(job, b, s) for b, s in _POINTS], dtype=np.float64)
     basis = _basis(np.array([p[0] for p in _POINTS]), np.array([p[1] for p in _POINTS]))
@@ -43,25 +50,39 @@ def _coefficients(job: Job) -> tuple[np.ndarray, list[str]]:
     if list(predicted.astype(np.int64)) != check:
         raise MemplanError(f"the sweep's polynomial basis does not hold for {job.plan.strategy} "
                            f"{job.train.precision}: use the scalar estimate")
-    phases = [m.phase for m in estimate(job).moments]
-    return coef.astype(np.int64), phases
+    return coef.astype(np.int64)
 
 
 def _listify(value) -> list:
     return list(value) if isinstance(value, (list, tuple, range, np.ndarray)) else [value]
 
 
-def _group_rows(job: Job, b: np.ndarray, s: np.ndarray) -> dict[str, np.ndarray]:
-    coef, phases = _coefficients(job)
-    per_moment = _basis(b, s).astype(np.int64) @ coef.T  # configurations × moments, exact integers
+def _family_coefficients(jobs: list[Job]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Coefficients (moments × 4) and moment phases of each job of a family that differs only
+    in GPU count."""
+    base = [_moments(job, 1, 1) for job in jobs]
+    phases = [np.array([m.phase for m in moments]) for moments in base]  # the same at every (b, s)
+    first = _coefficients(jobs[0])
+    tokens = first[:, 1:]  # c1..c3: the same on every GPU count
+    out = [first] + [np.column_stack([np.array([m.allocated_bytes for m in moments]) - tokens.sum(axis=1), tokens])
+                     for moments in base[1:]]
+    check = _basis(np.array(_CHECK[0]), np.array(_CHECK[1])).astype(np.int64) @ out[-1].T
+    if list(check) != _moment_bytes(jobs[-1], *_CHECK):
+        out = [_coefficients(job) for job in jobs]
+    return list(zip(out, phases))
+
+
+def _group_rows(job: Job, coef: np.ndarray, phases: np.ndarray, basis: np.ndarray) -> dict[str, np.ndarray]:
+    """The columns of one group from its coefficients; ``basis``: configurations × 4."""
+    per_moment = basis @ coef.T  # configurations × moments, exact integers
     peak = per_moment.argmax(axis=1)  # the first largest, as max() picks in the scalar path
-    allocated = per_moment[np.arange(len(b)), peak]
+    allocated = per_moment[np.arange(len(basis)), peak]
     fixed = sum(t.bytes for t in fixed_terms(job))
     overhead = fixed + (allocated * slack_fraction(job)).astype(np.int64)
     total = allocated + overhead
     headroom = job.cluster.usable_bytes - total
     return {"allocated_bytes": allocated, "overhead_bytes": overhead, "total_bytes": total,
-            "headroom_bytes": headroom, "fits": headroom >= 0, "phase": np.array(phases)[peak]}
+            "headroom_bytes": headroom, "fits": headroom >= 0, "phase": phases[peak]}
 
 
 def sweep(*, params=None, model=None, gpus=8, strategy="all", precision="mixed-bf16", ac="none",
@@ -85,19 +106,24 @@ def sweep(*, params=None, model=None, gpus=8, strategy="all", precision="mixed-b
     b, s = b_grid.ravel().astype(np.int64), s_grid.ravel().astype(np.int64)
     if (b <= 0).any() or (s <= 0).any():
         raise MemplanError("micro_batch and seq_len must be positive integers")
-    frames = []
+    groups = []  # (labels, job) in the order of the rows
     for (key, source), n, prec, mode in itertools.product(sources, _listify(gpus), _listify(precision), _listify(ac)):
         choice, jobs = build_jobs(**{key: source}, gpus=n, precision=prec, ac=mode, strategy="all", **fixed)
         wanted = set(_listify(strategy)) if strategy != "all" else None
-        for job in jobs:
-            if wanted is not None and job.plan.strategy not in wanted:
-                continue
-            rows = _group_rows(job, b, s)
-            frames.append(pd.DataFrame({
-                "model": choice.spec.name, "params": choice.spec.num_params, "gpus": n,
-                "strategy": job.plan.strategy, "precision": prec, "activation_checkpointing": mode,
-                "micro_batch": b, "seq_len": s, **rows}))
-    if not frames:
+        groups += [({"model": choice.spec.name, "params": choice.spec.num_params, "gpus": n,
+                     "strategy": job.plan.strategy, "precision": prec, "activation_checkpointing": mode}, job)
+                   for job in jobs if wanted is None or job.plan.strategy in wanted]
+    if not groups:
         raise MemplanError(f"no strategy in {strategy!r} runs on gpus={gpus!r} with offload "
                            f"{fixed.get('offload', 'none')!r}; those that do: {', '.join(j.plan.strategy for j in jobs)}")
-    return pd.concat(frames, ignore_index=True)
+    families: dict[tuple, list[Job]] = {}
+    for labels, job in groups:
+        families.setdefault((labels["model"], labels["params"], labels["strategy"], labels["precision"],
+                             labels["activation_checkpointing"]), []).append(job)
+    solved = {id(job): c for family in families.values() for job, c in zip(family, _family_coefficients(family))}
+    basis = _basis(b, s).astype(np.int64)
+    parts = [_group_rows(job, *solved[id(job)], basis) for _, job in groups]
+    columns = {name: np.repeat([labels[name] for labels, _ in groups], len(b)) for name in groups[0][0]}
+    columns |= {"micro_batch": np.tile(b, len(groups)), "seq_len": np.tile(s, len(groups))}
+    columns |= {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+    return pd.DataFrame(columns)

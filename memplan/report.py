@@ -8,7 +8,6 @@ import json
 
 from .breakdown import Component, Estimate
 from .calibration import Applied, Corrected
-from .columns import render_columns
 from .decide import FRAMEWORKS, Fix, Reason, Recommendation, Rejected, RuleVerdict, framework_strategies
 from .inputs import ModelChoice
 from .strategies import STRATEGIES
@@ -136,7 +135,9 @@ def render_table(choice: ModelChoice, estimates: list[Estimate], applied: Applie
         rows = [row + [", ".join(_claim(r) for r in documented_penalties(rec, e.job)) or "-"]
                 for row, e in zip(rows, estimates)]
         headers += ["documented"]
-    table = render_columns(rows, headers)
+    from tabulate import tabulate  # here, not at the top: JSON and --help never pay its import
+
+    table = tabulate(rows, headers, tablefmt="simple", disable_numparse=True)
     lines = header + ["", "GiB per GPU at the peak moment of a steady-state step"
                       + ("; vs DDP: predicted tokens/s relative to DDP at the same settings" if relative else "")
                       + ("; documented: the seeds' claim (tables/rules.csv)" if rec else ""),

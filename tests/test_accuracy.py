@@ -21,6 +21,7 @@ def test_matrix_covers_what_it_must():
     assert {"optimizer", "backward"} <= {estimate(j).phase for j in jobs}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_allocated_within_tolerance_of_measured_peak(case):
     measured = measure_case(case)

@@ -51,6 +51,7 @@ def sweep(tmp_path_factory):
     return out, grid
 
 
+@pytest.mark.slow
 def test_records_of_real_and_emulated_runs(sweep):
     out, _ = sweep
     recs = read(out)
@@ -74,6 +75,7 @@ def test_records_of_real_and_emulated_runs(sweep):
         assert records.spec_dict(job) == r["spec"]
 
 
+@pytest.mark.slow
 def test_emulated_rank_equals_real_rank_0(sweep):
     out, _ = sweep
     peak = {(r["mode"], r["spec"]["plan"]["strategy"]): r["measurement"]["peak_allocated_bytes"] for r in read(out)}
@@ -85,6 +87,7 @@ def test_emulated_rank_equals_real_rank_0(sweep):
         0.01 * peak["emulate", "fsdp-full-shard"]
 
 
+@pytest.mark.slow
 def test_resume_skips_recorded_runs_and_runs_the_rest(sweep, tmp_path):
     out, grid = sweep
     copy = tmp_path / "runs.jsonl"
@@ -103,6 +106,7 @@ def test_resume_skips_recorded_runs_and_runs_the_rest(sweep, tmp_path):
     assert recs[-1]["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_host_oom_is_recorded_and_the_sweep_goes_on(tmp_path):
     grid = tmp_path / "grid.json"
     # a 2 GB embedding, then the tiny model; the cap counts address space (thread stacks,
@@ -120,6 +124,7 @@ def test_host_oom_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert "oom" in result.stderr
 
 
+@pytest.mark.slow
 def test_unsupported_configuration_is_recorded_as_failed(tmp_path):
     out = tmp_path / "zero.jsonl"
     result = calibrate("run", *TINY, "--strategy", "zero2", "--mode", "emulate", "--out", out)
@@ -129,6 +134,7 @@ def test_unsupported_configuration_is_recorded_as_failed(tmp_path):
     assert rec["estimate"]["allocated_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_a_dead_rank_is_recorded_as_failed(tmp_path, monkeypatch):
     monkeypatch.setenv("CALIBRATE_FAULT", "exit:1")  # calibrate.launch.fault_if_asked: rank 1 exits
     out = tmp_path / "dead.jsonl"
@@ -139,6 +145,7 @@ def test_a_dead_rank_is_recorded_as_failed(tmp_path, monkeypatch):
     assert rec["error"].startswith("rank 1 exited with code 3 without reporting")
 
 
+@pytest.mark.slow
 def test_a_tiny_timeout_is_recorded(tmp_path):
     out = tmp_path / "slow.jsonl"
     start_s = time.perf_counter()
@@ -160,6 +167,7 @@ def _processes_with(marker: str) -> set[int]:
     return found
 
 
+@pytest.mark.slow
 def test_a_hung_rank_is_killed_with_every_process_of_its_run(tmp_path, monkeypatch):
     marker = f"calibrate-test-{os.getpid()}-{time.time_ns()}"
     monkeypatch.setenv("CALIBRATE_TEST_MARKER", marker)  # inherited by the run's child and its ranks
@@ -191,6 +199,7 @@ def _good_line(sweep_out):
     return sweep_out.read_text().splitlines()[0]
 
 
+@pytest.mark.slow
 def test_a_corrupt_line_is_warned_with_its_number_and_skipped(sweep, tmp_path):
     good = _good_line(sweep[0])
     path = tmp_path / "mixed.jsonl"
@@ -205,6 +214,7 @@ def test_a_corrupt_line_is_warned_with_its_number_and_skipped(sweep, tmp_path):
     assert json.loads(result.stdout)["summary"]["runs"] == 2
 
 
+@pytest.mark.slow
 def test_report_table_json_and_csv(sweep):
     out, _ = sweep
     ids = [r["id"] for r in read(out)]
@@ -264,6 +274,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_cluster_dry_run_writes_a_slurm_script_and_its_torchrun_command_runs(tmp_path):
     result = calibrate("run", *MODEL, "--vocab", 256, *TRAIN[:-2], "--strategy", "ddp", "--mode", "cluster",
                        "--nodes", 1, "--gpus-per-node", 2, "--timeout", 120, "--out", tmp_path)

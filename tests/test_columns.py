@@ -1,19 +1,48 @@
-"""The plain-text tables: tabulate's `simple` and `github` layouts, by hand."""
-from memplan.columns import render_columns
+"""Tables print through tabulate, every cell as written (no number parsing), and only
+commands that print a table import it."""
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from memplan.cli import main
 
 
-def test_simple_layout_pads_to_the_widest_cell_and_two_past_the_header():
-    text = render_columns([["ddp", "backward", " 1.00 "], ["fsdp-full-shard", "optimizer", "-"]],
-                          ["strategy", "peak in", "x"])
-    assert text == ("strategy         peak in    x\n"
-                    "---------------  ---------  ----\n"
-                    "ddp              backward   1.00\n"
-                    "fsdp-full-shard  optimizer  -")
+def _modules_after(args) -> set[str]:
+    code = ("import sys; from memplan.cli import main\n"
+            f"try:\n    main({args!r})\nexcept SystemExit:\n    pass\n"
+            "print(' '.join(sys.modules))")
+    return set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split())
 
 
-def test_markdown_layout():
-    text = render_columns([["a", ""], ["ccc", "±1.5 %"]], ["id", "error %"], markdown=True)
-    assert text == ("| id   | error %   |\n"
-                    "|------|-----------|\n"
-                    "| a    |           |\n"
-                    "| ccc  | ±1.5 %    |")
+def test_the_estimate_table_keeps_cells_as_written_and_left_aligned():
+    out = CliRunner().invoke(main, ["estimate", "--params", "13e9", "--gpus", "8", "--gpu-mem", "80"]).output
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("strategy"))
+    header, rule, first = lines[at:at + 3]
+    widths = [len(dashes) for dashes in rule.split("  ")]
+    starts = [sum(widths[:i]) + 2 * i for i in range(len(widths))]
+    assert [header[x:x + w].strip() for x, w in zip(starts, widths)][:2] == ["strategy", "peak in"]
+    cells = [first[x:x + w] for x, w in zip(starts, widths)]
+    # left-aligned: no cell starts with padding; a GiB cell keeps its two decimals ("4.00", not "4")
+    assert all(not c.startswith(" ") for c in cells if c.strip())
+    assert all("." in c for c in cells[2:6])
+
+
+def test_help_and_json_do_not_import_tabulate():
+    assert "tabulate" not in _modules_after(["--help"])
+    assert "tabulate" not in _modules_after(["estimate", "--params", "13e9", "--gpus", "8", "--format", "json"])
+    assert "tabulate" in _modules_after(["estimate", "--params", "13e9", "--gpus", "8"])
+
+
+def test_the_calibration_report_is_a_markdown_table_of_the_records_as_written(shipped_cpu_records):
+    from calibrate import report
+
+    table = report.rows(shipped_cpu_records)
+    lines = report.render_table(table).splitlines()[:len(table) + 2]
+    assert lines[0].startswith("| id ") and set(lines[1]) == {"|", "-"}
+    widths = {len(line) for line in lines}
+    assert len(widths) == 1  # every row padded to the same columns
+    first = [cell.strip() for cell in lines[2].strip("|").split("|")]
+    assert first[:3] == [table[0]["id"], table[0]["run"], table[0]["status"]]
+    assert first[5] == report._pct(table[0]["error_pct"])  # "-0.01", signed and two decimals, not parsed

@@ -14,6 +14,7 @@ def test_fit_is_exact_on_a_line_and_widens_with_noise():
     assert se_noisy > se_near > 0
 
 
+@pytest.mark.slow
 def test_sixteen_blocks_predicted_from_one_two_four_within_3_percent():
     pytest.importorskip("torch")
     from calibrate import launch
@@ -38,6 +39,7 @@ def test_depths_must_stay_below_the_model():
         measure_layer_scaled(_job(LLAMA, strategy="ddp", precision="fp32"), measure=None)
 
 
+@pytest.mark.slow
 def test_calibrate_run_layers_scaled_records_the_full_model(tmp_path):
     pytest.importorskip("torch")
     from click.testing import CliRunner

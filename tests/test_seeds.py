@@ -1,7 +1,10 @@
 """The seeds' worked examples, redone on their own assumptions, and where they go wrong."""
+import re
+
 import pytest
 
 from memplan.breakdown import Component
+from memplan.catalog import TABLES_DIR, read_table
 from memplan.memory import estimate, model_states
 from memplan.precision import Policy
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
@@ -55,3 +58,30 @@ def test_003_70b_full_shard_does_not_fit_in_35gb():
 def test_003_fp32_weights_of_70b_are_280gb_not_140():
     states = model_states(job(llama(70), "ddp", precision="fp32"))
     assert states[Component.PARAMS] / GB == pytest.approx(280, rel=0.02)
+
+
+SEEDS = TABLES_DIR / "seeds"
+
+
+def _words(text: str) -> str:
+    """Lower case with the markup and spacing that differ between a quote and its source dropped
+    (table cells run together in the text dump, the flowchart breaks lines with <br/>)."""
+    return re.sub(r"[^0-9a-z%~+<>.]+", "", text.replace("<br/>", " ").replace("×", "x").lower())
+
+
+def _quoted(fragment: str, source: str) -> bool:
+    """A fragment is in the source as written, or is one flowchart step: a node's label then the
+    label of the edge taken ("Priority Memory efficiency"), "not X" for the No edge of node X."""
+    words = fragment.split()
+    words = words[1:] if words[:1] == ["not"] else words
+    return any(_words(" ".join(words[:i])) in source and _words(" ".join(words[i:])) in source
+               for i in range(len(words)))
+
+
+@pytest.mark.parametrize("rule", read_table("rules.csv"), ids=lambda r: r["id"])
+def test_every_rule_quotes_its_vendored_seed(rule):
+    """Each quote of tables/rules.csv, cut at its elisions (...), table cells (|), flowchart arrows
+    (->) and clause marks, is in the seed it cites (tables/seeds/, copied whole from the seeds)."""
+    source = _words((SEEDS / rule["source"]).read_text())
+    fragments = [f for f in re.split(r"\.\.\.|->|\||\?|;|\(|\)", rule["quote"]) if f.strip()]
+    assert [f for f in fragments if not _quoted(f, source)] == []

@@ -1,6 +1,8 @@
 """The vectorized sweep equals the scalar estimate, row for row, to the byte."""
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from memplan.errors import MemplanError
 from memplan.inputs import build_jobs
@@ -29,6 +31,34 @@ def test_random_rows_equal_the_scalar_path(attention, device, optimizer_impl):
             (est.allocated_bytes, est.total_bytes, est.phase, est.fits)
 
 
+def _subset(values, max_size=2):
+    return st.lists(st.sampled_from(values), min_size=1, max_size=max_size, unique=True)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(params=_subset([1.3e9, 7e9, 30e9]), gpus=_subset([1, 2, 3, 8, 24, 64], 3), precision=st.sampled_from(PRECISIONS),
+       ac=st.sampled_from(["none", "selective", "full"]), micro_batch=_subset([1, 2, 5, 16]),
+       seq_len=_subset([128, 1000, 4096]), attention=st.sampled_from(["sdpa", "eager"]),
+       optimizer_impl=st.sampled_from(["foreach", "single", "fused"]), offload=st.sampled_from(["none", "optimizer"]))
+def test_every_cell_of_a_random_grid_equals_the_scalar_path(params, gpus, precision, ac, micro_batch, seq_len,
+                                                             attention, optimizer_impl, offload):
+    """Every cell, across GPU counts too: the sweep takes the token coefficients of a family from
+    its first GPU count, so a grid of several counts is where it could go wrong."""
+    held = dict(precision=precision, ac=ac, gpu="a100-80gb", attention=attention, optimizer_impl=optimizer_impl,
+                offload=offload)
+    try:
+        grid = sweep(params=params, gpus=gpus, micro_batch=micro_batch, seq_len=seq_len, **held)
+    except MemplanError as e:
+        assert "no strategy" in str(e)  # an offload that no strategy on these GPU counts runs
+        return
+    for row in grid.itertuples():
+        _, jobs = build_jobs(params=row.params, gpus=row.gpus, micro_batch=row.micro_batch, seq_len=row.seq_len,
+                             strategy=row.strategy, **held)
+        est = estimate(jobs[0])
+        assert (row.allocated_bytes, row.overhead_bytes, row.total_bytes, row.headroom_bytes, row.phase, row.fits) \
+            == (est.allocated_bytes, est.overhead_bytes, est.total_bytes, est.headroom_bytes, est.phase, est.fits)
+
+
 def test_grid_shape_and_fixed_arguments():
     grid = sweep(params=[7e9, 70e9], gpus=[8, 64], micro_batch=[1, 4], seq_len=[2048], gpu_mem=80)
     assert len(grid) == 2 * 2 * 8 * 2
@@ -50,3 +80,22 @@ def test_a_one_gpu_strategy_appears_only_on_one_gpu():
     assert sorted(zip(frame.gpus, frame.strategy)) == [(1, "ddp"), (1, "single"), (8, "ddp")]
     with pytest.raises(MemplanError, match=r"no strategy in \['single'\] runs on gpus=\[8\]"):
         sweep(params=[7e9], gpus=[8], strategy=["single"], gpu_mem=80)
+
+
+def test_a_family_whose_token_terms_move_with_the_gpu_count_is_solved_group_by_group(monkeypatch):
+    """Were activations to depend on the GPU count (tensor parallelism would), the check at a
+    family's last group fails and every group is solved on its own: here 64 GPUs add 64·b·s
+    bytes to every moment, which the shared coefficients of 8 GPUs cannot carry."""
+    import memplan.grid as grid
+
+    plain = sweep(params=[7e9], gpus=[8, 64], strategy=["zero3"], micro_batch=[1, 4], seq_len=[512, 2048])
+    moment_bytes = grid._moment_bytes
+
+    def shifted(job, b, s):
+        extra = job.cluster.gpus * b * s if job.cluster.gpus == 64 else 0
+        return [v + extra for v in moment_bytes(job, b, s)]
+
+    monkeypatch.setattr(grid, "_moment_bytes", shifted)
+    moved = sweep(params=[7e9], gpus=[8, 64], strategy=["zero3"], micro_batch=[1, 4], seq_len=[512, 2048])
+    extra = np.where(plain.gpus == 64, plain.gpus * plain.micro_batch * plain.seq_len, 0)
+    assert (moved.allocated_bytes == plain.allocated_bytes + extra).all()
