@@ -114,6 +114,7 @@ def deepspeed_defaults() -> dict[str, int]:
     return {row["key"]: int(row["value"]) for row in read_table("deepspeed.csv")}
 
 
+@cache
 def _settings(name: str) -> dict[str, float]:
     return {row["key"]: float(row["value"]) for row in read_table(name)}
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from .breakdown import Estimate
+from .catalog import decision_setting
 from .errors import MemplanError
 from .memory import estimate
 from .specs import Job, Plan
@@ -22,6 +23,10 @@ from .strategies import STRATEGIES
 
 MICRO_BATCH_LIMIT = 1_000_000  # TrainSpec refuses more
 GPU_LIMIT = 1_000_000  # ClusterSpec refuses more
+
+
+def _default_node() -> int:
+    return int(decision_setting("default_gpus_per_node"))
 
 
 def _first_true(pred, hi_limit: int) -> int | None:
@@ -82,7 +87,7 @@ def max_micro_batch(job: Job, *, limit: int = MICRO_BATCH_LIMIT,
 
 def gpu_counts(gpus_per_node: int = 0):
     """The i-th GPU count a search may propose: 1..node size, then whole nodes."""
-    node = gpus_per_node or 8
+    node = gpus_per_node or _default_node()
 
     def count(i: int) -> int:
         return i + 1 if i < node else node * (i - node + 2)
@@ -91,7 +96,7 @@ def gpu_counts(gpus_per_node: int = 0):
 
 def with_gpus(job: Job, gpus: int, gpus_per_node: int = 0) -> Job:
     """``job`` on ``gpus`` GPUs in nodes of ``gpus_per_node`` (0: 8), a partial node below that."""
-    cluster = replace(job.cluster, gpus=gpus, gpus_per_node=min(gpus, gpus_per_node or 8))
+    cluster = replace(job.cluster, gpus=gpus, gpus_per_node=min(gpus, gpus_per_node or _default_node()))
     return replace(job, cluster=cluster)
 
 

@@ -154,9 +154,10 @@ def rank(option: Option, priority: str) -> tuple:
     if priority == "simplicity":
         return (option.job.plan.offload != "none", simple, _AC_ORDER[option.job.train.activation_checkpointing],
                 speed, mem)
-    # within 3 significant figures: as fast; then an option with a safe margin, then the simpler
+    # equal to speed_significant_figures: as fast; then an option with a safe margin, then the simpler
     tight = option.headroom_bytes < default("safe_headroom_fraction") * option.usable_bytes
-    return (-float(f"{-speed:.3g}"), tight, simple, mem)
+    digits = int(catalog.decision_setting("speed_significant_figures"))
+    return (-float(f"{-speed:.{digits}g}"), tight, simple, mem)
 
 
 def ranked(options: list[Option], priority: str) -> list[Option]:
