@@ -8,11 +8,11 @@ import importlib.util
 import click
 
 from . import specs
-from .errors import MemplanError
+from .errors import FLAGS, MemplanError
 from .strategies import STRATEGIES
 
 
-class InputError(click.ClickException):
+class OneLineError(click.ClickException):
     """A bad value: one line on stderr, exit code 2, no traceback."""
 
     exit_code = 2
@@ -94,7 +94,6 @@ DECISION_OPTIONS = [
                       "(or --device cpu) if any; none: the analytic model alone. They move what fits and, "
                       "with measured step times, the predicted speed."),
 ]
-FIXABLE_FLAGS = ("strategy", "precision", "ac", "offload", "micro_batch")  # = api.FIXABLE
 
 
 def job_options(f):
@@ -105,26 +104,32 @@ def decision_options(f):
     return _apply(DECISION_OPTIONS)(f)
 
 
-def _explicit(flags: dict) -> dict:
-    """The flags for api.recommend: the fixable ones only where the user gave them."""
+def _request(flags: dict):
+    """The request the job flags describe (each flag is the input of the same name)."""
+    from .request import Request
+
+    return Request.of(**flags)
+
+
+def _fixed() -> tuple[str, ...]:
+    """The axes recommend keeps: the fixable flags the user gave."""
     from click.core import ParameterSource
 
+    from .api import FIXABLE
+
     ctx = click.get_current_context()
-    out = dict(flags)
-    for name in FIXABLE_FLAGS:
-        if ctx.get_parameter_source(name) in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
-            out[name] = None
-    return out
+    return tuple(a for a in FIXABLE
+                 if ctx.get_parameter_source(a) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP))
 
 
 def user_errors(f):
-    """Turn the library's MemplanError into a one-line click error."""
+    """Turn the library's MemplanError into a one-line click error naming the flags."""
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         try:
             return f(*args, **kwargs)
         except MemplanError as exc:
-            raise InputError(str(exc)) from None
+            raise OneLineError(exc.render(FLAGS)) from None
     return wrapper
 
 
@@ -183,22 +188,19 @@ def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
     """
     from . import api, report
 
-    choice, estimates = api.estimate_all(**flags)
-    applied = api.calibrated(estimates, calibration)
+    result = api.estimate(_request(flags), calibration=calibration, priority=priority, interconnect=interconnect,
+                          bw=bw, fixed=_fixed())
     if plot_path:
         from .plot import plot_breakdown
 
-        plot_breakdown(api.Result(choice=choice, estimates=tuple(estimates), applied=applied), plot_path)
+        plot_breakdown(result, plot_path)
+    estimates = list(result.estimates)
     if fmt == "csv":
-        click.echo(report.render_csv(estimates, applied), nl=False)
+        click.echo(report.render_csv(estimates, result.applied), nl=False)
         return
-    relative = api.relative_throughputs(estimates, interconnect=interconnect, bw=bw, calibration=calibration)
-    _, rec = api.recommend(priority=priority, interconnect=interconnect, bw=bw, calibration=calibration,
-                           **_explicit(flags))
-    if fmt == "json":
-        click.echo(report.render_json(choice, estimates, applied, relative, rec))
-    else:
-        click.echo(report.render_table(choice, estimates, applied, relative, rec))
+    render = report.render_json if fmt == "json" else report.render_table
+    click.echo(render(result.choice, estimates, result.applied, list(result.relative_throughputs),
+                      result.recommendation))
 
 
 @main.command()
@@ -221,8 +223,8 @@ def recommend(priority, interconnect, bw, calibration, emit, fmt, **flags):
     from . import api, report
     from .emit import emit as emit_text
 
-    choice, rec = api.recommend(priority=priority, interconnect=interconnect, bw=bw, calibration=calibration,
-                                **_explicit(flags))
+    choice, rec = api.recommend(_request(flags), priority=priority, interconnect=interconnect, bw=bw,
+                                calibration=calibration, fixed=_fixed())
     launch = emit_text(rec.best.job, emit) if emit and rec.best else None
     if emit and rec.best is None:
         raise MemplanError("nothing fits, so there is nothing to --emit; apply one of the changes listed "
@@ -239,7 +241,7 @@ def recommend(priority, interconnect, bw, calibration, emit, fmt, **flags):
 @click.option("--calibration", default="auto", show_default=True,
               help="Corrections from `memplan calibrate fit` (FILE), auto or none, as for estimate.")
 @user_errors
-def min_gpus(fmt, gpus, **flags):
+def min_gpus(fmt, gpus, gpus_per_node, calibration, **flags):
     """The fewest GPUs (1-8, then whole nodes of --gpus-per-node) on which some strategy fits.
 
     Example: memplan min-gpus --params 70e9 --gpu a100-80gb --ac full
@@ -248,7 +250,7 @@ def min_gpus(fmt, gpus, **flags):
 
     from . import api, report
 
-    choice, result = api.min_gpus(**flags)
+    choice, result = api.min_gpus(_request(flags), gpus_per_node=gpus_per_node, calibration=calibration)
     if fmt == "json":
         click.echo(json.dumps(report.min_gpus_dict(choice, result), indent=2))
     else:
@@ -264,8 +266,8 @@ def explain(**flags):
 
     if flags["strategy"] == "all":
         flags["strategy"] = "fsdp-full-shard"
-    choice, estimates = api.estimate_all(**flags)
-    click.echo(report.render_explain(choice, estimates[0]))
+    result = api.estimate(_request(flags), calibration=None)
+    click.echo(report.render_explain(result.choice, result.estimates[0]))
 
 
 if __name__ == "__main__":
