@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from .api import MODEL_INPUTS, takes_inputs
 from .errors import MemplanError
 from .inputs import build_jobs
 from .memory import estimate
@@ -64,6 +65,7 @@ def _group_rows(job: Job, b: np.ndarray, s: np.ndarray) -> dict[str, np.ndarray]
             "headroom_bytes": headroom, "fits": headroom >= 0, "phase": np.array(phases)[peak]}
 
 
+@takes_inputs(without=MODEL_INPUTS)
 def sweep(*, params=None, model=None, gpus=8, strategy="all", precision="mixed-bf16", ac="none",
           micro_batch=1, seq_len=2048, **fixed):
     """One row per configuration of the grid (pandas DataFrame).

@@ -167,7 +167,7 @@ def unknown_keyword(keyword: str, where: str, accepted: tuple[str, ...] = tuple(
     """Python's message for a keyword a function does not take, with the nearest accepted one."""
     import difflib
 
-    close = difflib.get_close_matches(keyword, accepted, n=1)
+    close = difflib.get_close_matches(keyword, accepted, n=1, cutoff=0.75)
     hint = f"did you mean {close[0]!r}?" if close else f"accepted: {', '.join(sorted(accepted))}"
     return UnknownKeywordError(f"{where} got an unexpected keyword argument {keyword!r}; {hint}",
                                keyword=keyword, accepted=accepted)
