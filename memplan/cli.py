@@ -9,6 +9,7 @@ import click
 
 from . import specs
 from .errors import FLAGS, MemplanError
+from .request import default
 from .strategies import STRATEGIES
 
 
@@ -45,31 +46,32 @@ MODEL_OPTIONS = [
     click.option("--kv-heads", type=int), click.option("--ffn", type=int), click.option("--vocab", type=int),
 ]
 TRAIN_OPTIONS = [
-    click.option("--seq-len", type=int, default=2048, show_default=True),
-    click.option("--micro-batch", type=MicroBatch(), default=1, show_default=True,
+    click.option("--seq-len", type=int, default=default("seq_len"), show_default=True),
+    click.option("--micro-batch", type=MicroBatch(), default=default("micro_batch"), show_default=True,
                  help="Sequences per GPU per forward, or max: the largest that fits."),
-    click.option("--grad-accum", type=int, default=1, show_default=True),
-    click.option("--precision", type=_choice(specs.PRECISIONS), default="mixed-bf16", show_default=True),
+    click.option("--grad-accum", type=int, default=default("grad_accum"), show_default=True),
+    click.option("--precision", type=_choice(specs.PRECISIONS), default=default("precision"), show_default=True),
     click.option("--reduce-dtype", type=_choice(specs.REDUCE_DTYPES), help="Gradient reduction dtype."),
-    click.option("--optimizer", type=_choice(specs.OPTIMIZERS), default="adamw", show_default=True),
+    click.option("--optimizer", type=_choice(specs.OPTIMIZERS), default=default("optimizer"), show_default=True),
     click.option("--optimizer-impl", type=_choice(specs.OPTIMIZER_IMPLS),
                  help="foreach | fused | single [default: foreach on cuda, single on cpu, as torch]"),
-    click.option("--ac", type=_choice(specs.AC_MODES), default="none", show_default=True,
+    click.option("--ac", type=_choice(specs.AC_MODES), default=default("ac"), show_default=True,
                  help="Activation checkpointing."),
-    click.option("--attention", type=_choice(specs.ATTENTIONS), default="sdpa", show_default=True),
-    click.option("--device", type=_choice(specs.DEVICES), default="cuda", show_default=True,
+    click.option("--attention", type=_choice(specs.ATTENTIONS), default=default("attention"), show_default=True),
+    click.option("--device", type=_choice(specs.DEVICES), default=default("device"), show_default=True,
                  help="cpu estimates what the same job allocates on CPU (no CUDA-side overhead)."),
 ]
 CLUSTER_OPTIONS = [
-    click.option("--gpus", type=int, default=1, show_default=True),
-    click.option("--gpus-per-node", type=int, default=0, help="[default: min(gpus, 8)]"),
+    click.option("--gpus", type=int, default=default("gpus"), show_default=True),
+    click.option("--gpus-per-node", type=int, default=default("gpus_per_node"), help="[default: min(gpus, 8)]"),
     click.option("--gpu-mem", help="GPU memory: GiB (80) or with a unit (80GB, 81559MiB)."),
     click.option("--gpu", help="A GPU from tables/gpus.csv (h100-sxm, a100-80gb, ...)."),
-    click.option("--headroom", type=float, default=0.05, show_default=True, help="Fraction of memory kept free."),
+    click.option("--headroom", type=float, default=default("headroom"), show_default=True,
+                 help="Fraction of memory kept free."),
 ]
 PLAN_OPTIONS = [
-    click.option("--strategy", type=_choice(("all", *STRATEGIES)), default="all", show_default=True),
-    click.option("--offload", type=_choice(specs.OFFLOADS), default="none", show_default=True),
+    click.option("--strategy", type=_choice(("all", *STRATEGIES)), default=default("strategy"), show_default=True),
+    click.option("--offload", type=_choice(specs.OFFLOADS), default=default("offload"), show_default=True),
 ]
 
 

@@ -1,6 +1,6 @@
 """What a user asks memplan about, as one typed value: the model, the training step, the cluster
 and the strategy. The CLI builds it from flags, the Python API from keywords; each part checks
-its own fields once, here (or in the spec it becomes), and holds the one set of defaults.
+its own fields once, here (or in the spec it becomes). Defaults are the specs' own.
 
 A new input is one field in its part (with its docstring) plus its check.
 """
@@ -11,7 +11,7 @@ from os import PathLike
 from typing import Any, Literal
 
 from .errors import InputError, UnknownKeywordError
-from .specs import OFFLOADS, ClusterSpec, ModelSpec, TrainSpec
+from .specs import OFFLOADS, ClusterSpec, ModelSpec, Plan, TrainSpec
 
 SHAPES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
 
@@ -73,25 +73,25 @@ class ModelRequest:
 class TrainingRequest:
     """One optimizer step: what each GPU processes and how (``TrainSpec`` checks the values)."""
 
-    seq_len: int = 2048
+    seq_len: int = TrainSpec.seq_len
     """Tokens per sequence."""
-    micro_batch: int | Literal["max"] = 1
+    micro_batch: int | Literal["max"] = TrainSpec.micro_batch
     """Sequences per GPU per forward, or ``"max"``: the largest that fits (per strategy)."""
-    grad_accum: int = 1
+    grad_accum: int = TrainSpec.grad_accum
     """Micro-batches per optimizer step."""
-    precision: str = "mixed-bf16"
+    precision: str = TrainSpec.precision
     """fp32 | amp-bf16 | amp-fp16 | mixed-bf16 | mixed-fp16 | bf16."""
     reduce_dtype: str | None = None
     """Gradient reduction dtype (fp32 | bf16 | fp16); None: the precision's compute dtype."""
-    optimizer: str = "adamw"
+    optimizer: str = TrainSpec.optimizer
     """adamw | adam | sgd | sgd-momentum | adam8bit."""
     optimizer_impl: str | None = None
     """foreach | fused | single; None: torch's default (foreach on cuda, single on cpu)."""
-    ac: str = "none"
+    ac: str = TrainSpec.activation_checkpointing
     """Activation checkpointing: none | selective | full."""
-    attention: str = "sdpa"
+    attention: str = TrainSpec.attention
     """sdpa | eager."""
-    device: str = "cuda"
+    device: str = TrainSpec.device
     """cuda, or cpu: what the same job allocates on CPU (no CUDA-side overhead)."""
 
     def __post_init__(self):
@@ -110,15 +110,15 @@ class TrainingRequest:
 class ClusterRequest:
     """The GPUs: how many, how grouped into nodes, which (or how much memory each has)."""
 
-    gpus: int = 1
+    gpus: int = ClusterSpec.gpus
     """GPUs in all."""
-    gpus_per_node: int = 0
+    gpus_per_node: int = ClusterSpec.gpus_per_node
     """0: min(gpus, 8)."""
     gpu_mem: float | str | None = None
     """Memory per GPU: GiB (``80``) or with a unit (``"80GB"``, ``"81559MiB"``); 80 GiB where neither this nor ``gpu``."""
     gpu: str | None = None
     """A GPU of tables/gpus.csv (``"h100-sxm"``): its memory, speed and links."""
-    headroom: float = 0.05
+    headroom: float = ClusterSpec.headroom
     """Fraction of each GPU's memory kept free."""
 
     def __post_init__(self):
@@ -134,7 +134,7 @@ class StrategyRequest:
 
     strategy: str = "all"
     """A strategy id of memplan.STRATEGIES, or all: every one that runs on the cluster with this offload."""
-    offload: str = "none"
+    offload: str = Plan.offload
     """none | optimizer | params | all: what lives in host RAM."""
 
     def __post_init__(self):
