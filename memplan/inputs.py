@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from . import catalog
 from .errors import InputError
-from .request import ModelRequest, Request
+from .request import SHAPES, ModelRequest, Request
 from .specs import ClusterSpec, Job, ModelSpec, Plan
 from .strategies import STRATEGIES, strategies_on
 from .units import parse_bytes, parse_count
@@ -39,11 +39,12 @@ def resolve_model(request: ModelRequest) -> ModelChoice:
 
 def _explicit_model(request: ModelRequest) -> ModelSpec:
     arch = request.arch or "llama"
+    shape = {k: getattr(request, k) for k in SHAPES}  # ModelRequest checked that all but kv_heads are given
     gpt2 = arch == "gpt2"
     return ModelSpec(
-        name=f"{arch}-custom", arch=arch, num_layers=request.layers, hidden=request.hidden,
-        num_heads=request.heads, num_kv_heads=request.kv_heads or 0, ffn_hidden=request.ffn,
-        vocab_size=request.vocab, tied_embeddings=gpt2, linear_bias=arch != "llama",
+        name=f"{arch}-custom", arch=arch, num_layers=shape["layers"], hidden=shape["hidden"],
+        num_heads=shape["heads"], num_kv_heads=shape["kv_heads"] or 0, ffn_hidden=shape["ffn"],
+        vocab_size=shape["vocab"], tied_embeddings=gpt2, linear_bias=arch != "llama",
         max_positions=1024 if gpt2 else 0,
     )
 

@@ -2,12 +2,13 @@
 and the strategy. The CLI builds it from flags, the Python API from keywords; each part checks
 its own fields once, here (or in the spec it becomes). Defaults are the specs' own.
 
-A new input is one field in its part (with its docstring) plus its check.
+A new input is one field in its part (with its docstring) plus its check; a training input is
+passed to the ``TrainSpec`` field of the same name.
 """
 from __future__ import annotations
 
-from dataclasses import MISSING, Field, dataclass, field, fields, replace
-from os import PathLike
+from dataclasses import Field, dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any, Literal
 
 from .errors import InputError, UnknownKeywordError
@@ -25,7 +26,7 @@ class ModelRequest:
     """Parameter count (``13e9``, ``"13B"``, ``"7.2b"``): a llama-style model of about that size."""
     model: str | ModelSpec | None = None
     """A preset of tables/models.csv (``"llama-2-13b"``), or a ``ModelSpec``."""
-    config: str | PathLike | dict | None = None
+    config: str | Path | dict | None = None
     """A Hugging Face config.json: its path, its folder, or the dict."""
     arch: str | None = None
     """Family of a model given by its shapes (llama | gpt2 | neox | vit); llama where only shapes are given."""
@@ -159,8 +160,8 @@ FIELDS = _fields()
 
 
 def default(keyword: str) -> Any:
-    f = FIELDS[keyword][1]
-    return f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+    """An input's default (every input has a plain one)."""
+    return FIELDS[keyword][1].default
 
 
 def unknown_keyword(keyword: str, where: str, accepted: tuple[str, ...] = tuple(FIELDS)) -> UnknownKeywordError:

@@ -31,8 +31,12 @@ def _check_positive(obj, *names):
     for name in names:
         value = getattr(obj, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise InputError(lambda n: f"{n.word(name)} must be a positive integer, got {value!r}", field=name,
-                             value=value, accepted="a positive integer")
+            raise _not_positive(name, value)
+
+
+def _not_positive(name: str, value) -> InputError:
+    return InputError(lambda n: f"{n.word(name)} must be a positive integer, got {value!r}", field=name, value=value,
+                      accepted="a positive integer")
 
 
 @dataclass(frozen=True, kw_only=True)

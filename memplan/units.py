@@ -28,7 +28,7 @@ def parse_bytes(text, *, what: str) -> int:
     """'80' (GiB), '80GB', '81559MiB', '40GiB' → bytes."""
     m = re.fullmatch(_NUMBER + r"\s*([a-z]*)", str(text).strip().lower())
     if not m or m.group(2) not in _BYTE_UNITS:
-        units = ", ".join(("GiB", "GB", "MiB", "MB", "TiB", "TB"))
+        units = "GiB, GB, MiB, MB, TiB, TB"
         raise InputError(lambda n: f"{n.word(what)} {text!r} is not a memory size; use GiB (80) or a unit: {units}",
                          field=what, value=text, accepted=f"GiB (80) or a unit: {units}")
     return positive_int(float(m.group(1)) * _BYTE_UNITS[m.group(2)], what=what)

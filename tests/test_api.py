@@ -103,7 +103,7 @@ def test_a_misspelt_keyword_is_named_not_taken_for_a_missing_model():
 def test_every_input_is_an_explicit_keyword_with_the_requests_default():
     for function in (memplan.estimate, memplan.recommend, memplan.min_gpus):
         params = inspect.signature(function).parameters
-        assert list(params)[0] == "request"
+        assert next(iter(params)) == "request"
         for keyword, (part, f) in FIELDS.items():
             if keyword in params:
                 assert params[keyword].kind is inspect.Parameter.KEYWORD_ONLY
@@ -138,14 +138,14 @@ def test_estimate_returns_what_the_command_renders():
 
 
 @pytest.mark.parametrize("inputs,field,python,flag", [
-    (dict(params=13e9, micro_batch=0), "micro_batch", "micro_batch must be", "micro-batch must be"),
-    (dict(params="zero"), "params", "params 'zero'", "params 'zero'"),
-    (dict(params=13e9, gpu_mem="eighty"), "gpu_mem", "gpu_mem 'eighty'", "gpu-mem 'eighty'"),
-    (dict(params=13e9, gpu="tpu-v9"), "gpu", "gpu 'tpu-v9' is not a known GPU", "--gpu 'tpu-v9'"),
-    (dict(params=13e9, gpu="v100-32gb"), "precision", "use precision fp32", "use --precision fp32"),
-    (dict(params=13e9, gpu="h100-sxm", gpu_mem=80), "gpu_mem", "give gpu NAME or gpu_mem SIZE", "give --gpu NAME"),
-    (dict(arch="llama", layers=4), "hidden", "arch llama needs hidden, heads", "--arch llama needs --hidden"),
-    (dict(params=13e9, model="gpt2"), "model", "(got params, model)", "(got --params, --model)"),
+    ({"params": 13e9, "micro_batch": 0}, "micro_batch", "micro_batch must be", "micro-batch must be"),
+    ({"params": "zero"}, "params", "params 'zero'", "params 'zero'"),
+    ({"params": 13e9, "gpu_mem": "eighty"}, "gpu_mem", "gpu_mem 'eighty'", "gpu-mem 'eighty'"),
+    ({"params": 13e9, "gpu": "tpu-v9"}, "gpu", "gpu 'tpu-v9' is not a known GPU", "--gpu 'tpu-v9'"),
+    ({"params": 13e9, "gpu": "v100-32gb"}, "precision", "use precision fp32", "use --precision fp32"),
+    ({"params": 13e9, "gpu": "h100-sxm", "gpu_mem": 80}, "gpu_mem", "give gpu NAME or gpu_mem SIZE", "give --gpu NAME"),
+    ({"arch": "llama", "layers": 4}, "hidden", "arch llama needs hidden, heads", "--arch llama needs --hidden"),
+    ({"params": 13e9, "model": "gpt2"}, "model", "(got params, model)", "(got --params, --model)"),
 ])
 def test_errors_name_the_keyword_in_python_and_the_flag_in_the_command(inputs, field, python, flag):
     with pytest.raises(InputError) as err:
