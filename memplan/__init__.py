@@ -3,11 +3,16 @@
     import memplan
     memplan.estimate(params=13e9, gpus=8, gpu_mem=80).to_frame()
     memplan.recommend(model="llama-2-70b", gpus=16, gpu="a100-80gb")
+    memplan.min_gpus(params=70e9, gpu="a100-80gb", ac="full")
     memplan.sweep(params=[7e9, 70e9], gpus=[8, 64], micro_batch=[1, 4], seq_len=[2048], gpu_mem=80)
     memplan.from_module(model, gpus=8, gpu="h100-sxm")
+    memplan.estimate(memplan.Request.of(params=13e9, gpus=8), calibration=None)
+
+Each takes a ``Request`` and/or its inputs as keywords (see memplan.request).
 """
-from .api import estimate, from_module, recommend
-from .errors import MemplanError
+from .api import Result, estimate, from_module, min_gpus, recommend
+from .errors import InputError, MemplanError, UnknownKeywordError
+from .request import ClusterRequest, ModelRequest, Request, StrategyRequest, TrainingRequest
 from .specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 from .strategies import STRATEGIES
 
@@ -25,5 +30,7 @@ def __getattr__(name):
     return getattr(importlib.import_module(f".{module}", __name__), attr)
 
 
-__all__ = ["estimate", "recommend", "sweep", "from_module", "plot_breakdown", "plot_fits", "plot_calibration",
-           "MemplanError", "ClusterSpec", "Job", "ModelSpec", "Plan", "TrainSpec", "STRATEGIES"]
+__all__ = ["estimate", "recommend", "min_gpus", "sweep", "from_module", "plot_breakdown", "plot_fits",
+           "plot_calibration", "Result", "Request", "ModelRequest", "TrainingRequest", "ClusterRequest",
+           "StrategyRequest", "MemplanError", "InputError", "UnknownKeywordError", "ClusterSpec", "Job", "ModelSpec",
+           "Plan", "TrainSpec", "STRATEGIES"]

@@ -1,115 +1,178 @@
-"""The Python API the CLI is a shell over: notebooks call these directly."""
+"""The Python API the CLI is a shell over: notebooks call these directly.
+
+Every function takes a ``memplan.Request``, its inputs by keyword, or both (the keywords change
+the request): ``memplan.estimate(params=13e9, gpus=8, gpu_mem=80)``. The input keywords are the
+fields of ``ModelRequest``, ``TrainingRequest``, ``ClusterRequest`` and ``StrategyRequest``, with
+their defaults; ``help(memplan.estimate)`` shows each function's whole signature.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import inspect
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from .breakdown import Estimate
-from .errors import MemplanError
 from .inputs import ModelChoice, build_jobs
 from .memory import estimate as estimate_job
+from .request import FIELDS, Request, default, unknown_keyword
 
 if TYPE_CHECKING:
+    from .calibration import Applied
     from .decide import Recommendation
+    from .search import MinGpus
+
+FIXABLE = ("strategy", "precision", "ac", "offload", "micro_batch")
+"""Inputs ``recommend`` keeps as given, searching the others."""
+MODEL_INPUTS = tuple(k for k, (part, _) in FIELDS.items() if part == "model")
 
 
-def estimate_all(**kwargs) -> tuple[ModelChoice, list[Estimate]]:
-    """Estimates for every strategy asked for (``strategy="all"`` by default).
+def takes_inputs(function=None, *, without: tuple[str, ...] = ()):
+    """Give ``function(..., **inputs)`` the signature it accepts: its own parameters, then every
+    input of a Request (but ``without``) as a keyword with its default. Calls are checked against
+    it, so a misspelt keyword is a TypeError that names it, and ``help()`` lists every input."""
+    if function is None:
+        return functools.partial(takes_inputs, without=without)
+    own = inspect.signature(function)
+    params = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    taken = {p.name for p in params} | set(without)
+    params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=default(k), annotation=f.type)
+               for k, (_, f) in FIELDS.items() if k not in taken]
+    signature = own.replace(parameters=params)
 
-    Accepts the CLI's options as keywords: ``params=13e9`` or ``model="llama-2-13b"`` or
-    ``config="config.json"`` or ``arch=... layers=... hidden=...``; ``gpus=8, gpu_mem=80``;
-    ``micro_batch="max"``: each strategy at the largest micro-batch that fits.
-    """
-    choice, jobs = _jobs(**kwargs)
-    return choice, [estimate_job(job) for job in jobs]
+    @functools.wraps(function)
+    def checked(*args, **kwargs):
+        for keyword in kwargs:
+            if keyword not in signature.parameters:
+                raise unknown_keyword(keyword, f"{function.__name__}()", tuple(signature.parameters))
+        signature.bind(*args, **kwargs)
+        return function(*args, **kwargs)
+
+    checked.__signature__ = signature  # type: ignore[attr-defined]
+    return checked
 
 
-def calibrated(estimates: list[Estimate], calibration: str | None = "auto"):
-    """The estimates with a calibration applied (``memplan.calibration.Applied``), or None where
-    none applies: ``auto`` takes the corrections shipped for the job's device."""
-    from .calibration import apply_all
+def check_keywords(kwargs: dict, *, extra: tuple[str, ...] = ()) -> None:
+    """A keyword that is no input of a Request (nor one of ``extra``) is an error, not ignored."""
+    accepted = (*FIELDS, *extra)
+    for keyword in kwargs:
+        if keyword not in accepted:
+            raise unknown_keyword(keyword, "sweep()", accepted)
 
-    return apply_all(estimates, calibration)
+
+def _fixed(request: Request, inputs: dict, fixed: Collection[str] | None) -> tuple[str, ...]:
+    """The axes to keep: as asked, or those given as keywords or, in the request, changed from the default."""
+    if fixed is not None:
+        return tuple(fixed)
+    values = request.inputs()
+    return tuple(a for a in FIXABLE if a in inputs or values[a] != default(a))
 
 
-def _jobs(micro_batch=1, **kwargs):
-    """build_jobs, with ``micro_batch="max"``: each strategy at the largest micro-batch that
-    fits (1 where none does)."""
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """How the recommendation is made: the settings of ``recommend`` besides the request."""
+
+    priority: str = "speed"
+    """speed | memory | simplicity: what it optimizes among the options that fit."""
+    interconnect: str | None = None
+    """nvlink | infiniband | ethernet | pcie between nodes (on one node: between GPUs); None: infiniband
+    across nodes, the GPU's own link within one."""
+    bw: float | None = None
+    """Bandwidth of that link in GB/s per direction (overrides the interconnect's table value)."""
+    calibration: str | None = "auto"
+    """Corrections file from ``memplan calibrate fit``; auto: those shipped for the GPU (or cpu); none or None."""
+    fixed: tuple[str, ...] = ()
+    """Axes of ``FIXABLE`` kept as the request has them; the others are searched."""
+    framework: str | None = None
+    """single | ddp | fsdp | deepspeed: search only that framework's strategies."""
+    strategies: tuple[str, ...] | None = None
+    """Search only these strategies (``memplan.emit.WRITES``: the ones a launch form writes)."""
+
+
+def _jobs(request: Request):
+    """build_jobs, with a micro-batch of ``"max"``: each strategy at the largest that fits (1 where none does)."""
     from . import search
 
-    if micro_batch != "max":
-        return build_jobs(micro_batch=micro_batch, **kwargs)
-    choice, jobs = build_jobs(micro_batch=1, **kwargs)
+    choice, jobs = build_jobs(request)
+    if request.training.micro_batch != "max":
+        return choice, jobs
     return choice, [job.with_(micro_batch=max(1, search.max_micro_batch(job))) for job in jobs]
 
 
-FIXABLE = ("strategy", "precision", "ac", "offload", "micro_batch")
-
-
-def recommend(*, priority: str = "speed", interconnect: str | None = None, bw: float | None = None,
-              calibration: str | None = "auto", framework: str | None = None,
-              strategies: tuple[str, ...] | None = None, **kwargs) -> tuple[ModelChoice, "Recommendation"]:
-    """The best option that fits, by ``priority`` (speed | memory | simplicity).
-
-    Takes estimate_all's keywords; every one of strategy, precision, ac, offload and micro_batch
-    that is passed (not None, strategy not "all") is kept fixed, the others are searched.
-    ``micro_batch="max"`` searches the largest micro-batch. ``interconnect`` (nvlink | infiniband
-    | ethernet | pcie) or ``bw`` (GB/s per direction) set the link between nodes. ``calibration``
-    as for ``estimate``: a calibrated total decides what fits, measured speed replaces the defaults.
-    ``framework`` (single | ddp | fsdp | deepspeed) searches only that framework's strategies,
-    ``strategies`` only those.
-    """
+def _recommend(request: Request, decision: Decision) -> tuple[ModelChoice, Recommendation]:
     from .decide import recommend_job
 
-    fixed = {axis: kwargs[axis] for axis in FIXABLE if kwargs.get(axis) is not None}
+    values = request.inputs()
+    fixed = {a: values.get(a) for a in (*[a for a in FIXABLE if a in decision.fixed],
+                                        *[a for a in decision.fixed if a not in FIXABLE])}
     if fixed.get("strategy") == "all":
         del fixed["strategy"]
     micro_batch_max = fixed.get("micro_batch") == "max"
     if micro_batch_max:
         del fixed["micro_batch"]
-    args = {k: v for k, v in kwargs.items() if v is not None and k != "micro_batch"}
-    choice, jobs = build_jobs(**args)
-    rec = recommend_job(jobs[0], fixed=fixed, priority=priority, interconnect=interconnect, bw_gbs=bw,
-                        micro_batch_max=micro_batch_max, calibration=calibration, framework=framework,
-                        strategies=strategies)
+    choice, jobs = build_jobs(request, micro_batch=1)
+    rec = recommend_job(jobs[0], fixed=fixed, priority=decision.priority, interconnect=decision.interconnect,
+                        bw_gbs=decision.bw, micro_batch_max=micro_batch_max, calibration=decision.calibration,
+                        framework=decision.framework, strategies=decision.strategies)
     return choice, rec
 
 
-def relative_throughputs(estimates: list[Estimate], *, interconnect: str | None = None,
-                         bw: float | None = None, calibration: str | None = "auto") -> list[float]:
-    """Each estimate's predicted tokens/s over DDP's at the same settings (of one job)."""
-    from .decide import basis_for
-    from .throughput import relative_to_ddp
+@takes_inputs
+def recommend(request: Request | None = None, /, *, priority: str = "speed", interconnect: str | None = None,
+              bw: float | None = None, calibration: str | None = "auto", fixed: Collection[str] | None = None,
+              framework: str | None = None, strategies: Collection[str] | None = None,
+              **inputs) -> tuple[ModelChoice, Recommendation]:
+    """The best option that fits, by ``priority`` (speed | memory | simplicity), why, what was
+    rejected, and which documented rules the arithmetic agrees with.
 
-    if not estimates:
-        return []
-    basis = basis_for(estimates[0].job, interconnect=interconnect, bw_gbs=bw, calibration=calibration)
-    return [relative_to_ddp(e.job, basis.step) for e in estimates]
+    ``fixed``: the axes of strategy, precision, ac, offload and micro_batch kept as given, the
+    others searched; by default those passed as keywords or, in ``request``, changed from their
+    defaults (a strategy of "all" is searched; a micro_batch of "max" searches the largest).
+    ``interconnect`` (nvlink | infiniband | ethernet | pcie) or ``bw`` (GB/s per direction) set the
+    link between nodes. ``calibration`` as for ``estimate``: a calibrated total decides what fits,
+    measured speed replaces the defaults. ``framework`` (single | ddp | fsdp | deepspeed) searches
+    only that framework's strategies, ``strategies`` only those.
+    """
+    request = Request.of(request, **inputs)
+    decision = Decision(priority=priority, interconnect=interconnect, bw=bw, calibration=calibration,
+                        fixed=_fixed(request, inputs, fixed), framework=framework,
+                        strategies=tuple(strategies) if strategies is not None else None)
+    return _recommend(request, decision)
 
 
-def min_gpus(*, strategy: str = "all", gpus_per_node: int = 0, calibration: str | None = "auto", **kwargs):
-    """Fewest GPUs on which some strategy (or the one given) fits: ``memplan.search.MinGpus``;
-    where a calibration applies (as for ``estimate``) its corrected totals decide."""
+@takes_inputs(without=("gpus",))
+def min_gpus(request: Request | None = None, /, *, calibration: str | None = "auto",
+             **inputs) -> tuple[ModelChoice, MinGpus]:
+    """Fewest GPUs (1-8, then whole nodes of ``gpus_per_node``) on which some strategy (or the one
+    given) fits: ``memplan.search.MinGpus``; where a calibration applies (as for ``estimate``) its
+    corrected totals decide. The request's own GPU count is not used."""
     from dataclasses import replace
 
     from .decide import basis_for
     from .search import min_gpus as search_min_gpus
 
-    kwargs.pop("gpus", None)
-    choice, jobs = _jobs(strategy=strategy, gpus=1, **kwargs)
+    per_node = inputs.pop("gpus_per_node", request.cluster.gpus_per_node if request else 0)
+    request = Request.of(request, **inputs, gpus=1, gpus_per_node=0)
+    choice, jobs = _jobs(request)
     basis = basis_for(jobs[0], calibration=calibration)
-    found = search_min_gpus(jobs[0], [j.plan.strategy for j in jobs], gpus_per_node=gpus_per_node, fits=basis.fits)
+    found = search_min_gpus(jobs[0], [j.plan.strategy for j in jobs], gpus_per_node=per_node, fits=basis.fits)
     return choice, replace(found, corrected=basis.corrected(found.estimate))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Result:
-    """What ``memplan.estimate`` returns: the model it understood, one estimate per strategy and,
-    where a calibration applies, the corrected totals."""
+    """What ``memplan.estimate`` returns, all that ``memplan estimate`` prints: the model it
+    understood, one estimate per strategy, the calibration applied (where one does), each
+    strategy's throughput relative to DDP and the recommendation (both computed when first read)."""
 
+    request: Request
     choice: ModelChoice
     estimates: tuple[Estimate, ...]
-    applied: "Applied | None" = None
+    applied: Applied | None = None
+    """The estimates with a calibration applied (``memplan.calibration.Applied``); None where none applies."""
+    decision: Decision = field(default_factory=Decision)
 
     def __getitem__(self, strategy: str) -> Estimate:
         for est in self.estimates:
@@ -117,6 +180,23 @@ class Result:
                 return est
         raise KeyError(f"{strategy!r} was not estimated; these were: "
                        + ", ".join(e.job.plan.strategy for e in self.estimates))
+
+    @cached_property
+    def relative_throughputs(self) -> tuple[float, ...]:
+        """Each estimate's predicted tokens/s over DDP's at the same settings."""
+        from .decide import basis_for
+        from .throughput import relative_to_ddp
+
+        if not self.estimates:
+            return ()
+        d = self.decision
+        basis = basis_for(self.estimates[0].job, interconnect=d.interconnect, bw_gbs=d.bw, calibration=d.calibration)
+        return tuple(relative_to_ddp(e.job, basis.step) for e in self.estimates)
+
+    @cached_property
+    def recommendation(self) -> Recommendation:
+        """``recommend``'s answer for the same request, with the axes of ``decision.fixed`` kept."""
+        return _recommend(self.request, self.decision)[1]
 
     def to_frame(self):
         """One row per strategy: bytes by component at the peak, allocated, overhead, total, fits."""
@@ -138,36 +218,39 @@ class Result:
         return pd.DataFrame(rows).set_index("strategy")
 
 
-def check_keywords(kwargs: dict, *, extra: tuple[str, ...] = ()) -> None:
-    """A keyword the CLI has no option for is an error, not silently ignored."""
-    import inspect
+@takes_inputs
+def estimate(request: Request | None = None, /, *, calibration: str | None = "auto", priority: str = "speed",
+             interconnect: str | None = None, bw: float | None = None, fixed: Collection[str] | None = None,
+             **inputs) -> Result:
+    """Estimates for every strategy asked for (``strategy="all"``: each that runs on the GPUs), as
+    ``memplan estimate`` prints them: ``memplan.estimate(params=13e9, gpus=8, gpu_mem=80)``.
 
-    from .inputs import ARCH_FLAGS
-
-    known = {*inspect.signature(build_jobs).parameters, "params", "model", "config", "arch", *ARCH_FLAGS, *extra}
-    known.discard("model_args")
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
-        raise MemplanError(f"unknown keyword {', '.join(map(repr, unknown))}; accepted: {', '.join(sorted(known))}")
-
-
-def estimate(*, calibration: str | None = "auto", **kwargs) -> Result:
-    """Estimates for every strategy asked for, as ``memplan estimate`` prints them.
-
-    ``memplan.estimate(params=13e9, gpus=8, gpu_mem=80)``; the model as ``params=``,
-    ``model="llama-2-13b"``, ``config="config.json"`` or a config dict, ``model=ModelSpec(...)``,
-    or ``arch=..., layers=..., hidden=...``; any CLI option as a keyword (``micro_batch=4``).
+    The model as ``params=``, ``model="llama-2-13b"`` or ``model=ModelSpec(...)``, ``config=`` (a
+    config.json path or dict), or ``arch=..., layers=..., hidden=...``; ``micro_batch="max"``: each
+    strategy at the largest micro-batch that fits. ``calibration``: a corrections file from
+    ``memplan calibrate fit``, ``"auto"`` (those shipped for the GPU, or cpu) or ``None``. The
+    recommendation of the result is ``recommend``'s with ``priority``, ``interconnect``, ``bw`` and
+    ``fixed`` as there.
     """
-    check_keywords(kwargs)
-    choice, estimates = estimate_all(**kwargs)
-    return Result(choice=choice, estimates=tuple(estimates), applied=calibrated(estimates, calibration))
+    from .calibration import apply_all
+
+    request = Request.of(request, **inputs)
+    choice, jobs = _jobs(request)
+    estimates = tuple(estimate_job(job) for job in jobs)
+    decision = Decision(priority=priority, interconnect=interconnect, bw=bw, calibration=calibration,
+                        fixed=_fixed(request, inputs, fixed))
+    return Result(request=request, choice=choice, estimates=estimates,
+                  applied=apply_all(list(estimates), calibration), decision=decision)
 
 
-def from_module(module, *, num_heads: int | None = None, arch: str | None = None, dropout: float | None = None,
-                name: str | None = None, **kwargs) -> Result:
-    """Estimate for a model object (an ``nn.Module`` or anything with ``named_parameters()``),
-    without importing torch: its exact parameter shapes, or its Hugging Face ``config``."""
+@takes_inputs(without=MODEL_INPUTS)
+def from_module(module, request: Request | None = None, /, *, num_heads: int | None = None, arch: str | None = None,
+                dropout: float | None = None, name: str | None = None, calibration: str | None = "auto",
+                **inputs) -> Result:
+    """``estimate`` for a model object (an ``nn.Module`` or anything with ``named_parameters()``),
+    without importing torch: its exact parameter shapes, or its Hugging Face ``config``.
+    ``num_heads``, ``arch``, ``dropout`` and ``name`` complete what the shapes do not tell."""
     from .module import spec_from_module
 
     spec = spec_from_module(module, num_heads=num_heads, arch=arch, dropout=dropout, name=name)
-    return estimate(model=spec, **kwargs)
+    return estimate(request, model=spec, calibration=calibration, **inputs)

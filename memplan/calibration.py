@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .breakdown import Component, Estimate, Fit
-from .errors import MemplanError
+from .errors import InputError
 
 GROUPS = {
     "states": (Component.PARAMS, Component.GRADIENTS, Component.OPTIMIZER),
@@ -148,10 +148,13 @@ def load(path: str | Path) -> Calibration:
         corrections = tuple(Correction(**{**c, "throughput": tuple(ThroughputFit(**t) for t in c.get("throughput", ()))})
                             for c in data["corrections"])
     except FileNotFoundError:
-        raise MemplanError(f"--calibration {str(path)!r}: no such file") from None
+        raise InputError(lambda n: f"{n('calibration')} {str(path)!r}: no such file", field="calibration",
+                         value=str(path), accepted="auto, none or a corrections file") from None
     except (ValueError, KeyError, TypeError) as exc:
-        raise MemplanError(f"--calibration {str(path)!r} is not a corrections file written by "
-                           f"`memplan calibrate fit` ({exc})") from None
+        detail = str(exc)  # exc is unbound after the except block; the message is rendered later
+        raise InputError(lambda n: f"{n('calibration')} {str(path)!r} is not a corrections file written by "
+                                   f"`memplan calibrate fit` ({detail})", field="calibration", value=str(path),
+                         accepted="auto, none or a corrections file") from None
     return Calibration(corrections=corrections, sources=tuple(data.get("sources", ())), path=str(path))
 
 

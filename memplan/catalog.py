@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from .errors import MemplanError
+from .errors import InputError, MemplanError
 from .precision import POLICIES
 from .specs import ModelSpec
 
@@ -49,7 +49,9 @@ class GpuSpec:
         compute = POLICIES[precision].compute_dtype
         peak = {"fp32": self.peak_fp32_flops, "bf16": self.peak_bf16_flops, "fp16": self.peak_fp16_flops}[compute]
         if peak is None:
-            raise MemplanError(f"{self.name} has no bf16 support; use --precision fp32, amp-fp16 or mixed-fp16")
+            raise InputError(lambda n: f"{self.name} has no bf16 support; use {n('precision')} fp32, amp-fp16 "
+                                       "or mixed-fp16", field="precision", value=precision,
+                             accepted="fp32, amp-fp16 or mixed-fp16")
         return peak
 
 
@@ -92,20 +94,21 @@ def published_params() -> dict[str, tuple[int, str]]:
     return {row["name"]: (int(row["published_params"]), row["source"]) for row in read_table("models.csv")}
 
 
-def _lookup(table: dict, name: str, what: str, flag: str, aliases=lambda v: ()):
+def _lookup(table: dict, name: str, what: str, keyword: str, aliases=lambda v: ()):
     key = str(name).strip().lower()
     for canonical, value in table.items():
         if key == canonical or key in aliases(value):
             return value
-    raise MemplanError(f"{flag} {name!r} is not a known {what}; known: {', '.join(table)}")
+    raise InputError(lambda n: f"{n(keyword)} {name!r} is not a known {what}; known: {', '.join(table)}",
+                     field=keyword, value=name, accepted=", ".join(table))
 
 
 def gpu(name: str) -> GpuSpec:
-    return _lookup(gpus(), name, "GPU", "--gpu", lambda g: g.aliases)
+    return _lookup(gpus(), name, "GPU", "gpu", lambda g: g.aliases)
 
 
 def model_preset(name: str) -> ModelSpec:
-    return _lookup(models(), name, "model preset", "--model")
+    return _lookup(models(), name, "model preset", "model")
 
 
 @cache

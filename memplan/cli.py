@@ -8,11 +8,12 @@ import importlib.util
 import click
 
 from . import specs
-from .errors import MemplanError
+from .errors import FLAGS, MemplanError
+from .request import default
 from .strategies import STRATEGIES
 
 
-class InputError(click.ClickException):
+class OneLineError(click.ClickException):
     """A bad value: one line on stderr, exit code 2, no traceback."""
 
     exit_code = 2
@@ -45,31 +46,32 @@ MODEL_OPTIONS = [
     click.option("--kv-heads", type=int), click.option("--ffn", type=int), click.option("--vocab", type=int),
 ]
 TRAIN_OPTIONS = [
-    click.option("--seq-len", type=int, default=2048, show_default=True),
-    click.option("--micro-batch", type=MicroBatch(), default=1, show_default=True,
+    click.option("--seq-len", type=int, default=default("seq_len"), show_default=True),
+    click.option("--micro-batch", type=MicroBatch(), default=default("micro_batch"), show_default=True,
                  help="Sequences per GPU per forward, or max: the largest that fits."),
-    click.option("--grad-accum", type=int, default=1, show_default=True),
-    click.option("--precision", type=_choice(specs.PRECISIONS), default="mixed-bf16", show_default=True),
+    click.option("--grad-accum", type=int, default=default("grad_accum"), show_default=True),
+    click.option("--precision", type=_choice(specs.PRECISIONS), default=default("precision"), show_default=True),
     click.option("--reduce-dtype", type=_choice(specs.REDUCE_DTYPES), help="Gradient reduction dtype."),
-    click.option("--optimizer", type=_choice(specs.OPTIMIZERS), default="adamw", show_default=True),
+    click.option("--optimizer", type=_choice(specs.OPTIMIZERS), default=default("optimizer"), show_default=True),
     click.option("--optimizer-impl", type=_choice(specs.OPTIMIZER_IMPLS),
                  help="foreach | fused | single [default: foreach on cuda, single on cpu, as torch]"),
-    click.option("--ac", type=_choice(specs.AC_MODES), default="none", show_default=True,
+    click.option("--ac", type=_choice(specs.AC_MODES), default=default("ac"), show_default=True,
                  help="Activation checkpointing."),
-    click.option("--attention", type=_choice(specs.ATTENTIONS), default="sdpa", show_default=True),
-    click.option("--device", type=_choice(specs.DEVICES), default="cuda", show_default=True,
+    click.option("--attention", type=_choice(specs.ATTENTIONS), default=default("attention"), show_default=True),
+    click.option("--device", type=_choice(specs.DEVICES), default=default("device"), show_default=True,
                  help="cpu estimates what the same job allocates on CPU (no CUDA-side overhead)."),
 ]
 CLUSTER_OPTIONS = [
-    click.option("--gpus", type=int, default=1, show_default=True),
-    click.option("--gpus-per-node", type=int, default=0, help="[default: min(gpus, 8)]"),
+    click.option("--gpus", type=int, default=default("gpus"), show_default=True),
+    click.option("--gpus-per-node", type=int, default=default("gpus_per_node"), help="[default: min(gpus, 8)]"),
     click.option("--gpu-mem", help="GPU memory: GiB (80) or with a unit (80GB, 81559MiB)."),
     click.option("--gpu", help="A GPU from tables/gpus.csv (h100-sxm, a100-80gb, ...)."),
-    click.option("--headroom", type=float, default=0.05, show_default=True, help="Fraction of memory kept free."),
+    click.option("--headroom", type=float, default=default("headroom"), show_default=True,
+                 help="Fraction of memory kept free."),
 ]
 PLAN_OPTIONS = [
-    click.option("--strategy", type=_choice(("all", *STRATEGIES)), default="all", show_default=True),
-    click.option("--offload", type=_choice(specs.OFFLOADS), default="none", show_default=True),
+    click.option("--strategy", type=_choice(("all", *STRATEGIES)), default=default("strategy"), show_default=True),
+    click.option("--offload", type=_choice(specs.OFFLOADS), default=default("offload"), show_default=True),
 ]
 
 
@@ -94,7 +96,6 @@ DECISION_OPTIONS = [
                       "(or --device cpu) if any; none: the analytic model alone. They move what fits and, "
                       "with measured step times, the predicted speed."),
 ]
-FIXABLE_FLAGS = ("strategy", "precision", "ac", "offload", "micro_batch")  # = api.FIXABLE
 
 
 def job_options(f):
@@ -105,26 +106,32 @@ def decision_options(f):
     return _apply(DECISION_OPTIONS)(f)
 
 
-def _explicit(flags: dict) -> dict:
-    """The flags for api.recommend: the fixable ones only where the user gave them."""
+def _request(flags: dict):
+    """The request the job flags describe (each flag is the input of the same name)."""
+    from .request import Request
+
+    return Request.of(**flags)
+
+
+def _fixed() -> tuple[str, ...]:
+    """The axes recommend keeps: the fixable flags the user gave."""
     from click.core import ParameterSource
 
+    from .api import FIXABLE
+
     ctx = click.get_current_context()
-    out = dict(flags)
-    for name in FIXABLE_FLAGS:
-        if ctx.get_parameter_source(name) in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
-            out[name] = None
-    return out
+    return tuple(a for a in FIXABLE
+                 if ctx.get_parameter_source(a) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP))
 
 
 def user_errors(f):
-    """Turn the library's MemplanError into a one-line click error."""
+    """Turn the library's MemplanError into a one-line click error naming the flags."""
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         try:
             return f(*args, **kwargs)
         except MemplanError as exc:
-            raise InputError(str(exc)) from None
+            raise OneLineError(exc.render(FLAGS)) from None
     return wrapper
 
 
@@ -183,22 +190,19 @@ def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
     """
     from . import api, report
 
-    choice, estimates = api.estimate_all(**flags)
-    applied = api.calibrated(estimates, calibration)
+    result = api.estimate(_request(flags), calibration=calibration, priority=priority, interconnect=interconnect,
+                          bw=bw, fixed=_fixed())
     if plot_path:
         from .plot import plot_breakdown
 
-        plot_breakdown(api.Result(choice=choice, estimates=tuple(estimates), applied=applied), plot_path)
+        plot_breakdown(result, plot_path)
+    estimates = list(result.estimates)
     if fmt == "csv":
-        click.echo(report.render_csv(estimates, applied), nl=False)
+        click.echo(report.render_csv(estimates, result.applied), nl=False)
         return
-    relative = api.relative_throughputs(estimates, interconnect=interconnect, bw=bw, calibration=calibration)
-    _, rec = api.recommend(priority=priority, interconnect=interconnect, bw=bw, calibration=calibration,
-                           **_explicit(flags))
-    if fmt == "json":
-        click.echo(report.render_json(choice, estimates, applied, relative, rec))
-    else:
-        click.echo(report.render_table(choice, estimates, applied, relative, rec))
+    render = report.render_json if fmt == "json" else report.render_table
+    click.echo(render(result.choice, estimates, result.applied, list(result.relative_throughputs),
+                      result.recommendation))
 
 
 @main.command()
@@ -228,8 +232,8 @@ def recommend(priority, interconnect, bw, calibration, emit, framework, fmt, **f
 
     writes = WRITES.get(emit)  # --emit fsdp2 | fsdp1 | deepspeed: search only what it writes
     source = ", ".join([f"--framework {framework}"] * bool(framework) + [f"--emit {emit}"] * bool(writes)) or None
-    choice, rec = api.recommend(priority=priority, interconnect=interconnect, bw=bw, calibration=calibration,
-                                framework=framework, strategies=writes, **_explicit(flags))
+    choice, rec = api.recommend(_request(flags), priority=priority, interconnect=interconnect, bw=bw,
+                                calibration=calibration, fixed=_fixed(), framework=framework, strategies=writes)
     launch = emit_text(rec.best.job, emit) if emit and rec.best else None
     if emit and rec.best is None:
         raise MemplanError("nothing fits, so there is nothing to --emit; apply one of the changes listed "
@@ -246,7 +250,7 @@ def recommend(priority, interconnect, bw, calibration, emit, framework, fmt, **f
 @click.option("--calibration", default="auto", show_default=True,
               help="Corrections from `memplan calibrate fit` (FILE), auto or none, as for estimate.")
 @user_errors
-def min_gpus(fmt, gpus, **flags):
+def min_gpus(fmt, gpus, gpus_per_node, calibration, **flags):
     """The fewest GPUs (1-8, then whole nodes of --gpus-per-node) on which some strategy fits.
 
     Example: memplan min-gpus --params 70e9 --gpu a100-80gb --ac full
@@ -255,7 +259,7 @@ def min_gpus(fmt, gpus, **flags):
 
     from . import api, report
 
-    choice, result = api.min_gpus(**flags)
+    choice, result = api.min_gpus(_request(flags), gpus_per_node=gpus_per_node, calibration=calibration)
     if fmt == "json":
         click.echo(json.dumps(report.min_gpus_dict(choice, result), indent=2))
     else:
@@ -271,8 +275,8 @@ def explain(**flags):
 
     if flags["strategy"] == "all":
         flags["strategy"] = "fsdp-full-shard"
-    choice, estimates = api.estimate_all(**flags)
-    click.echo(report.render_explain(choice, estimates[0]))
+    result = api.estimate(_request(flags), calibration=None)
+    click.echo(report.render_explain(result.choice, result.estimates[0]))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from .api import MODEL_INPUTS, takes_inputs
 from .errors import MemplanError
 from .inputs import build_jobs
 from .memory import estimate
@@ -85,6 +86,7 @@ def _group_rows(job: Job, coef: np.ndarray, phases: np.ndarray, basis: np.ndarra
             "headroom_bytes": headroom, "fits": headroom >= 0, "phase": phases[peak]}
 
 
+@takes_inputs(without=MODEL_INPUTS)
 def sweep(*, params=None, model=None, gpus=8, strategy="all", precision="mixed-bf16", ac="none",
           micro_batch=1, seq_len=2048, **fixed):
     """One row per configuration of the grid (pandas DataFrame).

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from .errors import MemplanError
+from .errors import InputError, MemplanError
 
 ARCHS = ("llama", "gpt2", "neox", "vit")
 ACTIVATIONS = ("silu", "gelu", "gelu_new")
@@ -31,7 +31,12 @@ def _check_positive(obj, *names):
     for name in names:
         value = getattr(obj, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise MemplanError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            raise _not_positive(name, value)
+
+
+def _not_positive(name: str, value) -> InputError:
+    return InputError(lambda n: f"{n.word(name)} must be a positive integer, got {value!r}", field=name, value=value,
+                      accepted="a positive integer")
 
 
 def _square_grid_plus_one(n: int) -> bool:
@@ -88,7 +93,8 @@ class ModelSpec:
         if self.hidden % self.num_heads:
             raise MemplanError(f"hidden {self.hidden} is not divisible by heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
-            raise MemplanError(f"heads {self.num_heads} is not divisible by kv-heads {self.num_kv_heads}")
+            raise MemplanError(lambda n: f"heads {self.num_heads} is not divisible by {n.word('kv_heads')} "
+                                         f"{self.num_kv_heads}")
         if self.arch == "vit" and not _square_grid_plus_one(self.max_positions):
             raise MemplanError(f"vit max_positions must be its patch count + 1 over a square patch grid "
                                f"(197 = 14² + 1 for 224-pixel images in 16-pixel patches), got {self.max_positions}")
@@ -196,10 +202,8 @@ class TrainSpec:
             object.__setattr__(self, "optimizer_impl", "foreach" if self.device == "cuda" else "single")
         _check_choice(self.optimizer_impl, OPTIMIZER_IMPLS, "optimizer implementation")
         if self.seq_len > 10_000_000 or self.micro_batch > 1_000_000:
-            raise MemplanError(
-                f"seq-len {self.seq_len} or micro-batch {self.micro_batch} is absurd; "
-                "seq-len ≤ 1e7, micro-batch ≤ 1e6"
-            )
+            raise MemplanError(lambda n: f"{n.word('seq_len')} {self.seq_len} or {n.word('micro_batch')} "
+                               f"{self.micro_batch} is absurd; {n.word('seq_len')} ≤ 1e7, {n.word('micro_batch')} ≤ 1e6")
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -226,9 +230,8 @@ class ClusterSpec:
             object.__setattr__(self, "gpus_per_node", min(self.gpus, 8))
         _check_positive(self, "gpus_per_node")
         if self.gpus % self.gpus_per_node:
-            raise MemplanError(
-                f"gpus {self.gpus} is not a multiple of gpus-per-node {self.gpus_per_node}"
-            )
+            raise MemplanError(lambda n: f"gpus {self.gpus} is not a multiple of {n.word('gpus_per_node')} "
+                                         f"{self.gpus_per_node}")
         if not (isinstance(self.headroom, (int, float)) and 0.0 <= self.headroom < 1.0) or math.isnan(self.headroom):
             raise MemplanError(f"headroom must be a fraction in [0, 1), got {self.headroom!r}")
 

@@ -2,7 +2,7 @@
 import math
 import re
 
-from .errors import MemplanError
+from .errors import InputError
 
 GIB = 2**30
 
@@ -18,7 +18,8 @@ def parse_count(text, *, what: str) -> int:
     """'13e9', '13B', '7.2b', '350M', 125000000 → a positive integer count."""
     m = re.fullmatch(_NUMBER + r"\s*([kmbt]?)", str(text).strip().lower())
     if not m:
-        raise MemplanError(f"{what} {text!r} is not a count; use e.g. 13e9, 13B, 7.2b or 350M")
+        raise InputError(lambda n: f"{n.word(what)} {text!r} is not a count; use e.g. 13e9, 13B, 7.2b or 350M",
+                         field=what, value=text, accepted="a count: 13e9, 13B, 7.2b or 350M")
     value = float(m.group(1)) * _COUNT_SUFFIXES[m.group(2)]
     return positive_int(value, what=what)
 
@@ -27,10 +28,9 @@ def parse_bytes(text, *, what: str) -> int:
     """'80' (GiB), '80GB', '81559MiB', '40GiB' → bytes."""
     m = re.fullmatch(_NUMBER + r"\s*([a-z]*)", str(text).strip().lower())
     if not m or m.group(2) not in _BYTE_UNITS:
-        raise MemplanError(
-            f"{what} {text!r} is not a memory size; use GiB (80) or a unit: "
-            + ", ".join(u for u in ("GiB", "GB", "MiB", "MB", "TiB", "TB"))
-        )
+        units = "GiB, GB, MiB, MB, TiB, TB"
+        raise InputError(lambda n: f"{n.word(what)} {text!r} is not a memory size; use GiB (80) or a unit: {units}",
+                         field=what, value=text, accepted=f"GiB (80) or a unit: {units}")
     return positive_int(float(m.group(1)) * _BYTE_UNITS[m.group(2)], what=what)
 
 
@@ -38,11 +38,14 @@ def positive_int(value, *, what: str, maximum: float = 1e18) -> int:
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise MemplanError(f"{what} {value!r} is not a number") from None
+        raise InputError(lambda n: f"{n.word(what)} {value!r} is not a number", field=what, value=value,
+                         accepted="a number") from None
     if not math.isfinite(number) or number <= 0 or number > maximum:
-        raise MemplanError(f"{what} must be a positive number below {maximum:.0e}, got {value!r}")
+        raise InputError(lambda n: f"{n.word(what)} must be a positive number below {maximum:.0e}, got {value!r}",
+                         field=what, value=value, accepted=f"a positive number below {maximum:.0e}")
     if number != int(number) and number < 1e6:
-        raise MemplanError(f"{what} must be a whole number, got {value!r}")
+        raise InputError(lambda n: f"{n.word(what)} must be a whole number, got {value!r}", field=what, value=value,
+                         accepted="a whole number")
     return int(round(number))
 
 

@@ -1,4 +1,5 @@
 """memplan.estimate / from_module / sweep as a notebook calls them: same inputs as the CLI."""
+import inspect
 import json
 import subprocess
 import sys
@@ -6,9 +7,10 @@ import sys
 import pytest
 
 import memplan
-from memplan.errors import MemplanError
+from memplan.errors import FLAGS, InputError, MemplanError
 from memplan.inputs import build_jobs
 from memplan.memory import estimate as estimate_job
+from memplan.request import FIELDS, PARTS, ModelRequest, Request
 
 COLUMNS = ["precision", "activation_checkpointing", "offload", "micro_batch", "phase", "fits", "headroom_bytes",
            "params_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes",
@@ -79,13 +81,83 @@ def test_from_module_reads_shapes_without_torch():
 
 
 def test_bad_input_is_one_line_naming_the_value():
-    with pytest.raises(MemplanError, match="'bogus'.*accepted:") as err:
+    with pytest.raises(TypeError, match="estimate\\(\\) got an unexpected keyword argument 'bogus'") as err:
         memplan.estimate(params=7e9, bogus=1)
-    assert "\n" not in str(err.value)
-    with pytest.raises(MemplanError, match="'zero9'"):
+    assert "\n" not in str(err.value) and isinstance(err.value, MemplanError)
+    with pytest.raises(InputError, match="'zero9'") as err:
         memplan.estimate(params=7e9, strategy="zero9")
+    assert (err.value.field, err.value.value) == ("strategy", "zero9") and "zero3" in err.value.accepted
     with pytest.raises(MemplanError, match="'bogus'"):
         memplan.sweep(params=[7e9], bogus=1)
+
+
+def test_a_misspelt_keyword_is_named_not_taken_for_a_missing_model():
+    """Bug 1: recommend(model="gpt2", micro_bach=4) said "give exactly one model source"."""
+    for function in (memplan.recommend, memplan.estimate, memplan.min_gpus):
+        with pytest.raises(TypeError, match="unexpected keyword argument 'micro_bach'; did you mean 'micro_batch'") \
+                as err:
+            function(model="gpt2", micro_bach=4)
+        assert err.value.keyword == "micro_bach" and "model source" not in str(err.value)
+
+
+def test_every_input_is_an_explicit_keyword_with_the_requests_default():
+    for function in (memplan.estimate, memplan.recommend, memplan.min_gpus):
+        params = inspect.signature(function).parameters
+        assert next(iter(params)) == "request"
+        for keyword, (part, f) in FIELDS.items():
+            if keyword in params:
+                assert params[keyword].kind is inspect.Parameter.KEYWORD_ONLY
+                assert params[keyword].default == (None if part == "model" else getattr(PARTS[part](), keyword))
+    assert "gpus" not in inspect.signature(memplan.min_gpus).parameters  # searched, not given
+    assert not set(FIELDS) - set(inspect.signature(memplan.estimate).parameters)
+    assert "params" not in inspect.signature(memplan.from_module).parameters  # the module is the model
+
+
+def test_a_request_object_and_keywords_agree():
+    request = Request.of(model="llama-2-7b", gpus=8, micro_batch=2, strategy="zero2")
+    by_request = memplan.estimate(request, calibration=None)
+    by_keywords = memplan.estimate(model="llama-2-7b", gpus=8, micro_batch=2, strategy="zero2", calibration=None)
+    assert by_request.estimates == by_keywords.estimates and by_request.request == by_keywords.request
+    over = memplan.estimate(request, gpus=16, calibration=None)  # keywords change the request
+    assert over.request == request.with_(gpus=16) and over.estimates[0].job.cluster.gpus == 16
+    assert memplan.estimate(request, params=13e9).request.model == ModelRequest(params=13e9)  # a new model source
+
+
+def test_estimate_returns_what_the_command_renders():
+    """Relative throughputs and the recommendation are the separate calls' answers."""
+    from memplan.calibration import apply_all
+    from memplan.decide import basis_for
+    from memplan.throughput import relative_to_ddp
+
+    result = memplan.estimate(params=7e9, gpus=8, device="cpu", ac="full")
+    basis = basis_for(result.estimates[0].job, calibration="auto")
+    assert result.relative_throughputs == tuple(relative_to_ddp(e.job, basis.step) for e in result.estimates)
+    _, rec = memplan.recommend(params=7e9, gpus=8, device="cpu", ac="full")
+    assert result.recommendation == rec and result.decision.fixed == ("ac",)
+    assert result.applied == apply_all(list(result.estimates), "auto") and result.applied is not None
+
+
+@pytest.mark.parametrize("inputs,field,python,flag", [
+    ({"params": 13e9, "micro_batch": 0}, "micro_batch", "micro_batch must be", "micro-batch must be"),
+    ({"params": "zero"}, "params", "params 'zero'", "params 'zero'"),
+    ({"params": 13e9, "gpu_mem": "eighty"}, "gpu_mem", "gpu_mem 'eighty'", "gpu-mem 'eighty'"),
+    ({"params": 13e9, "gpu": "tpu-v9"}, "gpu", "gpu 'tpu-v9' is not a known GPU", "--gpu 'tpu-v9'"),
+    ({"params": 13e9, "gpu": "v100-32gb"}, "precision", "use precision fp32", "use --precision fp32"),
+    ({"params": 13e9, "gpu": "h100-sxm", "gpu_mem": 80}, "gpu_mem", "give gpu NAME or gpu_mem SIZE", "give --gpu NAME"),
+    ({"arch": "llama", "layers": 4}, "hidden", "arch llama needs hidden, heads", "--arch llama needs --hidden"),
+    ({"params": 13e9, "model": "gpt2"}, "model", "(got params, model)", "(got --params, --model)"),
+])
+def test_errors_name_the_keyword_in_python_and_the_flag_in_the_command(inputs, field, python, flag):
+    with pytest.raises(InputError) as err:
+        memplan.estimate(**inputs)
+    assert err.value.field == field and python in str(err.value) and "--" not in str(err.value)
+    assert flag in err.value.render(FLAGS)
+
+
+def test_min_gpus_searches_whole_nodes_of_gpus_per_node():
+    _, per_node = memplan.min_gpus(params=70e9, gpu="a100-80gb", gpus_per_node=4, calibration=None)
+    _, default = memplan.min_gpus(params=70e9, gpu="a100-80gb", calibration=None)
+    assert per_node.gpus % 4 == 0 and default.gpus % 8 == 0 and per_node.gpus != default.gpus
 
 
 def test_exports_and_import_stays_torch_free():

@@ -3,7 +3,7 @@ import pytest
 
 from calibrate import fit as fitting
 from memplan import calibration as cal
-from memplan.api import estimate_all
+from memplan.api import estimate
 from memplan.errors import MemplanError
 
 
@@ -51,7 +51,7 @@ def test_one_correction_per_device_and_torch_version():
 
 
 def test_apply_corrects_every_moment_and_carries_a_band(tmp_path):
-    _, [est] = estimate_all(model="gpt2", gpus=2, strategy="ddp", precision="fp32")
+    [est] = estimate(model="gpt2", gpus=2, strategy="ddp", precision="fp32", calibration=None).estimates
     double = cal.Correction(device="cpu", torch_version="2.13.0", scales={"states": 1.0, "activations": 2.0,
                             "buffers": 1.0}, offset_bytes=1000, residual_pct=2.0, num_records=9,
                             before_median_abs_pct=5.0, after_median_abs_pct=1.0)

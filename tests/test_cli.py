@@ -124,3 +124,16 @@ def test_the_table_names_rows_whose_framework_has_no_built_in_form_of_the_precis
     assert "zero1, zero2 and zero3 have no built-in amp-bf16" in amp.output
     fsdp = run("estimate", "--params", "1e9", "--gpus", "8", "--gpu-mem", "80", "--strategy", "fsdp-full-shard")
     assert "built-in" not in fsdp.output
+
+
+def test_the_command_prints_what_memplan_estimate_returns():
+    """One API call per command: flags given explicitly are the axes the recommendation keeps."""
+    import memplan
+    from memplan import report
+
+    result = memplan.estimate(model="llama-2-7b", gpus=8, gpu="a100-80gb", ac="full")
+    printed = run("estimate", "--model", "llama-2-7b", "--gpus", "8", "--gpu", "a100-80gb", "--ac", "full",
+                  "--format", "json")
+    assert result.decision.fixed == ("ac",)
+    assert printed.output == report.render_json(result.choice, list(result.estimates), result.applied,
+                                                list(result.relative_throughputs), result.recommendation) + "\n"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from memplan.api import estimate_all
+from memplan.api import estimate
 from memplan.units import GIB
 
 CSV = Path(__file__).resolve().parents[2] / "shared" / "published" / "measured_memory.csv"
@@ -46,7 +46,7 @@ def test_estimate_against_published_peak(source, strategy, flags):
     for row in matching(published_rows(), source, strategy):
         trust = row["notes"].split(".")[0].removeprefix("trust:")
         measured = float(row["measured_gib"]) * GIB
-        _, [est] = estimate_all(**flags)
+        [est] = estimate(**flags, calibration=None).estimates
         assert est.job.model.num_params == int(row["params"])
         # max_reserved includes the allocator's slack; max_allocated is tensor bytes alone
         predicted = est.allocated_bytes * (1.1 if "reserved" in row["measure_kind"] else 1.0)

@@ -1,0 +1,217 @@
+"""What a user asks memplan about, as one typed value: the model, the training step, the cluster
+and the strategy. The CLI builds it from flags, the Python API from keywords; each part checks
+its own fields once, here (or in the spec it becomes). Defaults are the specs' own.
+
+A new input is one field in its part (with its docstring) plus its check; a training input is
+passed to the ``TrainSpec`` field of the same name.
+"""
+from __future__ import annotations
+
+from dataclasses import Field, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from .errors import InputError, UnknownKeywordError
+from .specs import OFFLOADS, ClusterSpec, ModelSpec, Plan, TrainSpec
+
+SHAPES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelRequest:
+    """The model, named exactly one way: a parameter count, a preset or ``ModelSpec``, a Hugging
+    Face config, or an architecture with its shapes."""
+
+    params: float | str | None = None
+    """Parameter count (``13e9``, ``"13B"``, ``"7.2b"``): a llama-style model of about that size."""
+    model: str | ModelSpec | None = None
+    """A preset of tables/models.csv (``"llama-2-13b"``), or a ``ModelSpec``."""
+    config: str | Path | dict | None = None
+    """A Hugging Face config.json: its path, its folder, or the dict."""
+    arch: str | None = None
+    """Family of a model given by its shapes (llama | gpt2 | neox | vit); llama where only shapes are given."""
+    layers: int | None = None
+    """Transformer blocks (with ``arch``)."""
+    hidden: int | None = None
+    """Hidden size (with ``arch``)."""
+    heads: int | None = None
+    """Attention heads (with ``arch``)."""
+    kv_heads: int | None = None
+    """Key/value heads (with ``arch``); as many as ``heads`` where not given."""
+    ffn: int | None = None
+    """MLP hidden size (with ``arch``)."""
+    vocab: int | None = None
+    """Vocabulary size, or classes of a vit head (with ``arch``)."""
+
+    def __post_init__(self):
+        given = self.sources()
+        if len(given) != 1:
+            raise InputError(lambda n: f"give exactly one model source: {n('params')} N, {n('model')} NAME, "
+                                       f"{n('config')} PATH or {n('arch')} with shapes"
+                                       + (f" (got {', '.join(n(k) for k in given)})" if given else ""),
+                             field="model", value=given, accepted="one of params, model, config, arch with shapes")
+        if given == ["params"]:
+            from .units import parse_count
+
+            parse_count(self.params, what="params")
+        missing = self.missing_shapes() if given == ["arch"] else []
+        if missing:
+            raise InputError(lambda n: f"{n('arch')} {self.arch or 'llama'} needs {', '.join(n(k) for k in missing)}",
+                             field=missing[0], value=None, accepted="a positive integer")
+
+    def sources(self) -> list[str]:
+        """The ways the model was named: params, model, config, arch (shapes count as arch)."""
+        given = [k for k in ("params", "model", "config") if getattr(self, k) is not None]
+        if self.arch is not None or any(getattr(self, k) is not None for k in SHAPES):
+            given.append("arch")
+        return given
+
+    def missing_shapes(self) -> list[str]:
+        return [k for k in SHAPES if k != "kv_heads" and getattr(self, k) is None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingRequest:
+    """One optimizer step: what each GPU processes and how (``TrainSpec`` checks the values)."""
+
+    seq_len: int = TrainSpec.seq_len
+    """Tokens per sequence."""
+    micro_batch: int | Literal["max"] = TrainSpec.micro_batch
+    """Sequences per GPU per forward, or ``"max"``: the largest that fits (per strategy)."""
+    grad_accum: int = TrainSpec.grad_accum
+    """Micro-batches per optimizer step."""
+    precision: str = TrainSpec.precision
+    """fp32 | amp-bf16 | amp-fp16 | mixed-bf16 | mixed-fp16 | bf16."""
+    reduce_dtype: str | None = None
+    """Gradient reduction dtype (fp32 | bf16 | fp16); None: the precision's compute dtype."""
+    optimizer: str = TrainSpec.optimizer
+    """adamw | adam | sgd | sgd-momentum | adam8bit."""
+    optimizer_impl: str | None = None
+    """foreach | fused | single; None: torch's default (foreach on cuda, single on cpu)."""
+    ac: str = TrainSpec.activation_checkpointing
+    """Activation checkpointing: none | selective | full."""
+    attention: str = TrainSpec.attention
+    """sdpa | eager."""
+    device: str = TrainSpec.device
+    """cuda, or cpu: what the same job allocates on CPU (no CUDA-side overhead)."""
+
+    def __post_init__(self):
+        self.spec()
+
+    def spec(self) -> TrainSpec:
+        """The step at this micro-batch (1 for ``"max"``: searched later)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["activation_checkpointing"] = values.pop("ac")
+        if values["micro_batch"] == "max":
+            values["micro_batch"] = 1
+        return TrainSpec(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterRequest:
+    """The GPUs: how many, how grouped into nodes, which (or how much memory each has)."""
+
+    gpus: int = ClusterSpec.gpus
+    """GPUs in all."""
+    gpus_per_node: int = ClusterSpec.gpus_per_node
+    """0: min(gpus, 8)."""
+    gpu_mem: float | str | None = None
+    """Memory per GPU: GiB (``80``) or with a unit (``"80GB"``, ``"81559MiB"``); 80 GiB where neither this nor ``gpu``."""
+    gpu: str | None = None
+    """A GPU of tables/gpus.csv (``"h100-sxm"``): its memory, speed and links."""
+    headroom: float = ClusterSpec.headroom
+    """Fraction of each GPU's memory kept free."""
+
+    def __post_init__(self):
+        if self.gpu is not None and self.gpu_mem is not None:
+            raise InputError(lambda n: f"give {n('gpu')} NAME or {n('gpu_mem')} SIZE, not both", field="gpu_mem",
+                             value=self.gpu_mem, accepted="gpu or gpu_mem, not both")
+        ClusterSpec(gpus=self.gpus, gpus_per_node=self.gpus_per_node, headroom=self.headroom)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyRequest:
+    """How the step is distributed: one strategy or all of them, and what is offloaded."""
+
+    strategy: str = "all"
+    """A strategy id of memplan.STRATEGIES, or all: every one that runs on the cluster with this offload."""
+    offload: str = Plan.offload
+    """none | optimizer | params | all: what lives in host RAM."""
+
+    def __post_init__(self):
+        from .strategies import STRATEGIES
+
+        for name, value, accepted in (("strategy", self.strategy, ("all", *STRATEGIES)),
+                                      ("offload", self.offload, OFFLOADS)):
+            if value not in accepted:
+                raise InputError(f"{name} {value!r} is not one of: {', '.join(accepted)}", field=name, value=value,
+                                 accepted=", ".join(accepted))
+
+
+PARTS = {"model": ModelRequest, "training": TrainingRequest, "cluster": ClusterRequest, "plan": StrategyRequest}
+
+
+def _fields() -> dict[str, tuple[str, Field]]:
+    return {f.name: (part, f) for part, cls in PARTS.items() for f in fields(cls)}
+
+
+FIELDS = _fields()
+"""Every input by its keyword: (the part of a Request holding it, its dataclass field)."""
+
+
+def default(keyword: str) -> Any:
+    """An input's default (every input has a plain one)."""
+    return FIELDS[keyword][1].default
+
+
+def unknown_keyword(keyword: str, where: str, accepted: tuple[str, ...] = tuple(FIELDS)) -> UnknownKeywordError:
+    """Python's message for a keyword a function does not take, with the nearest accepted one."""
+    import difflib
+
+    close = difflib.get_close_matches(keyword, accepted, n=1, cutoff=0.75)
+    hint = f"did you mean {close[0]!r}?" if close else f"accepted: {', '.join(sorted(accepted))}"
+    return UnknownKeywordError(f"{where} got an unexpected keyword argument {keyword!r}; {hint}",
+                               keyword=keyword, accepted=accepted)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """Everything one question to memplan needs: ``Request.of(params=13e9, gpus=8, gpu_mem=80)``."""
+
+    model: ModelRequest
+    training: TrainingRequest = field(default_factory=TrainingRequest)
+    cluster: ClusterRequest = field(default_factory=ClusterRequest)
+    plan: StrategyRequest = field(default_factory=StrategyRequest)
+
+    def __post_init__(self):
+        for name, cls in PARTS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise InputError(f"Request {name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}",
+                                 field=name, value=getattr(self, name), accepted=cls.__name__)
+
+    @classmethod
+    def of(cls, base: Request | None = None, /, **inputs) -> Request:
+        """A request from inputs by keyword (``micro_batch=4``), over ``base`` where given. Any
+        model keyword names the model anew (``model="gpt2"`` replaces the base's ``params``)."""
+        for keyword in inputs:
+            if keyword not in FIELDS:
+                raise unknown_keyword(keyword, "Request.of()")
+        if base is not None and not isinstance(base, Request):
+            raise InputError(f"request must be a Request, got {type(base).__name__}", field="request", value=base,
+                             accepted="a memplan.Request")
+        parts = {}
+        for name, part in PARTS.items():
+            mine = {k: v for k, v in inputs.items() if FIELDS[k][0] == name}
+            if base is None or (name == "model" and mine):
+                parts[name] = part(**mine)
+            else:
+                parts[name] = replace(getattr(base, name), **mine) if mine else getattr(base, name)
+        return cls(**parts)
+
+    def inputs(self) -> dict[str, Any]:
+        """Every input by its keyword, as ``Request.of`` takes them."""
+        return {k: getattr(getattr(self, part), k) for k, (part, _) in FIELDS.items()}
+
+    def with_(self, **inputs) -> Request:
+        """A copy with inputs changed by keyword; model keywords replace the model."""
+        return Request.of(self, **inputs)
