@@ -1,0 +1,102 @@
+"""What a block keeps under the activation-checkpointing policies that frameworks ship.
+
+``selective`` and ``full`` are ``activations.block_kept``'s; this module adds torchtitan's
+per-op selective checkpointing (``op``), its layer-level option (checkpoint every N-th
+block, ``ac_every``) and torchtune's activation offloading.
+
+Known limitations: ``op`` under autocast is modelled as without it (the casts are
+recomputed; what the autocast weight cache holds under SAC is not measured); the
+attention kernels of gpt2/neox with dropout (CPU's math path) are not modelled under
+``op``. Offloading is modelled from torchtune's source (it needs CUDA streams), not
+measured.
+"""
+from __future__ import annotations
+
+from .activations import Saved, Shapes, shapes
+from .specs import ModelSpec, TrainSpec
+
+# torchtitan 0.3.0 distributed/activation_checkpoint.py SelectiveAC._wrap_block: MUST_SAVE
+# for torch._functorch.partitioners.get_default_op_list().compute_intensive_ops (mm, addmm,
+# bmm, the CUDA sdpa kernels, ...) and its own list (sdpa math/cudnn, max, linear), except
+# every second mm/linear of a block; the CPU flash kernel is in neither, so it is recomputed
+_MM, _ALWAYS, _NEVER = "mm", "saved", "recomputed"
+
+
+def _attention_ops(x: Shapes, device: str) -> list[tuple[str, Saved]]:
+    t = x.tokens
+    if x.attention == "eager":
+        # matmul(q, kᵀ) and matmul(probs, v) run as aten.bmm
+        return [(_ALWAYS, Saved("attention scores (bmm output)", "c·b·a·s²", x.c * t * x.a * x.s)),
+                (_ALWAYS, Saved("attention output (bmm output)", "c·b·s·h", x.c * t * x.h))]
+    kind = _ALWAYS if device == "cuda" else _NEVER
+    return [(kind, Saved("attention output (sdpa)", "c·b·s·h", x.c * t * x.h)),
+            (kind, Saved("sdpa logsumexp", "4·b·a·s", 4 * x.b * x.a * x.s))]
+
+
+def _forward_ops(model: ModelSpec, train: TrainSpec) -> list[tuple[str, Saved]]:
+    """A block's compute ops in forward order, each with its output."""
+    x = shapes(model, train)
+    t, c = x.tokens, x.c
+    linear = _MM if not (model.linear_bias or model.qkv_bias) else _ALWAYS  # a bias makes it addmm
+
+    def out(name: str, width: str, n: int) -> Saved:
+        return Saved(f"{name} projection output", f"c·b·s·{width}", c * t * n)
+
+    if model.arch == "llama":
+        qkv = [(linear, out("q", "h", x.h)), (linear, out("k", "kv", x.kv)), (linear, out("v", "kv", x.kv))]
+    else:
+        qkv = [(linear, out("fused qkv", "(h + 2·kv)", x.h + 2 * x.kv))]
+    mlp_in = [(linear, out("gate", "f", x.f))] if model.gated_mlp else []
+    return (qkv + _attention_ops(x, train.device) + [(linear, out("o", "h", x.h))] + mlp_in +
+            [(linear, out("up", "f", x.f)), (linear, out("down", "h", x.h))])
+
+
+def op_sac_kept(model: ModelSpec, train: TrainSpec) -> list[Saved]:
+    """What one block keeps from forward to backward under torchtitan's per-op SAC: the
+    checkpoint's input, and the outputs of the ops its policy marks MUST_SAVE (cached by
+    create_selective_checkpoint_contexts until the recompute reuses them)."""
+    x = shapes(model, train)
+    kept = [Saved("checkpointed block input", "r·b·s·h", x.r * x.tokens * x.h)]
+    mm_count = 0
+    for kind, saved in _forward_ops(model, train):
+        mm_count += kind == _MM
+        if kind == _ALWAYS or (kind == _MM and mm_count % 2 == 1):  # mm 1, 3, 5, ... saved
+            kept.append(saved)
+    return kept
+
+
+def checkpointed(index: int, every: int) -> bool:
+    """Whether block ``index`` (0-based) is checkpointed when every N-th one is: torchtitan's
+    layer SAC counts wrapped blocks from 1 and wraps when ``_count % ac_freq == 0``
+    (parallelisms/parallelize_llama.py checkpoint_wrapper), so blocks N-1, 2N-1, ..."""
+    return (index + 1) % every == 0
+
+
+def num_checkpointed(num_layers: int, every: int) -> int:
+    return num_layers // every
+
+
+# torchtune 0.6.1 training/_activation_offloading.py OffloadActivations: saved tensors of at
+# least min_offload_size bytes (not parameters) are copied to host in pack_tensor; with
+# use_streams the last max_fwd_stash_size offloaded tensors stay referenced on the GPU
+# (fwd_stash) until the first backward node's hook
+OFFLOAD_MIN_BYTES = 1024
+OFFLOAD_STASH_TENSORS = 5
+# the final norm's saved tensors are the last ones offloaded (the output head runs under
+# NoOpManager, and the loss outside the offloading context): RMSNorm's fp32 input,
+# rstd and normalised output; LayerNorm's input, mean and rstd
+_FINAL_NORM_TENSORS = 3
+
+
+def offloaded(saved: list[Saved]) -> tuple[list[Saved], list[Saved]]:
+    """(stays on the GPU, moved to host) of a list of saved tensors; an entry counts as
+    one tensor for the size threshold (entries that group several tensors group equal
+    ones, so this only matters for toy shapes)."""
+    return ([s for s in saved if s.bytes < OFFLOAD_MIN_BYTES], [s for s in saved if s.bytes >= OFFLOAD_MIN_BYTES])
+
+
+def offload_stash_blocks(num_layers: int) -> int:
+    """Blocks whose (full-AC) checkpoint input is still on the GPU at the end of forward and
+    the start of backward: the stash holds the last 5 offloaded tensors, the final norm's
+    3 among them. torchtune requires AC with offloading: one offloaded tensor per block."""
+    return min(num_layers, OFFLOAD_STASH_TENSORS - _FINAL_NORM_TENSORS)
