@@ -13,6 +13,7 @@ measured.
 from __future__ import annotations
 
 from .activations import Saved, Shapes, shapes
+from .errors import MemplanError
 from .specs import ModelSpec, TrainSpec
 
 # torchtitan 0.3.0 distributed/activation_checkpoint.py SelectiveAC._wrap_block: MUST_SAVE
@@ -100,3 +101,31 @@ def offload_stash_blocks(num_layers: int) -> int:
     the start of backward: the stash holds the last 5 offloaded tensors, the final norm's
     3 among them. torchtune requires AC with offloading: one offloaded tensor per block."""
     return min(num_layers, OFFLOAD_STASH_TENSORS - _FINAL_NORM_TENSORS)
+
+
+def compiled_block_saved(model: ModelSpec, train: TrainSpec) -> list[Saved]:
+    """What a ``torch.compile``d llama block saves for backward: inductor's min-cut
+    partitioner (torch._functorch.partitioners.min_cut_rematerialization_partition) keeps
+    the matmul and sdpa inputs and outputs and recomputes the pointwise chains between
+    them: each RMSNorm from its input and rstd (no fp32 copy, no normalised output), the
+    SwiGLU's silu from the gate. Read off saved-tensor hooks on a compiled block (torch
+    2.13, CPU inductor); the test re-measures it. Modelled for llama with sdpa and no
+    autocast; other blocks are refused rather than guessed."""
+    x = shapes(model, train)
+    if model.arch != "llama" or x.attention != "flash" or x.autocast:
+        raise MemplanError(f"compile is modelled for llama blocks with sdpa and no autocast, "
+                           f"not {model.arch} with {x.attention} attention{' under autocast' if x.autocast else ''}")
+    t = x.tokens
+    # the cos/sin casts to the compute dtype, shared by q and k (eager casts them for each)
+    rotary = [Saved("rotary cos/sin casts", "2·c·s·d", 2 * x.c * x.s * x.d)] if x.c < 4 else []
+    return rotary + [
+        Saved("block input (norm 1 recomputed from it)", "r·b·s·h", x.r * t * x.h),
+        Saved("rstd of norm 1 and norm 2 (fp32)", "2·4·b·s", 8 * t),
+        Saved("norm 1 output (q, k, v projection input)", "c·b·s·h", x.c * t * x.h),
+        Saved("q, k (after rotary), v", "c·b·s·(h + 2·kv)", x.c * t * (x.h + 2 * x.kv)),
+        Saved("attention output", "c·b·s·h", x.c * t * x.h),
+        Saved("sdpa logsumexp", "4·b·a·s", 4 * x.b * x.a * x.s),
+        Saved("o projection input (attention output, transposed copy)", "c·b·s·h", x.c * t * x.h),
+        Saved("residual after attention (norm 2 recomputed from it)", "r·b·s·h", x.r * t * x.h),
+        Saved("SwiGLU gate, up, product", "3·c·b·s·f", 3 * x.c * t * x.f),
+    ]

@@ -240,3 +240,31 @@ def test_layer_sac_keeps_full_ac_inputs_and_plain_blocks():
     plain = sum(s.bytes for s in block_saved(model, train))
     ckpt = num_checkpointed(layers, every)
     assert measured == ckpt * full + (layers - ckpt) * plain
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision,b,kv", [("fp32", 2, 2), ("bf16", 1, 8)])
+def test_compiled_block_saves_what_the_partitioner_keeps(precision, b, kv):
+    """A torch.compile'd reference llama block (CPU inductor): the distinct storages its
+    compiled autograd function saves, seen by saved-tensor hooks (MemTracker does not see
+    inside a compiled region). About a minute per case on two cores."""
+    from calibrate.workloads import Block, rotary_tables
+    from memplan.checkpointing import compiled_block_saved
+
+    model = _model("llama", kv)
+    train = TrainSpec(seq_len=64, micro_batch=b, precision=precision, device="cpu")
+    block = Block(model, attention="sdpa", selective_ac=False).to(_dtype(precision))
+    x = torch.randn(b, 64, model.hidden, dtype=_dtype(precision), requires_grad=True)
+    cos, sin = rotary_tables(64, model.head_dim, "cpu")
+    shared = {t.untyped_storage().data_ptr() for t in (*block.parameters(), cos, sin)}
+    compiled, seen = torch.compile(block), {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in shared:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    compiled(x, cos, sin)  # compile outside the hooks
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        compiled(x, cos, sin)
+    assert sum(seen.values()) == sum(s.bytes for s in compiled_block_saved(model, train))
