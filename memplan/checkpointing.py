@@ -12,8 +12,11 @@ measured.
 """
 from __future__ import annotations
 
-from .activations import Saved, Shapes, shapes
+from dataclasses import replace
+
+from .activations import Saved, Shapes, block_backward_transient, block_kept, block_saved, shapes
 from .errors import MemplanError
+from .loop import Loop
 from .specs import ModelSpec, TrainSpec
 
 # torchtitan 0.3.0 distributed/activation_checkpoint.py SelectiveAC._wrap_block: MUST_SAVE
@@ -75,6 +78,31 @@ def checkpointed(index: int, every: int) -> bool:
 
 def num_checkpointed(num_layers: int, every: int) -> int:
     return num_layers // every
+
+
+def _policy(loop: Loop, index: int) -> str:
+    return loop.ac if checkpointed(index, loop.ac_every) else "none"
+
+
+def block_kept_under(model: ModelSpec, train: TrainSpec, loop: Loop, index: int) -> list[Saved]:
+    """What block ``index`` keeps from its forward to its backward under the loop's AC
+    policy and ``ac_every``; an uncheckpointed block of a compiled loop keeps what
+    inductor's partitioner saves."""
+    policy = _policy(loop, index)
+    if policy == "op":
+        return op_sac_kept(model, train)
+    if policy == "none" and loop.compile:
+        return compiled_block_saved(model, train)
+    return block_kept(model, replace(train, activation_checkpointing=policy))
+
+
+def block_transient_under(model: ModelSpec, train: TrainSpec, loop: Loop, index: int) -> list[Saved]:
+    """Extra bytes while block ``index`` runs its backward. Under ``op`` the recompute is
+    modelled as full AC's (an upper bound: the SAC cache hands back v, the gate and, on
+    CUDA, the attention output and logsumexp instead of recomputing them; not measured)."""
+    policy = _policy(loop, index)
+    policy = "full" if policy == "op" else policy
+    return block_backward_transient(model, replace(train, activation_checkpointing=policy))
 
 
 # torchtune 0.6.1 training/_activation_offloading.py OffloadActivations: saved tensors of at

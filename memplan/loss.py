@@ -106,3 +106,12 @@ def loss_saved(model: ModelSpec, train: TrainSpec, loop: Loop) -> tuple[list[Sav
     if loop.loss == "fused-linear-ce":
         return _fused_linear_ce(model, train)
     return ce_saved(model, train)
+
+
+def by_moment(model: ModelSpec, train: TrainSpec, loop: Loop) -> dict[str, list[Saved]]:
+    """The logits and loss bytes of each of the step's activation moments: ``forward`` (end
+    of forward), ``loss`` (start of backward) and ``block`` (the blocks' backward)."""
+    forward, backward = loss_saved(model, train, loop)
+    held = logits_live(model, train, loop, in_backward=True)
+    return {"forward": logits_live(model, train, loop, in_backward=False) + forward,
+            "loss": held + backward, "block": held}

@@ -223,12 +223,12 @@ def test_layer_sac_keeps_full_ac_inputs_and_plain_blocks():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     from calibrate.workloads import Block, rotary_tables
-    from memplan.activations import block_kept, block_saved
+    from memplan.checkpointing import block_kept_under
 
-    model, every, layers = _model(), 2, 4
+    model, layers, loop = _model(), 4, Loop(ac="full", ac_every=2)
     train = TrainSpec(seq_len=64, micro_batch=2, precision="bf16", device="cpu")
     blocks = [Block(model, attention="sdpa", selective_ac=False).to(torch.bfloat16) for _ in range(layers)]
-    blocks = [checkpoint_wrapper(b) if checkpointed(i, every) else b for i, b in enumerate(blocks)]
+    blocks = [checkpoint_wrapper(b) if checkpointed(i, loop.ac_every) else b for i, b in enumerate(blocks)]
     x = torch.randn(2, 64, model.hidden, dtype=torch.bfloat16, requires_grad=True)
     cos, sin = rotary_tables(64, model.head_dim, "cpu")
     with _Live(*blocks, x, cos, sin) as live:
@@ -236,10 +236,8 @@ def test_layer_sac_keeps_full_ac_inputs_and_plain_blocks():
         for b in blocks:
             y = b(y, cos, sin)
         measured = live.current() - live.base - y.untyped_storage().nbytes()
-    full = sum(s.bytes for s in block_kept(model, replace(train, activation_checkpointing="full")))
-    plain = sum(s.bytes for s in block_saved(model, train))
-    ckpt = num_checkpointed(layers, every)
-    assert measured == ckpt * full + (layers - ckpt) * plain
+    assert num_checkpointed(layers, loop.ac_every) == 2
+    assert measured == sum(s.bytes for i in range(layers) for s in block_kept_under(model, train, loop, i))
 
 
 @pytest.mark.slow
@@ -268,3 +266,19 @@ def test_compiled_block_saves_what_the_partitioner_keeps(precision, b, kv):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         compiled(x, cos, sin)
     assert sum(seen.values()) == sum(s.bytes for s in compiled_block_saved(model, train))
+
+
+def test_by_moment_reproduces_todays_plain_loop():
+    """The plain loop (logits kept, ce) is what memory.py's moments count today."""
+    from memplan.activations import loss_saved as ce_saved, model_saved
+    from memplan.loss import by_moment
+
+    model, train = _model(), TrainSpec(seq_len=64, micro_batch=2, precision="bf16", device="cpu")
+    logits = [s for s in model_saved(model, train)[1] if s.name.startswith("logits")]
+    forward, backward = ce_saved(model, train)
+    moments = by_moment(model, train, Loop())
+    bytes_of = lambda saved: sum(s.bytes for s in saved)  # noqa: E731
+    assert bytes_of(moments["forward"]) == bytes_of(logits + forward)
+    assert bytes_of(moments["loss"]) == bytes_of(logits + backward)
+    assert bytes_of(moments["block"]) == bytes_of(logits)
+    assert by_moment(model, train, Loop(logits="freed"))["block"] == []
