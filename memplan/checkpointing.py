@@ -84,25 +84,27 @@ def _policy(loop: Loop, index: int) -> str:
     return loop.ac if checkpointed(index, loop.ac_every) else "none"
 
 
-def block_kept_under(model: ModelSpec, train: TrainSpec, loop: Loop, index: int) -> list[Saved]:
+def block_kept_under(model: ModelSpec, train: TrainSpec, loop: Loop, index: int, *,
+                     inputs_cast: bool = False) -> list[Saved]:
     """What block ``index`` keeps from its forward to its backward under the loop's AC
     policy and ``ac_every``; an uncheckpointed block of a compiled loop keeps what
-    inductor's partitioner saves."""
+    inductor's partitioner saves. ``inputs_cast`` as in ``activations.block_saved``."""
     policy = _policy(loop, index)
     if policy == "op":
         return op_sac_kept(model, train)
     if policy == "none" and loop.compile:
-        return compiled_block_saved(model, train)
-    return block_kept(model, replace(train, activation_checkpointing=policy))
+        return compiled_block_saved(model, train, inputs_cast=inputs_cast)
+    return block_kept(model, replace(train, activation_checkpointing=policy), inputs_cast=inputs_cast)
 
 
-def block_transient_under(model: ModelSpec, train: TrainSpec, loop: Loop, index: int) -> list[Saved]:
+def block_transient_under(model: ModelSpec, train: TrainSpec, loop: Loop, index: int, *,
+                          inputs_cast: bool = False) -> list[Saved]:
     """Extra bytes while block ``index`` runs its backward. Under ``op`` the recompute is
     modelled as full AC's (an upper bound: the SAC cache hands back v, the gate and, on
     CUDA, the attention output and logsumexp instead of recomputing them; not measured)."""
     policy = _policy(loop, index)
     policy = "full" if policy == "op" else policy
-    return block_backward_transient(model, replace(train, activation_checkpointing=policy))
+    return block_backward_transient(model, replace(train, activation_checkpointing=policy), inputs_cast=inputs_cast)
 
 
 # torchtune 0.6.1 training/_activation_offloading.py OffloadActivations: saved tensors of at
@@ -131,21 +133,22 @@ def offload_stash_blocks(num_layers: int) -> int:
     return min(num_layers, OFFLOAD_STASH_TENSORS - _FINAL_NORM_TENSORS)
 
 
-def compiled_block_saved(model: ModelSpec, train: TrainSpec) -> list[Saved]:
+def compiled_block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False) -> list[Saved]:
     """What a ``torch.compile``d llama block saves for backward: inductor's min-cut
     partitioner (torch._functorch.partitioners.min_cut_rematerialization_partition) keeps
     the matmul and sdpa inputs and outputs and recomputes the pointwise chains between
     them: each RMSNorm from its input and rstd (no fp32 copy, no normalised output), the
     SwiGLU's silu from the gate. Read off saved-tensor hooks on a compiled block (torch
     2.13, CPU inductor); the test re-measures it. Modelled for llama with sdpa and no
-    autocast; other blocks are refused rather than guessed."""
+    autocast; other blocks are refused rather than guessed. With ``inputs_cast`` (FSDP2's
+    MixedPrecisionPolicy) cos/sin arrive cast: modelled as no cast of the block's own."""
     x = shapes(model, train)
     if model.arch != "llama" or x.attention != "flash" or x.autocast:
         raise MemplanError(f"compile is modelled for llama blocks with sdpa and no autocast, "
                            f"not {model.arch} with {x.attention} attention{' under autocast' if x.autocast else ''}")
     t = x.tokens
     # the cos/sin casts to the compute dtype, shared by q and k (eager casts them for each)
-    rotary = [Saved("rotary cos/sin casts", "2·c·s·d", 2 * x.c * x.s * x.d)] if x.c < 4 else []
+    rotary = [Saved("rotary cos/sin casts", "2·c·s·d", 2 * x.c * x.s * x.d)] if x.c < 4 and not inputs_cast else []
     return rotary + [
         Saved("block input (norm 1 recomputed from it)", "r·b·s·h", x.r * t * x.h),
         Saved("rstd of norm 1 and norm 2 (fp32)", "2·4·b·s", 8 * t),
