@@ -8,8 +8,8 @@ Known limitations: ``fused-linear-ce`` is Liger's ``LigerFusedLinearCrossEntropy
 modelled from its source (liger_kernel/ops/fused_linear_cross_entropy.py, 0.8.5); its
 Triton kernels do not run on CPU, so it is modelled, not measured. cut-cross-entropy
 (which keeps the head input and an fp32 log-sum-exp, and computes both gradients in
-backward) is not modelled. ``chunked-ce`` is torchtune's loss run eagerly, as its recipes
-do unless ``compile`` is set.
+backward) is not modelled. ``chunked-ce`` and ``ce`` are modelled eager, and compiled
+when the loop compiles (the compiled loss's backward is modelled, its saved list measured).
 """
 from __future__ import annotations
 
@@ -23,16 +23,22 @@ from .specs import ModelSpec, TrainSpec
 FUSED_DROPS = ("final norm output (head input)", "head input cast")
 
 
-def logits_live(model: ModelSpec, train: TrainSpec, loop: Loop, *, in_backward: bool) -> list[Saved]:
-    """The logits tensor: at the end of forward (``in_backward`` False) and from the start
-    of backward on. A freed one is gone once backward starts: nothing autograd saves
-    refers to it (``.float()`` saves nothing, log_softmax saves its output)."""
+INSTANTS = ("forward", "loss", "block")
+
+
+def logits_live(model: ModelSpec, train: TrainSpec, loop: Loop, *, instant: str) -> list[Saved]:
+    """The logits tensor at the end of forward, at the start of backward (``loss``) and
+    while the blocks run their backward (``block``). A freed one is gone once backward
+    starts: nothing eager autograd saves refers to it (``.float()`` saves nothing,
+    log_softmax saves its output); a compiled loss saves its input, the logits, until its
+    own backward has run (measured)."""
+    assert instant in INSTANTS, instant
     x = shapes(model, train)
-    if loop.loss == "fused-linear-ce" or (in_backward and loop.logits == "freed"):
+    held = instant == "forward" or loop.logits == "kept" or (instant == "loss" and loop.compile)
+    if loop.loss == "fused-linear-ce" or not held:
         return []
-    held = "held by the caller" if in_backward else "the model output"
     chunks = f", {loop.loss_chunks} chunks" if loop.loss == "chunked-ce" else ""
-    return [Saved(f"logits ({held}{chunks})", f"{x.c}·b·s·V", x.c * x.tokens * x.V)]
+    return [Saved(f"logits (at {instant}{chunks})", f"{x.c}·b·s·V", x.c * x.tokens * x.V)]
 
 
 def _chunk_rows(seq: int, chunks: int) -> list[int]:
@@ -79,6 +85,24 @@ def _chunked_ce(model: ModelSpec, train: TrainSpec, loop: Loop) -> tuple[list[Sa
     return forward, backward + labels(k, done[k] - rows[k])
 
 
+def _compiled_ce(model: ModelSpec, train: TrainSpec, loop: Loop) -> tuple[list[Saved], list[Saved]]:
+    """A torch.compile'd cross-entropy, per chunk for chunked-ce (torchtune's compile_loss
+    compiles compute_cross_entropy; torchtitan compiles its loss with compile.components
+    "loss"): inductor saves the logits it was given (``logits_live``), each token's max and
+    log-sum-exp in fp32 and the labels, and recomputes the softmax in backward. The saved
+    list is measured (saved-tensor hooks, CPU inductor); the backward is modelled: one
+    chunk's logit gradient at a time beyond those that wait for the head, which replace
+    the logits they came from."""
+    x = shapes(model, train)
+    chunked = loop.loss == "chunked-ce"
+    rows = max(_chunk_rows(x.s, loop.loss_chunks)) if chunked else x.s
+    saved = [Saved("per-token max and log-sum-exp (fp32)", "2·4·b·s", 8 * x.tokens)]
+    if chunked and x.b > 1:
+        saved.append(Saved("label chunks (int64 copies)", "8·b·s", 8 * x.tokens))
+    gradient = Saved("logit gradient of one chunk", "c·b·⌈s/n⌉·V", x.c * x.b * rows * x.V)
+    return saved, saved + [gradient]
+
+
 def _fused_linear_ce(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[Saved]]:
     """Liger 0.8.5 ops/fused_linear_cross_entropy.py fused_linear_cross_entropy_forward:
     forward computes both gradients chunk by chunk and saves them (ctx.save_for_backward
@@ -101,10 +125,12 @@ def _fused_linear_ce(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], l
 def loss_saved(model: ModelSpec, train: TrainSpec, loop: Loop) -> tuple[list[Saved], list[Saved]]:
     """What the loss keeps beyond the logits: at its forward's peak (end of forward) and at
     its backward's peak (start of backward)."""
-    if loop.loss == "chunked-ce":
-        return _chunked_ce(model, train, loop)
     if loop.loss == "fused-linear-ce":
         return _fused_linear_ce(model, train)
+    if loop.compile:
+        return _compiled_ce(model, train, loop)
+    if loop.loss == "chunked-ce":
+        return _chunked_ce(model, train, loop)
     return ce_saved(model, train)
 
 
@@ -112,6 +138,6 @@ def by_moment(model: ModelSpec, train: TrainSpec, loop: Loop) -> dict[str, list[
     """The logits and loss bytes of each of the step's activation moments: ``forward`` (end
     of forward), ``loss`` (start of backward) and ``block`` (the blocks' backward)."""
     forward, backward = loss_saved(model, train, loop)
-    held = logits_live(model, train, loop, in_backward=True)
-    return {"forward": logits_live(model, train, loop, in_backward=False) + forward,
-            "loss": held + backward, "block": held}
+    return {"forward": logits_live(model, train, loop, instant="forward") + forward,
+            "loss": logits_live(model, train, loop, instant="loss") + backward,
+            "block": logits_live(model, train, loop, instant="block")}

@@ -165,8 +165,8 @@ def test_freed_logits_are_gone_when_the_caller_drops_them(loss, precision):
     tensor, because nothing autograd saved refers to it."""
     model, train = _model(), TrainSpec(seq_len=64, micro_batch=2, precision=precision, device="cpu")
     kept, freed = (Loop(loss=loss, logits=held) for held in ("kept", "freed"))
-    expected = (sum(s.bytes for s in logits_live(model, train, kept, in_backward=True)) -
-                sum(s.bytes for s in logits_live(model, train, freed, in_backward=True)))
+    expected = (sum(s.bytes for s in logits_live(model, train, kept, instant="loss")) -
+                sum(s.bytes for s in logits_live(model, train, freed, instant="loss")))
     labels = torch.randint(0, model.vocab_size, (2, train.seq_len))
     hidden, head, _ = _logits(model, train, kept)
     with _Live(hidden, head, labels) as live:
@@ -182,7 +182,7 @@ def test_freed_logits_are_gone_when_the_caller_drops_them(loss, precision):
 def test_fused_linear_ce_has_no_logits_tensor():
     model, train = _model(vocab=32000), TrainSpec(seq_len=512, micro_batch=2, precision="bf16", device="cpu")
     fused, ce = Loop(loss="fused-linear-ce"), Loop()
-    assert logits_live(model, train, fused, in_backward=False) == []
+    assert logits_live(model, train, fused, instant="forward") == []
     t_v = train.micro_batch * train.seq_len * model.vocab_size
     assert all(s.bytes < t_v for part in loss_saved(model, train, fused) for s in part)
     at_backward = [sum(s.bytes for s in loss_saved(model, train, loop)[1]) for loop in (fused, ce)]
@@ -310,3 +310,33 @@ def test_optimizer_in_backward_holds_one_gradient_at_a_time():
     loss.backward()
     assert peak[0] == 4 * max(p.numel() for p in model.parameters())
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_compiled_chunked_loss_saves_the_logits_and_row_statistics(precision):
+    """torchtune's compile_loss (training/_compile.py) compiles compute_cross_entropy of its
+    chunked loss: inductor saves the logit chunks themselves (so `del logits` frees nothing
+    until the loss's backward), two fp32 numbers per token, and the labels. About a
+    minute on two cores."""
+    model, train = _model(), TrainSpec(seq_len=64, micro_batch=2, precision=precision, device="cpu")
+    loop = Loop(loss="chunked-ce", loss_chunks=4, compile=True, logits="freed")
+    loss_fn = _torchtune_chunked_loss()(num_output_chunks=loop.loss_chunks)
+    loss_fn.compute_cross_entropy = torch.compile(loss_fn.compute_cross_entropy)
+    labels = torch.randint(0, model.vocab_size, (2, 64))
+    hidden, head, logits = _logits(model, train, loop)
+    loss_fn(logits, labels).backward()  # compile outside the hooks
+    hidden, head, logits = _logits(model, train, loop)
+    logit_storages = {t.untyped_storage().data_ptr() for t in logits}
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_fn(logits, labels)
+    held = sum(n for ptr, n in seen.items() if ptr in logit_storages)
+    rest = sum(n for ptr, n in seen.items() if ptr not in logit_storages)
+    assert held == sum(s.bytes for s in logits_live(model, train, loop, instant="loss"))
+    assert 0 <= rest - sum(s.bytes for s in loss_saved(model, train, loop)[0]) <= SCALAR_SLACK_BYTES
