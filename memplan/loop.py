@@ -42,7 +42,8 @@ class Loop:
     ac_every: int = 1
     """Checkpoint every N-th block only, the others none (torchtitan's layer SAC)."""
     compile: bool = False
-    """torch.compile of each block (inductor)."""
+    """torch.compile (inductor) of each block and of the loss, as torchtune's compile_model /
+    compile_loss and torchtitan's compile.components ["model", "loss"] do."""
     float8: bool = False
     """torchao float8 training of the linear layers."""
     offload_activations: bool = False
