@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .activations import Saved, Shapes, block_backward_transient, block_kept, block_saved, shapes
+from .activations import Saved, Shapes, block_backward_transient, block_kept, shapes
 from .errors import MemplanError
 from .loop import Loop
 from .specs import ModelSpec, TrainSpec

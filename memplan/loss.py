@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 
-from .activations import Saved, loss_saved as ce_saved, shapes
+from .activations import Saved, shapes
+from .activations import loss_saved as ce_saved
 from .loop import Loop
 from .specs import ModelSpec, TrainSpec
 

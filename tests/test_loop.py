@@ -2,7 +2,6 @@
 measured against the frameworks' own code on CPU (MemTracker, saved-tensor hooks)."""
 import importlib.util
 import pathlib
-from dataclasses import replace
 
 import pytest
 
@@ -272,14 +271,15 @@ def test_compiled_block_saves_what_the_partitioner_keeps(precision, b, kv):
 
 def test_by_moment_reproduces_todays_plain_loop():
     """The plain loop (logits kept, ce) is what memory.py's moments count today."""
-    from memplan.activations import loss_saved as ce_saved, model_saved
+    from memplan.activations import loss_saved as ce_saved
+    from memplan.activations import model_saved
     from memplan.loss import by_moment
 
     model, train = _model(), TrainSpec(seq_len=64, micro_batch=2, precision="bf16", device="cpu")
     logits = [s for s in model_saved(model, train)[1] if s.name.startswith("logits")]
     forward, backward = ce_saved(model, train)
     moments = by_moment(model, train, Loop())
-    bytes_of = lambda saved: sum(s.bytes for s in saved)  # noqa: E731
+    bytes_of = lambda saved: sum(s.bytes for s in saved)
     assert bytes_of(moments["forward"]) == bytes_of(logits + forward)
     assert bytes_of(moments["loss"]) == bytes_of(logits + backward)
     assert bytes_of(moments["block"]) == bytes_of(logits)
@@ -324,9 +324,8 @@ def test_compiled_chunked_loss_saves_the_logits_and_row_statistics(precision):
     loss_fn = _torchtune_chunked_loss()(num_output_chunks=loop.loss_chunks)
     loss_fn.compute_cross_entropy = torch.compile(loss_fn.compute_cross_entropy)
     labels = torch.randint(0, model.vocab_size, (2, 64))
-    hidden, head, logits = _logits(model, train, loop)
-    loss_fn(logits, labels).backward()  # compile outside the hooks
-    hidden, head, logits = _logits(model, train, loop)
+    loss_fn(_logits(model, train, loop)[2], labels).backward()  # compile outside the hooks
+    logits = _logits(model, train, loop)[2]
     logit_storages = {t.untyped_storage().data_ptr() for t in logits}
     seen = {}
 
