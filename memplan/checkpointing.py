@@ -99,12 +99,19 @@ def block_kept_under(model: ModelSpec, train: TrainSpec, loop: Loop, index: int,
 
 def block_transient_under(model: ModelSpec, train: TrainSpec, loop: Loop, index: int, *,
                           inputs_cast: bool = False) -> list[Saved]:
-    """Extra bytes while block ``index`` runs its backward. Under ``op`` the recompute is
-    modelled as full AC's (an upper bound: the SAC cache hands back v, the gate and, on
-    CUDA, the attention output and logsumexp instead of recomputing them; not measured)."""
+    """Extra bytes while block ``index`` runs its backward, beyond what it kept. An op-SAC
+    block peaks there exactly where a full-AC one does (measured on CPU against
+    torchtitan's SelectiveAC): the recompute rebuilds the whole saved set, taking the SAC
+    cache's tensors instead of recomputing them, so it needs that much less on top."""
     policy = _policy(loop, index)
-    policy = "full" if policy == "op" else policy
-    return block_backward_transient(model, replace(train, activation_checkpointing=policy), inputs_cast=inputs_cast)
+    full = block_backward_transient(model, replace(train, activation_checkpointing="full" if policy == "op" else policy),
+                                    inputs_cast=inputs_cast)
+    if policy != "op":
+        return full
+    temporaries, *recomputed = full  # block_backward_transient lists the gradient temporaries first
+    cache = sum(s.bytes for s in op_sac_kept(model, train)[1:])
+    return [temporaries, Saved("recomputed activations beyond the SAC cache", "block saved − SAC cache",
+                               sum(s.bytes for s in recomputed) - cache)]
 
 
 # torchtune 0.6.1 training/_activation_offloading.py OffloadActivations: saved tensors of at

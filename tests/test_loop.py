@@ -339,3 +339,36 @@ def test_compiled_chunked_loss_saves_the_logits_and_row_statistics(precision):
     rest = sum(n for ptr, n in seen.items() if ptr not in logit_storages)
     assert held == sum(s.bytes for s in logits_live(model, train, loop, instant="loss"))
     assert 0 <= rest - sum(s.bytes for s in loss_saved(model, train, loop)[0]) <= SCALAR_SLACK_BYTES
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_op_sac_block_backward_peaks_where_full_ac_does(precision, attention):
+    """One block's backward under torchtitan's SelectiveAC and under a full checkpoint:
+    the same measured peak, and the model's kept + transient agree."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from calibrate.workloads import Block, rotary_tables
+    from memplan.checkpointing import block_kept_under, block_transient_under
+
+    model = _model("llama", 2)
+    train = TrainSpec(seq_len=64, micro_batch=2, precision=precision, attention=attention, device="cpu")
+
+    def backward_peak(wrap):
+        torch.manual_seed(0)
+        block = wrap(Block(model, attention=attention, selective_ac=False).to(_dtype(precision)))
+        x = torch.randn(2, 64, model.hidden, dtype=_dtype(precision), requires_grad=True)
+        rotary = rotary_tables(64, model.head_dim, "cpu")
+        with _Live(block, x, *rotary) as live:
+            y = block(x, *rotary)
+            seed = torch.ones_like(y)
+            live.mark()
+            y.backward(seed)
+            return live.peak()
+
+    def modelled(ac):
+        loop = Loop(ac=ac)
+        return sum(s.bytes for s in block_kept_under(model, train, loop, 0) + block_transient_under(model, train, loop, 0))
+
+    assert backward_peak(lambda b: _titan_selective_ac()._wrap_block(b)) == backward_peak(checkpoint_wrapper)
+    assert modelled("op") == modelled("full")
