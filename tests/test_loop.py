@@ -372,3 +372,30 @@ def test_op_sac_block_backward_peaks_where_full_ac_does(precision, attention):
 
     assert backward_peak(lambda b: _titan_selective_ac()._wrap_block(b)) == backward_peak(checkpoint_wrapper)
     assert modelled("op") == modelled("full")
+
+
+def test_float8_training_keeps_what_bf16_keeps():
+    """torchao's Float8Linear (float8_linear.py matmul_with_hp_or_float8_args) saves its
+    high-precision input and weight and casts them again in backward, so a block's saved
+    bytes do not change (measured: torchao 0.18 runs its float8 matmuls on CPU)."""
+    float8 = pytest.importorskip("torchao.float8")
+    from calibrate.workloads import Block, rotary_tables
+    from memplan.activations import block_saved
+
+    model = ModelSpec(num_layers=1, hidden=128, num_heads=8, num_kv_heads=2, ffn_hidden=384, vocab_size=512)
+    train = TrainSpec(seq_len=64, micro_batch=2, precision="bf16", device="cpu")
+    block = float8.convert_to_float8_training(Block(model, attention="sdpa", selective_ac=False).to(torch.bfloat16))
+    x = torch.randn(2, 64, model.hidden, dtype=torch.bfloat16, requires_grad=True)
+    rotary = rotary_tables(64, model.head_dim, "cpu")
+    shared = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *rotary)}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in shared:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, *rotary)
+    assert type(block.attn.q_proj).__name__ == "Float8Linear"
+    assert sum(seen.values()) == sum(s.bytes for s in block_saved(model, train))
