@@ -45,7 +45,8 @@ class Loop:
     """torch.compile (inductor) of each block and of the loss, as torchtune's compile_model /
     compile_loss and torchtitan's compile.components ["model", "loss"] do."""
     float8: bool = False
-    """torchao float8 training of the linear layers."""
+    """torchao float8 training of the linear layers: it saves the high-precision inputs, so
+    the kept activations are bf16's (measured); its fp8 casts are transient."""
     offload_activations: bool = False
     """torchtune's OffloadActivations: saved tensors moved to host memory in forward."""
     optimizer_in_backward: bool = False
