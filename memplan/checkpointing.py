@@ -4,11 +4,17 @@
 per-op selective checkpointing (``op``), its layer-level option (checkpoint every N-th
 block, ``ac_every``) and torchtune's activation offloading.
 
+It also says what a ``torch.compile``d block keeps (inductor's partitioner is a
+rematerialisation policy too). Measured on CPU: ``op`` against torchtitan's own
+SelectiveAC (kept bytes and the block's backward peak), ``ac_every``, ``compile``
+(tests/test_loop.py).
+
 Known limitations: ``op`` under autocast is modelled as without it (the casts are
-recomputed; what the autocast weight cache holds under SAC is not measured); the
-attention kernels of gpt2/neox with dropout (CPU's math path) are not modelled under
-``op``. Offloading is modelled from torchtune's source (it needs CUDA streams), not
-measured.
+recomputed; what the autocast weight cache holds under SAC is not measured); sdpa's math
+path (dropout on CPU) is refused under ``op``; on CUDA the sdpa kernels' outputs are
+saved (they are in torchtitan's list), which CPU cannot show. ``compile`` is measured on
+two llama shapes only. Offloading is modelled from torchtune's source (it needs CUDA
+streams), not measured.
 """
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ _MM, _ALWAYS, _NEVER = "mm", "saved", "recomputed"
 
 def _attention_ops(x: Shapes, device: str) -> list[tuple[str, Saved]]:
     t = x.tokens
+    if x.attention == "math-fp32":
+        raise MemplanError("ac op is not modelled for sdpa's math path (dropout on CPU); use eager attention or no dropout")
     if x.attention == "eager":
         # matmul(q, kᵀ) and matmul(probs, v) run as aten.bmm
         return [(_ALWAYS, Saved("attention scores (bmm output)", "c·b·a·s²", x.c * t * x.a * x.s)),
@@ -130,7 +138,7 @@ def offloaded(saved: list[Saved]) -> tuple[list[Saved], list[Saved]]:
     """(stays on the GPU, moved to host) of a list of saved tensors; an entry counts as
     one tensor for the size threshold (entries that group several tensors group equal
     ones, so this only matters for toy shapes)."""
-    return ([s for s in saved if s.bytes < OFFLOAD_MIN_BYTES], [s for s in saved if s.bytes >= OFFLOAD_MIN_BYTES])
+    return [s for s in saved if s.bytes < OFFLOAD_MIN_BYTES], [s for s in saved if s.bytes >= OFFLOAD_MIN_BYTES]
 
 
 def offload_stash_blocks(num_layers: int) -> int:
