@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from memplan.checkpointing import checkpointed, num_checkpointed, op_sac_kept
+from memplan.checkpointing import checkpointed, compiled_block_saved, num_checkpointed, op_sac_kept
 from memplan.errors import MemplanError
 from memplan.loop import _SETTINGS, RECIPES, Loop, recipe_rows, resolve
 from memplan.loss import logits_live, loss_saved
@@ -248,7 +248,6 @@ def test_compiled_block_saves_what_the_partitioner_keeps(precision, b, kv):
     compiled autograd function saves, seen by saved-tensor hooks (MemTracker does not see
     inside a compiled region). About a minute per case on two cores."""
     from calibrate.workloads import Block, rotary_tables
-    from memplan.checkpointing import compiled_block_saved
 
     model = _model("llama", kv)
     train = TrainSpec(seq_len=64, micro_batch=b, precision=precision, device="cpu")
@@ -399,3 +398,12 @@ def test_float8_training_keeps_what_bf16_keeps():
         block(x, *rotary)
     assert type(block.attn.q_proj).__name__ == "Float8Linear"
     assert sum(seen.values()) == sum(s.bytes for s in block_saved(model, train))
+
+
+def test_op_sac_and_compile_refuse_what_they_do_not_model():
+    gpt2 = ModelSpec(arch="gpt2", num_layers=1, hidden=128, num_heads=8, ffn_hidden=512, vocab_size=512,
+                     linear_bias=True, dropout=0.1)
+    with pytest.raises(MemplanError, match="math path"):
+        op_sac_kept(gpt2, TrainSpec(seq_len=64, micro_batch=2, precision="fp32", device="cpu"))
+    with pytest.raises(MemplanError, match="not gpt2"):
+        compiled_block_saved(gpt2, TrainSpec(seq_len=64, micro_batch=2, precision="fp32"))
