@@ -1,0 +1,144 @@
+"""The training loop around the model: the conventions that decide what is live when.
+
+A ``Loop`` holds the conventions a training loop follows (whether it holds the logits
+during backward, which loss, which activation-checkpointing policy, ...). A recipe sets
+them as a framework does by default (``tables/recipes.csv``, each row citing the
+framework's source); ``resolve`` applies a recipe with the explicitly given flags winning
+and says where each convention came from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import cache
+
+from .catalog import read_table
+from .errors import MemplanError
+from .specs import _check_choice, _check_positive
+
+LOGITS = ("kept", "freed")
+LOSSES = ("ce", "chunked-ce", "fused-linear-ce")
+AC_POLICIES = ("none", "selective", "op", "full")
+RECIPES = ("plain", "hf-trainer", "torchtitan", "torchtune", "lightning", "accelerate")
+_FLAGS = ("compile", "float8", "offload_activations", "optimizer_in_backward")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Loop:
+    """How the training step around the model is written (defaults: memplan's plain loop)."""
+
+    logits: str = "kept"
+    """kept: the caller still holds the model output when backward starts
+    (``out = model(x); out.loss.backward()``); freed: it was dropped before backward
+    (HF Trainer's compute_loss, torchtitan's ``del pred``, torchtune's ``del logits``)."""
+    loss: str = "ce"
+    """ce: cross-entropy on logits upcast to fp32; chunked-ce: torchtune's
+    CEWithChunkedOutputLoss (logits in chunks, each upcast inside the loss);
+    fused-linear-ce: Liger's fused linear + cross-entropy (no logits tensor)."""
+    loss_chunks: int = 8
+    """Chunks of chunked-ce (torchtune's num_output_chunks default)."""
+    ac: str = "none"
+    """Activation checkpointing of a block: none; selective (the attention core, Megatron's
+    meaning); op (torchtitan's per-op SAC); full (the whole block)."""
+    ac_every: int = 1
+    """Checkpoint every N-th block only, the others none (torchtitan's layer SAC)."""
+    compile: bool = False
+    """torch.compile (inductor) of each block and of the loss, as torchtune's compile_model /
+    compile_loss and torchtitan's compile.components ["model", "loss"] do."""
+    float8: bool = False
+    """torchao float8 training of the linear layers: it saves the high-precision inputs, so
+    the kept activations are bf16's (measured); its fp8 casts are transient."""
+    offload_activations: bool = False
+    """torchtune's OffloadActivations: saved tensors moved to host memory in forward."""
+    optimizer_in_backward: bool = False
+    """The optimizer steps each parameter inside backward (torchtune's optimizer_in_bwd)."""
+    recipe: str = "plain"
+    """The framework whose defaults filled the flags not given explicitly."""
+
+    def __post_init__(self):
+        _check_choice(self.logits, LOGITS, "logits")
+        _check_choice(self.loss, LOSSES, "loss")
+        _check_choice(self.ac, AC_POLICIES, "ac")
+        _check_choice(self.recipe, RECIPES, "recipe")
+        _check_positive(self, "loss_chunks", "ac_every")
+        for name in _FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise MemplanError(f"{name.replace('_', '-')} must be true or false, got {getattr(self, name)!r}")
+        if self.ac == "none" and self.ac_every != 1:
+            raise MemplanError(f"ac-every {self.ac_every} needs an AC policy: one of {', '.join(AC_POLICIES[1:])}")
+
+
+_SETTINGS = tuple(f.name for f in fields(Loop) if f.name != "recipe")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Convention:
+    """One setting in force and where it came from."""
+
+    setting: str
+    value: str
+    origin: str
+    """``explicit`` or ``recipe <name>``."""
+    source: str
+    """The framework file and line the recipe's value was read from; "" when explicit."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resolved:
+    loop: Loop
+    conventions: tuple[Convention, ...]
+    """Every Loop setting, in field order."""
+    elsewhere: tuple[Convention, ...]
+    """Recipe settings that live outside the loop (optimizer implementation, FSDP reshard policy)."""
+
+    def describe(self) -> str:
+        """``recipe torchtitan: logits freed, loss ce, ac op, ...; explicit: ac full``."""
+        by_origin: dict[str, list[str]] = {}
+        for c in self.conventions + self.elsewhere:
+            by_origin.setdefault(c.origin, []).append(f"{c.setting.replace('_', '-')} {c.value}")
+        return "; ".join(f"{origin}: {', '.join(items)}" for origin, items in by_origin.items())
+
+
+def _parse(setting: str, text: str):
+    if setting in _FLAGS:
+        if text not in ("true", "false"):
+            raise MemplanError(f"recipes.csv: {setting} {text!r} is not true or false")
+        return text == "true"
+    return int(text) if setting in ("loss_chunks", "ac_every") else text
+
+
+def _show(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+@cache
+def recipe_rows() -> dict[str, dict[str, tuple[str, str]]]:
+    """recipe -> setting -> (value text, source), every recipe carrying every Loop setting."""
+    rows: dict[str, dict[str, tuple[str, str]]] = {}
+    for row in read_table("recipes.csv"):
+        rows.setdefault(row["recipe"], {})[row["setting"]] = (row["value"], row["source"])
+    for recipe in RECIPES:
+        missing = [s for s in _SETTINGS if s not in rows.get(recipe, {})]
+        if missing:
+            raise MemplanError(f"recipes.csv: recipe {recipe!r} lacks {', '.join(missing)}")
+    return rows
+
+
+def resolve(recipe: str = "plain", **explicit) -> Resolved:
+    """The Loop a recipe sets, with every explicitly given setting (not None) winning."""
+    _check_choice(recipe, RECIPES, "recipe")
+    unknown = sorted(set(explicit) - set(_SETTINGS))
+    if unknown:
+        raise MemplanError(f"loop setting {unknown[0]!r} is not one of: {', '.join(_SETTINGS)}")
+    table = recipe_rows()[recipe]
+    values, conventions = {}, []
+    for setting in _SETTINGS:
+        if explicit.get(setting) is not None:
+            values[setting] = explicit[setting]
+            origin, source = "explicit", ""
+        else:
+            text, source = table[setting]
+            values[setting], origin = _parse(setting, text), f"recipe {recipe}"
+        conventions.append(Convention(setting=setting, value=_show(values[setting]), origin=origin, source=source))
+    elsewhere = tuple(Convention(setting=s, value=v, origin=f"recipe {recipe}", source=src)
+                      for s, (v, src) in table.items() if s not in _SETTINGS)
+    return Resolved(loop=Loop(recipe=recipe, **values), conventions=tuple(conventions), elsewhere=elsewhere)

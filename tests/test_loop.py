@@ -1,0 +1,409 @@
+"""The loop's conventions: validation, recipes, and the loss / checkpointing models
+measured against the frameworks' own code on CPU (MemTracker, saved-tensor hooks)."""
+import importlib.util
+import pathlib
+
+import pytest
+
+from memplan.checkpointing import checkpointed, compiled_block_saved, num_checkpointed, op_sac_kept
+from memplan.errors import MemplanError
+from memplan.loop import _SETTINGS, RECIPES, Loop, recipe_rows, resolve
+from memplan.loss import logits_live, loss_saved
+from memplan.specs import ModelSpec, TrainSpec
+
+
+@pytest.mark.parametrize("field,value", [
+    ("logits", "dropped"), ("loss", "liger"), ("ac", "layer"), ("recipe", "megatron"),
+    ("loss_chunks", 0), ("ac_every", -1), ("compile", "yes"), ("offload_activations", 1),
+])
+def test_bad_loop_setting_is_one_line_error_naming_it(field, value):
+    with pytest.raises(MemplanError) as err:
+        Loop(**{field: value})
+    message = str(err.value)
+    assert "\n" not in message and field.replace("_", "-") in message and repr(value) in message
+
+
+def test_ac_every_needs_a_policy():
+    with pytest.raises(MemplanError, match="ac-every 2 needs an AC policy"):
+        Loop(ac_every=2)
+
+
+def test_every_recipe_sets_every_setting_with_a_source():
+    rows = recipe_rows()
+    for recipe in RECIPES:
+        assert all(rows[recipe][s][1] for s in _SETTINGS), recipe
+        assert resolve(recipe).loop.recipe == recipe
+
+
+def test_explicit_flags_win_and_say_so():
+    resolved = resolve("torchtitan", ac="full", logits=None)
+    assert (resolved.loop.ac, resolved.loop.logits) == ("full", "freed")
+    origins = {c.setting: c.origin for c in resolved.conventions}
+    assert origins["ac"] == "explicit" and origins["logits"] == "recipe torchtitan"
+    assert resolved.describe().startswith("recipe torchtitan: logits freed, loss ce")
+    assert resolved.describe().endswith("explicit: ac full")
+
+
+def test_recipe_defaults_as_the_frameworks_define_them():
+    assert (resolve("torchtitan").loop.ac, resolve("torchtune").loop.loss) == ("op", "chunked-ce")
+    assert [r for r in RECIPES if resolve(r).loop.logits == "kept"] == ["plain", "accelerate"]
+
+
+def test_unknown_setting_or_recipe_is_refused():
+    with pytest.raises(MemplanError, match="loop setting 'checkpoint'"):
+        resolve("plain", checkpoint="full")
+    with pytest.raises(MemplanError, match="recipe 'nemo'"):
+        resolve("nemo")
+
+
+def test_layer_sac_checkpoints_every_nth_block_counting_from_one():
+    assert [i for i in range(7) if checkpointed(i, 3)] == [2, 5]
+    assert num_checkpointed(7, 3) == 2 and num_checkpointed(4, 1) == 4
+
+
+# -- measured against the real implementations ---------------------------------------------
+torch = pytest.importorskip("torch")
+
+
+def _model(arch="llama", kv=8, vocab=512):
+    return ModelSpec(arch=arch, num_layers=1, hidden=128, num_heads=8, num_kv_heads=kv, ffn_hidden=344,
+                     vocab_size=vocab, linear_bias=arch != "llama")
+
+
+def _dtype(precision):
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+class _Live:
+    """MemTracker's live CPU bytes beyond what existed on entry (the tracked externals),
+    and their peak since ``mark``."""
+
+    def __init__(self, *external):
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        self.tracker, self.cpu = MemTracker(), torch.device("cpu")
+        self.tracker.track_external(*external)
+
+    def __enter__(self):
+        self.tracker.__enter__()
+        self.base = self.current()
+        self.mark()
+        return self
+
+    def __exit__(self, *exc):
+        self.tracker.__exit__(*exc)
+
+    def current(self) -> int:
+        return self.tracker.get_tracker_snapshot("current")[self.cpu]["Total"]
+
+    def mark(self):
+        self.tracker._peak_mem = {self.cpu: self.current()}
+
+    def peak(self) -> int:
+        return self.tracker._peak_mem[self.cpu] - self.base
+
+
+def _torchtune_chunked_loss():
+    """torchtune's own CEWithChunkedOutputLoss, loaded from its file: the package's
+    __init__ needs a torchao that has nf4tensor, which this environment's lacks."""
+    spec = importlib.util.find_spec("torchtune")
+    if spec is None:
+        pytest.skip("torchtune is not installed")
+    path = pathlib.Path(spec.origin).parent / "modules" / "loss" / "ce_chunked_output_loss.py"
+    module_spec = importlib.util.spec_from_file_location("_torchtune_ce_chunked", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.CEWithChunkedOutputLoss
+
+
+def _logits(model, train, loop):
+    """The head's output as torchtune's model returns it: one tensor, or one per chunk."""
+    dtype = _dtype(train.precision)
+    hidden = torch.randn(train.micro_batch, train.seq_len, model.hidden, dtype=dtype, requires_grad=True)
+    head = torch.nn.Linear(model.hidden, model.vocab_size, bias=False).to(dtype).requires_grad_(False)
+    parts = hidden.chunk(loop.loss_chunks, dim=1) if loop.loss == "chunked-ce" else [hidden]
+    return hidden, head, [head(p) for p in parts]
+
+
+def _loss(model, loop, logits, labels):
+    if loop.loss == "chunked-ce":
+        return _torchtune_chunked_loss()(num_output_chunks=loop.loss_chunks)(logits, labels)
+    # transformers' ForCausalLMLoss: cross-entropy on the logits upcast to fp32
+    return torch.nn.functional.cross_entropy(logits[0].float().view(-1, model.vocab_size), labels.view(-1))
+
+
+LOSS_CASES = [(loss, chunks, precision, b) for loss, chunks in (("ce", 1), ("chunked-ce", 8), ("chunked-ce", 3),
+                                                                ("chunked-ce", 5))
+              for precision in ("fp32", "bf16") for b in (1, 2)]
+# the loss's scalars (one per chunk, the token count, the gradient seed) are not modelled
+SCALAR_SLACK_BYTES = 64
+
+
+@pytest.mark.parametrize("loss,chunks,precision,b", LOSS_CASES)
+def test_loss_bytes_match_memtracker(loss, chunks, precision, b):
+    model, loop = _model(), Loop(loss=loss, loss_chunks=chunks)
+    train = TrainSpec(seq_len=64, micro_batch=b, precision=precision, device="cpu")
+    forward, backward = loss_saved(model, train, loop)
+    torch.manual_seed(0)
+    hidden, head, logits = _logits(model, train, loop)
+    labels = torch.randint(0, model.vocab_size, (b, train.seq_len))
+    with _Live(hidden, head, labels, *logits) as live:
+        out = _loss(model, loop, logits, labels)
+        measured_forward = live.peak()
+        live.mark()
+        out.backward()
+        measured_backward = live.peak()
+    assert 0 <= measured_forward - sum(s.bytes for s in forward) <= SCALAR_SLACK_BYTES
+    assert 0 <= measured_backward - sum(s.bytes for s in backward) <= SCALAR_SLACK_BYTES
+
+
+@pytest.mark.parametrize("loss", ["ce", "chunked-ce"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_freed_logits_are_gone_when_the_caller_drops_them(loss, precision):
+    """What `del logits` (torchtitan, torchtune) frees before backward: the whole logits
+    tensor, because nothing autograd saved refers to it."""
+    model, train = _model(), TrainSpec(seq_len=64, micro_batch=2, precision=precision, device="cpu")
+    kept, freed = (Loop(loss=loss, logits=held) for held in ("kept", "freed"))
+    expected = (sum(s.bytes for s in logits_live(model, train, kept, instant="loss")) -
+                sum(s.bytes for s in logits_live(model, train, freed, instant="loss")))
+    labels = torch.randint(0, model.vocab_size, (2, train.seq_len))
+    hidden, head, _ = _logits(model, train, kept)
+    with _Live(hidden, head, labels) as live:
+        parts = hidden.chunk(kept.loss_chunks, dim=1) if loss == "chunked-ce" else [hidden]
+        logits = [torch.nn.functional.linear(p, head.weight) for p in parts]  # the head, untracked as a module
+        out = _loss(model, kept, logits, labels)
+        before = live.current()
+        del logits
+        assert before - live.current() == expected
+        out.backward()
+
+
+def test_fused_linear_ce_has_no_logits_tensor():
+    model, train = _model(vocab=32000), TrainSpec(seq_len=512, micro_batch=2, precision="bf16", device="cpu")
+    fused, ce = Loop(loss="fused-linear-ce"), Loop()
+    assert logits_live(model, train, fused, instant="forward") == []
+    t_v = train.micro_batch * train.seq_len * model.vocab_size
+    assert all(s.bytes < t_v for part in loss_saved(model, train, fused) for s in part)
+    at_backward = [sum(s.bytes for s in loss_saved(model, train, loop)[1]) for loop in (fused, ce)]
+    assert at_backward[0] < at_backward[1]
+
+
+def _titan_selective_ac():
+    ac = pytest.importorskip("torchtitan.distributed.activation_checkpoint")
+    return ac.SelectiveAC(ac.SelectiveAC.Config())
+
+
+OP_CASES = [(arch, precision, attention, kv)
+            for arch in ("llama", "gpt2", "neox") for precision in ("fp32", "bf16")
+            for attention in ("sdpa", "eager") for kv in ((8, 2) if arch == "llama" else (8,))]
+
+
+@pytest.mark.parametrize("arch,precision,attention,kv", OP_CASES)
+def test_op_sac_matches_torchtitans_policy(arch, precision, attention, kv):
+    """torchtitan's own SelectiveAC wraps the reference block; what stays live after its
+    forward (the SAC cache) is the model's list, less the checkpoint input (the caller's)."""
+    from calibrate.workloads import Block, rotary_tables
+
+    model = _model(arch, kv)
+    train = TrainSpec(seq_len=64, micro_batch=2, precision=precision, attention=attention, device="cpu")
+    block = Block(model, attention=attention, selective_ac=False).to(_dtype(precision))
+    block = _titan_selective_ac()._wrap_block(block)
+    x = torch.randn(2, 64, model.hidden, dtype=_dtype(precision), requires_grad=True)
+    rotary = rotary_tables(64, model.head_dim, "cpu") if arch != "gpt2" else (None, None)
+    with _Live(block, x, *(t for t in rotary if t is not None)) as live:
+        y = block(x, *rotary)
+        measured = live.current() - live.base - y.untyped_storage().nbytes()
+    kept = op_sac_kept(model, train)
+    assert kept[0].name == "checkpointed block input"
+    assert measured == sum(s.bytes for s in kept[1:])
+
+
+def test_layer_sac_keeps_full_ac_inputs_and_plain_blocks():
+    """Four bf16 llama blocks, every second checkpointed (torchtitan's layer SAC rule):
+    two keep their whole saved list, two only their input."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from calibrate.workloads import Block, rotary_tables
+    from memplan.checkpointing import block_kept_under
+
+    model, layers, loop = _model(), 4, Loop(ac="full", ac_every=2)
+    train = TrainSpec(seq_len=64, micro_batch=2, precision="bf16", device="cpu")
+    blocks = [Block(model, attention="sdpa", selective_ac=False).to(torch.bfloat16) for _ in range(layers)]
+    blocks = [checkpoint_wrapper(b) if checkpointed(i, loop.ac_every) else b for i, b in enumerate(blocks)]
+    x = torch.randn(2, 64, model.hidden, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = rotary_tables(64, model.head_dim, "cpu")
+    with _Live(*blocks, x, cos, sin) as live:
+        y = x
+        for b in blocks:
+            y = b(y, cos, sin)
+        measured = live.current() - live.base - y.untyped_storage().nbytes()
+    assert num_checkpointed(layers, loop.ac_every) == 2
+    assert measured == sum(s.bytes for i in range(layers) for s in block_kept_under(model, train, loop, i))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision,b,kv", [("fp32", 2, 2), ("bf16", 1, 8)])
+def test_compiled_block_saves_what_the_partitioner_keeps(precision, b, kv):
+    """A torch.compile'd reference llama block (CPU inductor): the distinct storages its
+    compiled autograd function saves, seen by saved-tensor hooks (MemTracker does not see
+    inside a compiled region). About a minute per case on two cores."""
+    from calibrate.workloads import Block, rotary_tables
+
+    model = _model("llama", kv)
+    train = TrainSpec(seq_len=64, micro_batch=b, precision=precision, device="cpu")
+    block = Block(model, attention="sdpa", selective_ac=False).to(_dtype(precision))
+    x = torch.randn(b, 64, model.hidden, dtype=_dtype(precision), requires_grad=True)
+    cos, sin = rotary_tables(64, model.head_dim, "cpu")
+    shared = {t.untyped_storage().data_ptr() for t in (*block.parameters(), cos, sin)}
+    compiled, seen = torch.compile(block), {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in shared:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    compiled(x, cos, sin)  # compile outside the hooks
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        compiled(x, cos, sin)
+    assert sum(seen.values()) == sum(s.bytes for s in compiled_block_saved(model, train))
+
+
+def test_by_moment_reproduces_todays_plain_loop():
+    """The plain loop (logits kept, ce) is what memory.py's moments count today."""
+    from memplan.activations import loss_saved as ce_saved
+    from memplan.activations import model_saved
+    from memplan.loss import by_moment
+
+    model, train = _model(), TrainSpec(seq_len=64, micro_batch=2, precision="bf16", device="cpu")
+    logits = [s for s in model_saved(model, train)[1] if s.name.startswith("logits")]
+    forward, backward = ce_saved(model, train)
+    moments = by_moment(model, train, Loop())
+    bytes_of = lambda saved: sum(s.bytes for s in saved)
+    assert bytes_of(moments["forward"]) == bytes_of(logits + forward)
+    assert bytes_of(moments["loss"]) == bytes_of(logits + backward)
+    assert bytes_of(moments["block"]) == bytes_of(logits)
+    assert by_moment(model, train, Loop(logits="freed"))["block"] == []
+
+
+def test_optimizer_in_backward_holds_one_gradient_at_a_time():
+    """torchtune's register_optim_in_bwd_hooks (training/memory.py, replicated: its package
+    does not import here): each parameter steps and drops its gradient in its
+    post-accumulate-grad hook, so the largest parameter's gradient is the most that
+    exists, never the full set."""
+    from calibrate.workloads import CausalLM
+
+    spec = ModelSpec(num_layers=2, hidden=128, num_heads=8, num_kv_heads=2, ffn_hidden=344, vocab_size=512)
+    model = CausalLM(spec)
+    optimizers = {p: torch.optim.AdamW([p], foreach=False) for p in model.parameters()}
+    peak = [0]
+
+    def step(p):
+        peak[0] = max(peak[0], sum(q.grad.nbytes for q in model.parameters() if q.grad is not None))
+        optimizers[p].step()
+        optimizers[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    ids = torch.randint(0, spec.vocab_size, (2, 64))
+    loss, _ = model(ids, ids)
+    loss.backward()
+    assert peak[0] == 4 * max(p.numel() for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_compiled_chunked_loss_saves_the_logits_and_row_statistics(precision):
+    """torchtune's compile_loss (training/_compile.py) compiles compute_cross_entropy of its
+    chunked loss: inductor saves the logit chunks themselves (so `del logits` frees nothing
+    until the loss's backward), two fp32 numbers per token, and the labels. About a
+    minute on two cores."""
+    model, train = _model(), TrainSpec(seq_len=64, micro_batch=2, precision=precision, device="cpu")
+    loop = Loop(loss="chunked-ce", loss_chunks=4, compile=True, logits="freed")
+    loss_fn = _torchtune_chunked_loss()(num_output_chunks=loop.loss_chunks)
+    loss_fn.compute_cross_entropy = torch.compile(loss_fn.compute_cross_entropy)
+    labels = torch.randint(0, model.vocab_size, (2, 64))
+    loss_fn(_logits(model, train, loop)[2], labels).backward()  # compile outside the hooks
+    logits = _logits(model, train, loop)[2]
+    logit_storages = {t.untyped_storage().data_ptr() for t in logits}
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_fn(logits, labels)
+    held = sum(n for ptr, n in seen.items() if ptr in logit_storages)
+    rest = sum(n for ptr, n in seen.items() if ptr not in logit_storages)
+    assert held == sum(s.bytes for s in logits_live(model, train, loop, instant="loss"))
+    assert 0 <= rest - sum(s.bytes for s in loss_saved(model, train, loop)[0]) <= SCALAR_SLACK_BYTES
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_op_sac_block_backward_peaks_where_full_ac_does(precision, attention):
+    """One block's backward under torchtitan's SelectiveAC and under a full checkpoint:
+    the same measured peak, and the model's kept + transient agree."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from calibrate.workloads import Block, rotary_tables
+    from memplan.checkpointing import block_kept_under, block_transient_under
+
+    model = _model("llama", 2)
+    train = TrainSpec(seq_len=64, micro_batch=2, precision=precision, attention=attention, device="cpu")
+
+    def backward_peak(wrap):
+        torch.manual_seed(0)
+        block = wrap(Block(model, attention=attention, selective_ac=False).to(_dtype(precision)))
+        x = torch.randn(2, 64, model.hidden, dtype=_dtype(precision), requires_grad=True)
+        rotary = rotary_tables(64, model.head_dim, "cpu")
+        with _Live(block, x, *rotary) as live:
+            y = block(x, *rotary)
+            seed = torch.ones_like(y)
+            live.mark()
+            y.backward(seed)
+            return live.peak()
+
+    def modelled(ac):
+        loop = Loop(ac=ac)
+        return sum(s.bytes for s in block_kept_under(model, train, loop, 0) + block_transient_under(model, train, loop, 0))
+
+    assert backward_peak(lambda b: _titan_selective_ac()._wrap_block(b)) == backward_peak(checkpoint_wrapper)
+    assert modelled("op") == modelled("full")
+
+
+def test_float8_training_keeps_what_bf16_keeps():
+    """torchao's Float8Linear (float8_linear.py matmul_with_hp_or_float8_args) saves its
+    high-precision input and weight and casts them again in backward, so a block's saved
+    bytes do not change (measured: torchao 0.18 runs its float8 matmuls on CPU)."""
+    float8 = pytest.importorskip("torchao.float8")
+    from calibrate.workloads import Block, rotary_tables
+    from memplan.activations import block_saved
+
+    model = ModelSpec(num_layers=1, hidden=128, num_heads=8, num_kv_heads=2, ffn_hidden=384, vocab_size=512)
+    train = TrainSpec(seq_len=64, micro_batch=2, precision="bf16", device="cpu")
+    block = float8.convert_to_float8_training(Block(model, attention="sdpa", selective_ac=False).to(torch.bfloat16))
+    x = torch.randn(2, 64, model.hidden, dtype=torch.bfloat16, requires_grad=True)
+    rotary = rotary_tables(64, model.head_dim, "cpu")
+    shared = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *rotary)}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in shared:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, *rotary)
+    assert type(block.attn.q_proj).__name__ == "Float8Linear"
+    assert sum(seen.values()) == sum(s.bytes for s in block_saved(model, train))
+
+
+def test_op_sac_and_compile_refuse_what_they_do_not_model():
+    gpt2 = ModelSpec(arch="gpt2", num_layers=1, hidden=128, num_heads=8, ffn_hidden=512, vocab_size=512,
+                     linear_bias=True, dropout=0.1)
+    with pytest.raises(MemplanError, match="math path"):
+        op_sac_kept(gpt2, TrainSpec(seq_len=64, micro_batch=2, precision="fp32", device="cpu"))
+    with pytest.raises(MemplanError, match="not gpt2"):
+        compiled_block_saved(gpt2, TrainSpec(seq_len=64, micro_batch=2, precision="fp32"))
