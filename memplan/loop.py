@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from functools import cache
 
 from .catalog import read_table
-from .errors import MemplanError
+from .errors import InputError, MemplanError
 from .specs import _check_choice, _check_positive
 
 LOGITS = ("kept", "freed")
@@ -61,8 +61,10 @@ class Loop:
         _check_choice(self.recipe, RECIPES, "recipe")
         _check_positive(self, "loss_chunks", "ac_every")
         for name in _FLAGS:
-            if not isinstance(getattr(self, name), bool):
-                raise MemplanError(f"{name.replace('_', '-')} must be true or false, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise InputError(lambda n, name=name, value=value: f"{n.word(name)} must be true or false, got {value!r}",
+                                 field=name, value=value, accepted="true or false")
         if self.ac == "none" and self.ac_every != 1:
             raise MemplanError(f"ac-every {self.ac_every} needs an AC policy: one of {', '.join(AC_POLICIES[1:])}")
 
