@@ -241,7 +241,7 @@ def _execute(case: Case, timeout_s: float) -> dict:
         with open(log, "wb") as log_file:
             try:
                 code = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                      timeout=timeout_s).returncode
+                                      timeout=timeout_s, check=False).returncode
             except subprocess.TimeoutExpired:
                 return {"status": "timeout", "measurement": None, "error": f"no result after {timeout_s:g} s"}
         if result.exists():
