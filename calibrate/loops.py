@@ -166,7 +166,8 @@ def apply_ac(model: LoopLM, ac: str, loop: Loop) -> None:
         return
     if ac != "full":
         raise ValueError(f"activation checkpointing {ac!r} is not one of: {', '.join(AC_POLICIES)}")
-    model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # transformers 5's name for gradient_checkpointing_enable (the old name warns, same code)
+    model.hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _shifted(ids: torch.Tensor) -> torch.Tensor:
