@@ -34,9 +34,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from memplan.precision import POLICIES
 from memplan.specs import Job, ModelSpec
 
-from .measure import Measurement, _CpuMeter, _optimizer, _wrap, compute_dtype
+from .measure import Measurement, _CpuMeter, _optimizer
+from .wrappers import DTYPES, wrap
 from .workloads import hf_config
 
 LOOP_KEYS = ("logits", "loss", "loss_chunks", "ac", "ac_every", "compile", "offload_activations",
@@ -253,16 +255,17 @@ def run(job: Job, loop: Loop, *, hf_type: str, ac: str, emulated: bool, steps: i
         raise ValueError("steps must exceed warmup: the measured step needs optimizer states")
     torch.manual_seed(dist.get_rank() if dist.is_initialized() else 0)
     train = job.train
+    policy = POLICIES[train.precision]
     meter = _CpuMeter()
     ids = torch.randint(0, job.model.vocab_size, (train.micro_batch, train.seq_len))
     phase_peaks: dict[str, int] = {}
     times = []
     with meter:
         model = LoopLM(job.model, hf_type=hf_type, attention=train.attention,
-                       autocast_dtype=compute_dtype(train.precision) if train.precision.startswith("amp") else None)
+                       autocast_dtype=DTYPES[policy.compute_dtype] if policy.autocast else None)
         apply_ac(model, ac, loop)
         hf_model = model.hf
-        model = _wrap(model, job, emulated)
+        model = wrap(model, job, emulated)
         optimizer = _optimizer(model, job)
         step = make_step(loop, model, hf_model, train.micro_batch)
         for index in range(steps):
