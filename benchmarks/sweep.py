@@ -5,9 +5,9 @@ estimate for comparison.
 """
 import time
 
+from memplan.grid import sweep
 from memplan.inputs import build_jobs
 from memplan.memory import estimate
-from memplan.grid import sweep
 
 GRID = dict(params=[1e9, 7e9, 13e9, 70e9], gpus=[8, 16, 64, 256], precision=["mixed-bf16", "bf16", "fp32"],
             ac=["none", "selective", "full"], micro_batch=list(range(1, 65)),

@@ -13,7 +13,6 @@ import io
 import json
 import statistics
 
-
 from memplan.columns import render_columns
 from memplan.errors import MemplanError
 

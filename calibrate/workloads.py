@@ -86,10 +86,7 @@ class Attention(nn.Module):
         q, k, v = (t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v))
         if cos is not None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.selective_ac:
-            out = checkpoint(self.core, q, k, v, use_reentrant=False)
-        else:
-            out = self.core(q, k, v)
+        out = checkpoint(self.core, q, k, v, use_reentrant=False) if self.selective_ac else self.core(q, k, v)
         out = out.transpose(1, 2).reshape(b, s, -1)
         return self.resid_dropout(self.o_proj(out))
 
@@ -155,7 +152,7 @@ class CausalLM(nn.Module):
         self.rotary = spec.arch in ("llama", "neox")
 
     def forward(self, input_ids, labels):
-        b, s = input_ids.shape
+        _b, s = input_ids.shape
         x = self.embed_tokens(input_ids)
         if self.embed_positions is not None:
             x = x + self.embed_positions(torch.arange(s, device=input_ids.device))

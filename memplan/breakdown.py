@@ -77,7 +77,7 @@ class Fit(ABC):
 class Estimate(Fit):
     """Peak per-GPU memory of one configuration."""
 
-    job: "object"
+    job: object
     peak: Moment
     moments: tuple[Moment, ...]
     overhead: tuple[Term, ...]

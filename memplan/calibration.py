@@ -145,8 +145,9 @@ class Calibration:
 def load(path: str | Path) -> Calibration:
     try:
         data = json.loads(Path(path).read_text())
-        corrections = tuple(Correction(**{**c, "throughput": tuple(ThroughputFit(**t) for t in c.get("throughput", ()))})
-                            for c in data["corrections"])
+        corrections = tuple(
+            Correction(**{**c, "throughput": tuple(ThroughputFit(**t) for t in c.get("throughput", ()))})
+            for c in data["corrections"])
     except FileNotFoundError:
         raise MemplanError(f"--calibration {str(path)!r}: no such file") from None
     except (ValueError, KeyError, TypeError) as exc:

@@ -43,7 +43,7 @@ def positive_int(value, *, what: str, maximum: float = 1e18) -> int:
         raise MemplanError(f"{what} must be a positive number below {maximum:.0e}, got {value!r}")
     if number != int(number) and number < 1e6:
         raise MemplanError(f"{what} must be a whole number, got {value!r}")
-    return int(round(number))
+    return round(number)
 
 
 def gib(num_bytes: int) -> float:

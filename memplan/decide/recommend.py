@@ -10,8 +10,20 @@ from ..specs import Job
 from ..throughput import Link
 from ..units import GIB
 from .fixes import Fix, fixes
-from .options import (AXES, PRIORITIES, Basis, Option, Rejected, allowed_strategies, basis_for, candidate_jobs,
-                      rank, ranked, reject, search_options)
+from .options import (
+    AXES,
+    PRIORITIES,
+    Basis,
+    Option,
+    Rejected,
+    allowed_strategies,
+    basis_for,
+    candidate_jobs,
+    rank,
+    ranked,
+    reject,
+    search_options,
+)
 from .rules import RuleVerdict, judge, rules, size_class
 
 

@@ -77,7 +77,8 @@ def _row_to_rule(row: dict[str, str]) -> Rule:
     strategies = tuple(s for s in row["strategy"].split("|") if s)
     for s in strategies:
         if s not in STRATEGIES:
-            raise MemplanError(f"tables/rules.csv row {row['id']}: strategy {s!r} is not one of: {', '.join(STRATEGIES)}")
+            raise MemplanError(f"tables/rules.csv row {row['id']}: strategy {s!r} is not one of: "
+                               f"{', '.join(STRATEGIES)}")
     return Rule(
         id=row["id"], kind=row["kind"], min_params=_num(row["min_params"]), max_params=_num(row["max_params"]),
         min_gpu_mem_gib=_num(row["min_gpu_mem_gib"]), max_gpu_mem_gib=_num(row["max_gpu_mem_gib"]),
