@@ -4,6 +4,7 @@ tensors are the ones memplan's activation model counts."""
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -201,7 +202,7 @@ def image_side(spec: ModelSpec) -> int:
 
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks: the FSDP units and the AC units."""
-    return list(model.layers)
+    return list(cast(nn.ModuleList, model.layers))  # nn.Module.__getattr__ is typed Tensor | Module
 
 
 _HF_TYPES = {"llama": "llama", "gpt2": "gpt2", "neox": "gpt_neox"}
@@ -238,7 +239,8 @@ def _hf_vit_config(spec: ModelSpec, *, attention: str):
 
     config = ViTConfig(hidden_size=spec.hidden, num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
                        intermediate_size=spec.ffn_hidden, hidden_act=spec.activation, image_size=image_side(spec),
-                       patch_size=spec.patch_size, num_channels=spec.image_channels, num_labels=spec.vocab_size,
+                       patch_size=spec.patch_size, num_channels=spec.image_channels,
+                       num_labels=spec.vocab_size,  # type: ignore[call-arg]  # a PretrainedConfig keyword, not in the stub
                        hidden_dropout_prob=spec.dropout, attention_probs_dropout_prob=spec.dropout)
     config._attn_implementation = attention
     return config
