@@ -39,11 +39,11 @@ def main(repeats: int = 3) -> None:
     for strategy in ("ddp", "fsdp-full-shard"):
         for mode in ("local", "emulate"):
             run = Run(job=job(strategy), mode=mode)
-            end_to_end_s, outcome = timed(lambda: runs.execute(run, timeout_s=300), repeats)
+            end_to_end_s, outcome = timed(lambda run=run: runs.execute(run, timeout_s=300), repeats)
             if mode == "local":
-                alone_s, m = timed(lambda: launch.local(run.job, nprocs=2)[0], repeats)
+                alone_s, m = timed(lambda run=run: launch.local(run.job, nprocs=2)[0], repeats)
             else:
-                alone_s, m = timed(lambda: launch.emulate(run.job, world_size=2), repeats)
+                alone_s, m = timed(lambda run=run: launch.emulate(run.job, world_size=2), repeats)
             print(f"  {strategy:16s} {mode:8s} end to end {end_to_end_s:6.2f} s   measurement alone "
                   f"{alone_s:6.2f} s   peak {m.peak_allocated_bytes:,} B ({outcome['status']}, "
                   f"child's peak {outcome['measurement']['peak_allocated_bytes']:,} B)")

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memplan import catalog
-from memplan.calibration import (GROUPS, Calibration, Correction, Observation, ThroughputFit, group_bytes,
-                                 same_device)
+from memplan.calibration import GROUPS, Calibration, Correction, Observation, ThroughputFit, group_bytes, same_device
 from memplan.errors import MemplanError
 from memplan.memory import estimate
 from memplan.throughput import comm_seconds, flops_per_token, link_for

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,8 @@ class Measurement:
 
 def _optimizer(model: nn.Module, job: Job) -> torch.optim.Optimizer:
     name, impl = job.train.optimizer, job.train.optimizer_impl
-    flags = {"foreach": impl == "foreach", "fused": impl == "fused" or None}
+    # keyword flags shared by torch's optimizers (each constructor types them apart)
+    flags: dict[str, Any] = {"foreach": impl == "foreach", "fused": impl == "fused" or None}
     if impl == "fused":
         flags["foreach"] = None
     params = model.parameters()

@@ -107,7 +107,7 @@ class Run:
                 "workload": self.workload, "layers_scaled": self.layers_scaled}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Run":
+    def from_dict(cls, data: dict) -> Run:
         return cls(job=job_from_spec(data["spec"]), mode=data["mode"], steps=data["steps"],
                    warmup=data["warmup"], workload=data["workload"],
                    layers_scaled=data.get("layers_scaled", False))

@@ -13,7 +13,6 @@ import io
 import json
 import statistics
 
-
 from memplan.errors import MemplanError
 
 from .records import STATUSES, describe, estimate_summary, job_from_spec

@@ -12,6 +12,7 @@ Example usage::
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -91,10 +92,8 @@ def _child_env() -> dict:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 

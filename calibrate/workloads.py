@@ -4,6 +4,7 @@ tensors are the ones memplan's activation model counts."""
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -86,10 +87,7 @@ class Attention(nn.Module):
         q, k, v = (t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v))
         if cos is not None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.selective_ac:
-            out = checkpoint(self.core, q, k, v, use_reentrant=False)
-        else:
-            out = self.core(q, k, v)
+        out = checkpoint(self.core, q, k, v, use_reentrant=False) if self.selective_ac else self.core(q, k, v)
         out = out.transpose(1, 2).reshape(b, s, -1)
         return self.resid_dropout(self.o_proj(out))
 
@@ -155,7 +153,7 @@ class CausalLM(nn.Module):
         self.rotary = spec.arch in ("llama", "neox")
 
     def forward(self, input_ids, labels):
-        b, s = input_ids.shape
+        _b, s = input_ids.shape
         x = self.embed_tokens(input_ids)
         if self.embed_positions is not None:
             x = x + self.embed_positions(torch.arange(s, device=input_ids.device))
@@ -204,7 +202,7 @@ def image_side(spec: ModelSpec) -> int:
 
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks: the FSDP units and the AC units."""
-    return list(model.layers)
+    return list(cast(nn.ModuleList, model.layers))  # nn.Module.__getattr__ is typed Tensor | Module
 
 
 _HF_TYPES = {"llama": "llama", "gpt2": "gpt2", "neox": "gpt_neox"}
@@ -241,7 +239,8 @@ def _hf_vit_config(spec: ModelSpec, *, attention: str):
 
     config = ViTConfig(hidden_size=spec.hidden, num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
                        intermediate_size=spec.ffn_hidden, hidden_act=spec.activation, image_size=image_side(spec),
-                       patch_size=spec.patch_size, num_channels=spec.image_channels, num_labels=spec.vocab_size,
+                       patch_size=spec.patch_size, num_channels=spec.image_channels,
+                       num_labels=spec.vocab_size,  # type: ignore[call-arg]  # a PretrainedConfig keyword, not in the stub
                        hidden_dropout_prob=spec.dropout, attention_probs_dropout_prob=spec.dropout)
     config._attn_implementation = attention
     return config

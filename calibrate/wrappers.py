@@ -3,6 +3,8 @@
 (DeepSpeed) is not driven by the harness."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -54,7 +56,7 @@ def _fsdp(model: nn.Module, job: Job, emulated: bool) -> nn.Module:
         mesh = init_device_mesh(device, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device, (world,))
-    kwargs = {"mesh": mesh, "reshard_after_forward": strategy.reshard_after_forward}
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": strategy.reshard_after_forward}
     if policy.master:
         reduce = job.train.reduce_dtype
         kwargs["mp_policy"] = MixedPrecisionPolicy(

@@ -211,7 +211,7 @@ def model_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[S
     if model.arch == "llama":
         post += _norm(model, x, "final norm")
     else:
-        post += [Saved("final norm input", "r·b·s·h", x.r * t * x.h)] + _norm(model, x, "final norm")
+        post += [Saved("final norm input", "r·b·s·h", x.r * t * x.h), *_norm(model, x, "final norm")]
     if x.autocast:
         post.append(Saved("head input cast", "c·b·s·h", x.c * t * x.h))
         post.append(Saved("autocast head weight copy", "c·V·h", x.c * x.V * x.h))
@@ -262,9 +262,9 @@ def _vit_embedding_saved(model: ModelSpec, x: Shapes) -> list[Saved]:
 def _vit_live_in_backward(model: ModelSpec, x: Shapes) -> list[Saved]:
     """Live while a ViT block runs its backward, on top of the one ffn-wide temporary
     (measured: MemTracker's Temp at the DDP peak is c·b·s·f + r·b·s·h + the fc2 weight
-    gradient, which is left to the gradient terms): the gradient flowing into the block, and what the embeddings saved, which
-    the patch conv's backward frees only at the very end (the block moments of memory.py
-    keep, of what is saved outside the blocks, only the logits)."""
+    gradient, which is left to the gradient terms): the gradient flowing into the block, and
+    what the embeddings saved, which the patch conv's backward frees only at the very end
+    (the block moments of memory.py keep, of what is saved outside the blocks, only the logits)."""
     return [Saved("gradient into the block", "r·b·s·h", x.r * x.tokens * x.h), *_vit_embedding_saved(model, x)]
 
 
@@ -272,7 +272,7 @@ def _vit_head_saved(model: ModelSpec, x: Shapes) -> list[Saved]:
     """The final LayerNorm runs over every token; the classifier reads the class token only,
     a slice that pins the whole norm output, or under autocast a cast copy of that row."""
     t = x.tokens
-    post = [Saved("final norm input", "r·b·s·h", x.r * t * x.h)] + _norm(model, x, "final norm")
+    post = [Saved("final norm input", "r·b·s·h", x.r * t * x.h), *_norm(model, x, "final norm")]
     if x.autocast:
         post.append(Saved("class token cast (classifier input)", "c·b·h", x.c * x.b * x.h))
         post.append(Saved("autocast classifier weight copy", "c·V·h", x.c * x.V * x.h))

@@ -5,6 +5,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .specs import Job
 
 
 class Component(str, Enum):
@@ -77,7 +81,7 @@ class Fit(ABC):
 class Estimate(Fit):
     """Peak per-GPU memory of one configuration."""
 
-    job: "object"
+    job: Job
     peak: Moment
     moments: tuple[Moment, ...]
     overhead: tuple[Term, ...]

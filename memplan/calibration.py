@@ -87,8 +87,8 @@ class Correction:
         return round(self.offset_bytes + sum(self.scales[g] * by_group.get(g, 0) for g in GROUPS))
 
     def overhead_bytes(self, allocated_bytes: int) -> int | None:
-        if self.overhead_base_bytes is None:
-            return None
+        if self.overhead_base_bytes is None or self.overhead_per_allocated is None:
+            return None  # fitted together (calibrate.fit): both or neither
         return round(self.overhead_base_bytes + self.overhead_per_allocated * allocated_bytes)
 
     def speed(self, strategy: str) -> ThroughputFit | None:
@@ -99,8 +99,8 @@ class Correction:
         if strategy in fits or not fits:
             return fits.get(strategy)
         n = sum(t.num_records for t in fits.values())
-        with_mfu = [t for t in fits.values() if t.mfu is not None]
-        mfu = (sum(t.mfu * t.num_records for t in with_mfu) / sum(t.num_records for t in with_mfu)
+        with_mfu = [(t.mfu, t.num_records) for t in fits.values() if t.mfu is not None]
+        mfu = (sum(m * records for m, records in with_mfu) / sum(records for _, records in with_mfu)
                if with_mfu else None)
         return ThroughputFit(strategy="mean of the measured strategies", num_records=n,
                              achieved_flops=sum(t.achieved_flops * t.num_records for t in fits.values()) / n,
@@ -145,8 +145,9 @@ class Calibration:
 def load(path: str | Path) -> Calibration:
     try:
         data = json.loads(Path(path).read_text())
-        corrections = tuple(Correction(**{**c, "throughput": tuple(ThroughputFit(**t) for t in c.get("throughput", ()))})
-                            for c in data["corrections"])
+        corrections = tuple(
+            Correction(**{**c, "throughput": tuple(ThroughputFit(**t) for t in c.get("throughput", ()))})
+            for c in data["corrections"])
     except FileNotFoundError:
         raise InputError(lambda n: f"{n('calibration')} {str(path)!r}: no such file", field="calibration",
                          value=str(path), accepted="auto, none or a corrections file") from None
@@ -242,7 +243,7 @@ def resolve(job, calibration: str | None = "auto") -> tuple[Calibration, Correct
     if calibration == "auto":
         key = _device_key(job)
         loaded = shipped(key) if key else None
-        if loaded is None:
+        if key is None or loaded is None:
             return None
         device = key
     else:

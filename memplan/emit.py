@@ -18,7 +18,8 @@ from .strategies import STRATEGIES
 
 KINDS = ("fsdp2", "fsdp1", "accelerate", "deepspeed", "torchrun")
 _OWN_KINDS = {kind: write for f in FRAMEWORKS.values() for kind, write in f.emitters.items()}
-WRITES = {"fsdp2": _fsdp.FSDP2_STRATEGIES, "fsdp1": tuple(_fsdp.FSDP1_SHARDING), "deepspeed": tuple(_deepspeed.ZERO_STAGE)}
+WRITES = {"fsdp2": _fsdp.FSDP2_STRATEGIES, "fsdp1": tuple(_fsdp.FSDP1_SHARDING),
+          "deepspeed": tuple(_deepspeed.ZERO_STAGE)}
 """The strategies each framework's own form writes (accelerate and torchrun launch any)."""
 
 

@@ -7,9 +7,10 @@ every flag that is absent takes the default of the transformers config class.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .errors import MemplanError
 from .specs import ModelSpec

@@ -84,6 +84,7 @@ def model_for_params(num_params: int) -> ModelSpec:
         raise MemplanError(f"parameter count {num_params!r} is out of range; "
                            f"accepted: {MIN_PARAMS:.0e} to {MAX_PARAMS:.0e}")
     num_params = int(num_params)
+    best: ModelSpec | None
     if num_params in _LLAMA2:
         best = llama_style(*_LLAMA2[num_params])
     else:
@@ -94,6 +95,7 @@ def model_for_params(num_params: int) -> ModelSpec:
                 best = spec
             if _miss(best, num_params) <= _TOLERANCE:
                 break
+        assert best is not None  # _widths always gives candidates
     return replace(best, name=f"llama-style-{_short(num_params)} (inferred)")
 
 

@@ -23,7 +23,8 @@ from .precision import ADAM8BIT_BYTES_PER_PARAM, DTYPE_BYTES, OPTIMIZER_STATES, 
 from .specs import Job
 from .strategies import STRATEGIES
 
-P, G, O, A, B = (Component.PARAMS, Component.GRADIENTS, Component.OPTIMIZER,
+# one letter per component, as the paper's P/G/O notation (E741 dislikes the letter O)
+P, G, O, A, B = (Component.PARAMS, Component.GRADIENTS, Component.OPTIMIZER,  # noqa: E741
                  Component.ACTIVATIONS, Component.BUFFERS)
 
 

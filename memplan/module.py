@@ -75,7 +75,7 @@ def spec_from_module(module, *, num_heads: int | None = None, arch: str | None =
 
 def _from_shapes(shapes, total: int, *, num_heads: int | None, arch: str | None) -> ModelSpec:
     blocks: dict[int, list] = {}
-    root = []
+    root: list = []
     for param_name, shape in shapes:
         match = _BLOCK.search(param_name)
         (blocks.setdefault(int(match.group(1)), []) if match else root).append((param_name, shape))

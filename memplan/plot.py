@@ -85,7 +85,8 @@ def plot_fits(*, params, gpus, path=None, **sweep_kwargs):
 
     from .grid import sweep
 
-    swept = [k for k, v in sweep_kwargs.items() if isinstance(v, (list, tuple, range)) and len(v) != 1 and k != "strategy"]
+    swept = [k for k, v in sweep_kwargs.items()
+             if isinstance(v, (list, tuple, range)) and len(v) != 1 and k != "strategy"]
     if swept:
         raise MemplanError(f"plot_fits sweeps params and gpus only; give one value for: {', '.join(swept)}")
     params, gpus = _values(params), _values(gpus)

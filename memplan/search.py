@@ -136,7 +136,8 @@ def min_gpus(job: Job, strategies: list[str], *, gpus_per_node: int = 0, limit: 
           for s in strategies}
     found = [(n, s) for s, n in by.items() if n is not None]
     if not found:
-        raise MemplanError(f"nothing fits even on {limit} GPUs; try --ac full, --offload all or a smaller --micro-batch")
+        raise MemplanError(f"nothing fits even on {limit} GPUs; "
+                           "try --ac full, --offload all or a smaller --micro-batch")
     gpus, strategy = min(found, key=lambda t: t[0])
     best = with_gpus(with_strategy(job, strategy), gpus, gpus_per_node)
     return MinGpus(gpus=gpus, strategy=strategy, estimate=estimate(best), by_strategy=by)

@@ -70,8 +70,12 @@ def link_for(job: Job, *, interconnect: str | None = None, bw_gbs: float | None 
     nvlink = gpu.intra_node_bw_bytes_s / 2  # datasheets give both directions together
     multi_node = cluster.num_nodes > 1
     fabric = interconnect or ("infiniband" if multi_node else "nvlink" if gpu.interconnect == "nvlink" else "pcie")
-    fabric_bw = table[fabric] if table[fabric] is not None else nvlink
-    intra = nvlink if gpu.interconnect == "nvlink" else table["pcie"]
+    def listed_or_nvlink(name: str) -> float:
+        bw = table[name]
+        return nvlink if bw is None else bw
+
+    fabric_bw = listed_or_nvlink(fabric)
+    intra = nvlink if gpu.interconnect == "nvlink" else listed_or_nvlink("pcie")
     inter = fabric_bw
     if not multi_node and interconnect is not None:
         intra = fabric_bw

@@ -46,7 +46,7 @@ def positive_int(value, *, what: str, maximum: float = 1e18) -> int:
     if number != int(number) and number < 1e6:
         raise InputError(lambda n: f"{n.word(what)} must be a whole number, got {value!r}", field=what, value=value,
                          accepted="a whole number")
-    return int(round(number))
+    return round(number)
 
 
 def gib(num_bytes: int) -> float:

@@ -3,8 +3,8 @@ processes, the fake process group for larger worlds), measured with torch's MemT
 import pytest
 
 pytest.importorskip("torch")
-from calibrate.matrix import CASES, measure_case  # noqa: E402
-from memplan.memory import estimate  # noqa: E402
+from calibrate.matrix import CASES, measure_case
+from memplan.memory import estimate
 
 TOLERANCE = 0.05
 

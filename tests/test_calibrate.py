@@ -13,15 +13,15 @@ import time
 import pytest
 
 pytest.importorskip("torch")
-from click.testing import CliRunner  # noqa: E402
+from click.testing import CliRunner
 
-from calibrate import records  # noqa: E402
-from memplan.cli import main  # noqa: E402
-from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec  # noqa: E402
+from calibrate import records
+from memplan.cli import main
+from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
 MODEL = ["--arch", "llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "128"]
 TRAIN = ["--seq-len", "32", "--micro-batch", "2", "--precision", "fp32", "--device", "cpu", "--gpus", "2"]
-TINY = MODEL + ["--vocab", "256"] + TRAIN
+TINY = [*MODEL, "--vocab", "256", *TRAIN]
 RUN_KEYS = {"schema", "id", "mode", "steps", "warmup", "workload", "spec", "world_size", "estimate", "status",
             "error", "measurement", "device", "torch_version", "host", "finished_at", "wall_s"}
 MEASUREMENT_KEYS = {"peak_allocated_bytes", "phase", "categories", "step_time_s", "tokens_per_s", "device",
@@ -58,10 +58,10 @@ def test_records_of_real_and_emulated_runs(sweep):
     assert [(r["mode"], r["spec"]["plan"]["strategy"]) for r in recs] == [
         ("local", "ddp"), ("local", "fsdp-full-shard"), ("emulate", "ddp"), ("emulate", "fsdp-full-shard")]
     for r in recs:
-        assert RUN_KEYS <= set(r), r
+        assert set(r) >= RUN_KEYS, r
         assert r["status"] == "ok" and r["error"] is None
         m = r["measurement"]
-        assert MEASUREMENT_KEYS <= set(m)
+        assert set(m) >= MEASUREMENT_KEYS
         assert m["peak_allocated_bytes"] > 0 and m["step_time_s"] > 0 and m["tokens_per_s"] > 0
         assert m["world_size"] == r["world_size"] == 2
         assert m["emulated"] == (r["mode"] == "emulate")
@@ -160,8 +160,9 @@ def _processes_with(marker: str) -> set[int]:
     found = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if marker.encode() in open(f"/proc/{pid}/environ", "rb").read():
-                found.add(int(pid))
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                if marker.encode() in environ.read():
+                    found.add(int(pid))
         except OSError:
             pass
     return found

@@ -137,9 +137,9 @@ def test_estimate_applies_the_shipped_corrections_of_its_device_and_can_turn_the
 
 def test_a_correction_from_another_device_is_applied_with_a_warning(tmp_path):
     path = tmp_path / "a100.json"
-    other = cal.Correction(device="NVIDIA A100-SXM4-80GB", torch_version="2.13.0", scales=dict.fromkeys(cal.GROUPS, 1.0),
-                           offset_bytes=0, residual_pct=3.0, num_records=5, before_median_abs_pct=4.0,
-                           after_median_abs_pct=1.0)
+    other = cal.Correction(device="NVIDIA A100-SXM4-80GB", torch_version="2.13.0",
+                           scales=dict.fromkeys(cal.GROUPS, 1.0), offset_bytes=0, residual_pct=3.0, num_records=5,
+                           before_median_abs_pct=4.0, after_median_abs_pct=1.0)
     cal.Calibration(corrections=(other,)).save(path)
     assert "another device" in _estimate("--gpu", "h100-sxm", "--calibration", str(path)).output
     assert "fitted on this device" in _estimate("--gpu", "a100-80gb", "--calibration", str(path)).output

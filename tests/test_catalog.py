@@ -60,9 +60,9 @@ def test_gpu_rows_cite_a_datasheet_and_resolve_by_alias():
 
 
 def test_unknown_names_list_what_is_known():
-    with pytest.raises(MemplanError, match="tpu-v9.*h100-sxm"):
+    with pytest.raises(MemplanError, match=r"tpu-v9.*h100-sxm"):
         catalog.gpu("tpu-v9")
-    with pytest.raises(MemplanError, match="llama-5.*llama-2-7b"):
+    with pytest.raises(MemplanError, match=r"llama-5.*llama-2-7b"):
         catalog.model_preset("llama-5")
     with pytest.raises(MemplanError, match="no bf16"):
         catalog.gpu("v100").peak_flops("mixed-bf16")

@@ -6,8 +6,7 @@ import dataclasses
 import pytest
 
 from memplan import api, catalog, search
-from memplan.decide import (FRAMEWORKS, PRIORITIES, framework_strategies, recommend_job, rules,
-                            size_class)
+from memplan.decide import FRAMEWORKS, PRIORITIES, framework_strategies, recommend_job, rules, size_class
 from memplan.decide.options import ranked
 from memplan.errors import MemplanError
 from memplan.inputs import build_jobs
@@ -57,7 +56,8 @@ SCENARIOS = [
 def _check_verdict(v, rec):
     """Every verdict's number recomputed on its own, and its code and agreement following from it."""
     rule, close = v.rule, default("close_fraction")
-    assert (v.claimed_low, v.claimed_high) == (_claimed(rule.id, "claimed_rel_min"), _claimed(rule.id, "claimed_rel_max"))
+    assert (v.claimed_low, v.claimed_high) == (_claimed(rule.id, "claimed_rel_min"),
+                                               _claimed(rule.id, "claimed_rel_max"))
     ref = rec.best.job
     if rule.kind == "ac-cost":
         ratio = rec.basis.step(ref.with_(activation_checkpointing=rule.ac)).tokens_per_s / \
@@ -321,7 +321,8 @@ def test_estimate_json_fills_relative_throughput_and_recommendation():
     assert rel["ddp"] == 1.0 and rel["fsdp-full-shard"] < 1 < rel["fsdp-hybrid-shard"]
     rec = data["recommendation"]
     assert rec["strategy"] == "fsdp-hybrid-shard"
-    assert {"strategy", "precision", "activation_checkpointing", "offload", "micro_batch", "reasons", "rules"} <= set(rec)
+    assert {"strategy", "precision", "activation_checkpointing", "offload", "micro_batch", "reasons",
+            "rules"} <= set(rec)
     assert all(r["verdict"] == ("agrees" if r["code"] in ("within_claim", "best") or r["value"] <= r["tolerance"]
                                 else "contradicted") for r in rec["rules"] if r["code"] != "does_not_fit")
 

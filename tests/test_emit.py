@@ -124,7 +124,8 @@ def test_recommend_emit_searches_only_what_it_writes(kind, model):
     assert data["launch"] == emit(rec.best.job, kind)
     text = CliRunner().invoke(main, ["recommend", *args, "--emit", kind]).output
     # all of a framework's strategies by its name (fsdp2 does not write fsdp-no-shard: by theirs)
-    name = {"deepspeed": "deepspeed strategies", "fsdp1": "fsdp strategies"}.get(kind, ", ".join(data["searched_strategies"]))
+    own = {"deepspeed": "deepspeed strategies", "fsdp1": "fsdp strategies"}
+    name = own.get(kind, ", ".join(data["searched_strategies"]))
     assert f"  - searched only {name} (--emit {kind})\n" in text
 
 

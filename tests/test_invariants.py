@@ -1,5 +1,6 @@
 """Properties the memory model must keep for any input (hypothesis)."""
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memplan.breakdown import Component
 from memplan.memory import estimate
@@ -63,7 +64,7 @@ def test_more_sharding_never_raises_memory(model, train, log_gpus):
 
 
 @settings(max_examples=150, deadline=None)
-@given(models(), trains(activation_checkpointing="none"), st.sampled_from(SHARDED + ("ddp",)))
+@given(models(), trains(activation_checkpointing="none"), st.sampled_from((*SHARDED, "ddp")))
 def test_checkpointing_never_raises_activation_memory(model, train, strategy):
     def run(ac):
         return estimate(job(model, TrainSpec(**{**train.__dict__, "activation_checkpointing": ac}),
@@ -81,7 +82,7 @@ def test_checkpointing_never_raises_activation_memory(model, train, strategy):
 @settings(max_examples=150, deadline=None)
 # eager attention is excluded: in bf16 it keeps the fp32 softmax *and* the bf16 probs (6 bytes
 # per score against fp32's 4, measured), so a long-sequence tiny model really grows in bf16
-@given(models(), trains(precision="fp32", attention="sdpa"), st.sampled_from(SHARDED + ("ddp", "fsdp-no-shard")))
+@given(models(), trains(precision="fp32", attention="sdpa"), st.sampled_from((*SHARDED, "ddp", "fsdp-no-shard")))
 def test_bf16_never_exceeds_fp32(model, train, strategy):
     fp32 = estimate(job(model, train, strategy=strategy))
     bf16 = estimate(job(model, TrainSpec(**{**train.__dict__, "precision": "bf16"}), strategy=strategy))
@@ -90,7 +91,7 @@ def test_bf16_never_exceeds_fp32(model, train, strategy):
 
 
 @settings(max_examples=200, deadline=None)
-@given(models(), trains(), st.sampled_from(SHARDED + ("ddp", "fsdp-no-shard")), st.integers(0, 8))
+@given(models(), trains(), st.sampled_from((*SHARDED, "ddp", "fsdp-no-shard")), st.integers(0, 8))
 def test_bytes_are_integers_and_components_sum_to_total(model, train, strategy, log_gpus):
     est = estimate(job(model, train, gpus=2**log_gpus, strategy=strategy))
     by = est.by_component

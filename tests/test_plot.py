@@ -3,10 +3,10 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-import memplan  # noqa: E402
-from memplan.breakdown import Component  # noqa: E402
-from memplan.errors import MemplanError  # noqa: E402
-from memplan.units import GIB  # noqa: E402
+import memplan
+from memplan.breakdown import Component
+from memplan.errors import MemplanError
+from memplan.units import GIB
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

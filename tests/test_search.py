@@ -1,6 +1,9 @@
 """Searches are exact to the integer: the answer fits and the next step does not."""
+import itertools
+
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memplan import api
 from memplan.breakdown import Component
@@ -34,7 +37,8 @@ def test_max_micro_batch_agrees_with_an_exhaustive_scan():
 
 @settings(max_examples=80, deadline=None)
 @given(params=st.sampled_from(["125e6", "1.3e9", "7e9", "13e9"]), gpus=st.sampled_from([1, 2, 8, 64]),
-       strategy=st.sampled_from(strategies_on(2)), precision=st.sampled_from(["fp32", "amp-bf16", "mixed-bf16", "bf16"]),
+       strategy=st.sampled_from(strategies_on(2)),
+       precision=st.sampled_from(["fp32", "amp-bf16", "mixed-bf16", "bf16"]),
        ac=st.sampled_from(["none", "selective", "full"]), attention=st.sampled_from(["sdpa", "eager"]),
        seq_len=st.sampled_from([512, 2048, 8192]), gpu=st.sampled_from(["a100-40gb", "h100-sxm", "l4"]),
        limit=st.integers(1, 96), scale=st.sampled_from([0.8, 1.0, 1.3]))
@@ -60,7 +64,7 @@ def test_min_gpus_fits_and_one_fewer_does_not(params, gpu, ac):
     _, jobs = build_jobs(params=params, gpus=1, gpu=gpu, ac=ac)
     result = min_gpus(jobs[0], [j.plan.strategy for j in jobs])
     assert result.estimate.fits and result.estimate.job.cluster.gpus == result.gpus
-    count, node = gpu_counts(0)
+    count, _node = gpu_counts(0)
     index = next(i for i in range(10_000) if count(i) == result.gpus)
     if index:
         smaller = count(index - 1)
@@ -79,7 +83,7 @@ def test_memory_is_monotone_in_gpu_count(params, gpu, ac):
     for strategy in strategies_on(2):
         job = with_strategy(jobs[0], strategy)
         totals = [estimate(with_gpus(job, n)).total_bytes for n in counts]
-        assert all(a >= b for a, b in zip(totals[1:], totals[2:])), strategy
+        assert all(a >= b for a, b in itertools.pairwise(totals[1:])), strategy
         exhaustive = next((n for n, t in zip(counts, totals) if t <= job.cluster.usable_bytes), None)
         found = min_gpus_for(job, limit=counts[-1])
         assert found == exhaustive, strategy

@@ -2,7 +2,8 @@
 from functools import partial
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memplan.infer import model_for_params
 from memplan.inputs import build_jobs

@@ -25,7 +25,7 @@ def test_vit_refuses_a_seq_len_that_is_not_its_token_count():
 
 
 def test_vit_needs_a_square_patch_grid_plus_the_class_token():
-    with pytest.raises(MemplanError, match="vit max_positions must be its patch count \\+ 1 .* got 0"):
+    with pytest.raises(MemplanError, match=r"vit max_positions must be its patch count \+ 1 .* got 0"):
         ModelSpec(arch="vit", num_layers=1, hidden=64, num_heads=4, ffn_hidden=128, vocab_size=10)
 
 

@@ -8,11 +8,22 @@ changes, ``recommend`` puts them together. Every result is data (codes and numbe
 ``memplan.report`` writes the sentences.
 """
 from .fixes import Fix
-from .options import (AXES, FRAMEWORKS, PRIORITIES, Basis, Option, Rejected, allowed_strategies, basis_for,
-                      candidate_jobs, framework_strategies, simplicity_ranks)
+from .options import (
+    AXES,
+    FRAMEWORKS,
+    PRIORITIES,
+    Basis,
+    Option,
+    Rejected,
+    allowed_strategies,
+    basis_for,
+    candidate_jobs,
+    framework_strategies,
+    simplicity_ranks,
+)
 from .recommend import Reason, Recommendation, recommend_job
 from .rules import Rule, RuleVerdict, rules, size_class
 
 __all__ = ["AXES", "FRAMEWORKS", "PRIORITIES", "Basis", "Fix", "Option", "Reason", "Recommendation", "Rejected",
-           "Rule", "RuleVerdict", "allowed_strategies", "basis_for", "candidate_jobs", "framework_strategies", "recommend_job", "rules",
-           "simplicity_ranks", "size_class"]
+           "Rule", "RuleVerdict", "allowed_strategies", "basis_for", "candidate_jobs", "framework_strategies",
+           "recommend_job", "rules", "simplicity_ranks", "size_class"]

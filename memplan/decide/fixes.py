@@ -45,8 +45,9 @@ def _more_gpus(job: Job, base_fixed: dict, strategies: list[str], basis: Basis) 
     sized = job.with_(activation_checkpointing=base_fixed["ac"]).with_(
         precision=base_fixed.get("precision", job.train.precision)).with_(micro_batch=base_fixed["micro_batch"])
     try:
+        multi_node = job.cluster.gpus > job.cluster.gpus_per_node
         found = search.min_gpus(sized, strategies, fits=basis.fits,
-                                gpus_per_node=job.cluster.gpus_per_node if job.cluster.gpus > job.cluster.gpus_per_node else 0)
+                                gpus_per_node=job.cluster.gpus_per_node if multi_node else 0)
     except MemplanError as exc:  # its message names the limit
         return Fix(axis="gpus", value=None, option=None, fits=False, from_gpus=job.cluster.gpus, error=str(exc))
     return Fix(axis="gpus", value=found.gpus, option=basis.evaluate(found.estimate.job), fits=True,

@@ -236,6 +236,7 @@ class Rejected:
 def reject(option: Option, best: Option | None, priority: str) -> Rejected:
     if not option.fits:
         return Rejected(option=option, code="does_not_fit", best=best, over_by_bytes=-option.headroom_bytes)
+    assert best is not None  # an option that fits is ranked, so there is a best
     slower = slower_fraction(option, best)
     if priority == "memory":
         return Rejected(option=option, code="more_memory", best=best, slower_fraction=slower,

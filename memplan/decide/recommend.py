@@ -10,8 +10,20 @@ from ..specs import Job
 from ..throughput import Link
 from ..units import GIB
 from .fixes import Fix, fixes
-from .options import (AXES, PRIORITIES, Basis, Option, Rejected, allowed_strategies, basis_for, candidate_jobs,
-                      rank, ranked, reject, search_options)
+from .options import (
+    AXES,
+    PRIORITIES,
+    Basis,
+    Option,
+    Rejected,
+    allowed_strategies,
+    basis_for,
+    candidate_jobs,
+    rank,
+    ranked,
+    reject,
+    search_options,
+)
 from .rules import RuleVerdict, judge, rules, size_class
 
 
@@ -125,10 +137,10 @@ def recommend_job(job: Job, *, fixed: dict | None = None, priority: str = "speed
     best = fitting[0] if fitting else None
     rejected = tuple(reject(o, best, priority) for o in sorted(options, key=lambda o: (not o.fits, rank(o, priority)))
                      if best is None or o.key != best.key)
-    inputs = {"params": size_class(job.model.num_params), "gpu_mem_gib": job.cluster.gpu_mem_bytes / GIB,
-              "gpus": job.cluster.gpus, "nodes": job.cluster.num_nodes, "priority": priority,
-              "ddp_fits": _ddp_fits(job, fixed, options, basis)}
-    verdicts = tuple(judge(r, options, best, job, basis, priority, fixed) for r in rules() if r.matches(**inputs))
+    size, ddp_fits = size_class(job.model.num_params), _ddp_fits(job, fixed, options, basis)
+    verdicts = tuple(judge(r, options, best, job, basis, priority, fixed) for r in rules()
+                     if r.matches(params=size, gpu_mem_gib=job.cluster.gpu_mem_bytes / GIB, gpus=job.cluster.gpus,
+                                  nodes=job.cluster.num_nodes, priority=priority, ddp_fits=ddp_fits))
     reasons = _reasons(best, fitting, options, priority, basis, fixed, allowed)
     found = tuple(fixes(job, fixed, priority, basis, allowed)) if best is None else ()
     return Recommendation(priority=priority, basis=basis, best=best, reasons=reasons, rejected=rejected,

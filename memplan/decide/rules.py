@@ -42,7 +42,7 @@ class Rule:
     section: str
     quote: str
 
-    def matches(self, *, params: int, gpu_mem_gib: float, gpus: int, nodes: int, priority: str,
+    def matches(self, *, params: float, gpu_mem_gib: float, gpus: int, nodes: int, priority: str,
                 ddp_fits: bool) -> bool:
         """Inclusive ranges, as the seeds write them ('7-13B' and '13B+' both hold a 13B model);
         ``params`` is the size class (see ``size_class``)."""
@@ -77,7 +77,8 @@ def _row_to_rule(row: dict[str, str]) -> Rule:
     strategies = tuple(s for s in row["strategy"].split("|") if s)
     for s in strategies:
         if s not in STRATEGIES:
-            raise MemplanError(f"tables/rules.csv row {row['id']}: strategy {s!r} is not one of: {', '.join(STRATEGIES)}")
+            raise MemplanError(f"tables/rules.csv row {row['id']}: strategy {s!r} is not one of: "
+                               f"{', '.join(STRATEGIES)}")
     return Rule(
         id=row["id"], kind=row["kind"], min_params=_num(row["min_params"]), max_params=_num(row["max_params"]),
         min_gpu_mem_gib=_num(row["min_gpu_mem_gib"]), max_gpu_mem_gib=_num(row["max_gpu_mem_gib"]),
@@ -144,7 +145,9 @@ class RuleVerdict:
 
 def _claim_verdict(rule: Rule, measured: float, **fields) -> RuleVerdict:
     close = default("close_fraction")
-    ok = rule.claimed_rel_min - close <= measured <= rule.claimed_rel_max + close
+    low, high = rule.claimed_rel_min, rule.claimed_rel_max
+    assert low is not None and high is not None  # judged as a claim only where rules.csv gives one
+    ok = low - close <= measured <= high + close
     return RuleVerdict(rule=rule, agrees=ok, code="within_claim" if ok else "outside_claim", value=measured,
                        unit="x", tolerance=close, **fields)
 

@@ -109,7 +109,8 @@ def fsdp1_snippet(job, strategy) -> str:
              "    model = FSDP(",
              "        model,",
              f"        sharding_strategy=ShardingStrategy.{FSDP1_SHARDING[strategy.id]},",
-             "        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block_cls}),",
+             "        auto_wrap_policy=functools.partial("
+             "transformer_auto_wrap_policy, transformer_layer_cls={block_cls}),",
              *([f"        mixed_precision=MixedPrecision({mp}),"] if mp else []),
              f"        cpu_offload=CPUOffload(offload_params={offload}),",
              "        device_id=torch.cuda.current_device(),",
@@ -170,5 +171,6 @@ class FSDP(Framework):
         policy = POLICIES[job.train.precision]
         if not policy.autocast:
             return ""
-        return (f"# {policy.id}: wrap the forward in torch.autocast('cuda', dtype={TORCH_DTYPE[policy.compute_dtype]}); "
+        dtype = TORCH_DTYPE[policy.compute_dtype]
+        return (f"# {policy.id}: wrap the forward in torch.autocast('cuda', dtype={dtype}); "
                 "accelerate's own mixed_precision would give FSDP a MixedPrecisionPolicy (mixed-*)\n")
