@@ -16,6 +16,7 @@ PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "mixed-bf16", "mixed-fp16", "bf16"
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adam8bit")
 OPTIMIZER_IMPLS = ("foreach", "fused", "single")
 AC_MODES = ("none", "selective", "full")
+"""The policies the recommendation searches; ``loop.AC_POLICIES`` adds torchtitan's op SAC."""
 ATTENTIONS = ("sdpa", "eager")
 DEVICES = ("cuda", "cpu")
 OFFLOADS = ("none", "optimizer", "params", "all")
@@ -184,14 +185,29 @@ class TrainSpec:
     optimizer_impl: str | None = None
     """foreach | fused | single; None means torch's default on the device."""
     activation_checkpointing: str = "none"
+    """none | selective | op | full (``loop.Loop.ac``)."""
     attention: str = "sdpa"
     device: str = "cuda"
+    # the training loop's conventions (``loop.Loop``, whose docstrings say what each does)
+    logits: str = "kept"
+    loss: str = "ce"
+    loss_chunks: int = 8
+    ac_every: int = 1
+    compile: bool = False
+    float8: bool = False
+    offload_activations: bool = False
+    optimizer_in_backward: bool = False
+    recipe: str = "plain"
+    """The recipe the loop's conventions were resolved from (``loop.resolve``)."""
 
     def __post_init__(self):
         _check_positive(self, "seq_len", "micro_batch", "grad_accum")
         _check_choice(self.precision, PRECISIONS, "precision")
         _check_choice(self.optimizer, OPTIMIZERS, "optimizer")
-        _check_choice(self.activation_checkpointing, AC_MODES, "activation checkpointing")
+        from .loop import AC_POLICIES
+
+        _check_choice(self.activation_checkpointing, AC_POLICIES, "activation checkpointing")
+        self.loop  # noqa: B018 -- the loop's conventions checked
         _check_choice(self.attention, ATTENTIONS, "attention")
         _check_choice(self.device, DEVICES, "device")
         if self.reduce_dtype is not None:
@@ -204,6 +220,16 @@ class TrainSpec:
         if self.seq_len > 10_000_000 or self.micro_batch > 1_000_000:
             raise MemplanError(lambda n: f"{n.word('seq_len')} {self.seq_len} or {n.word('micro_batch')} "
                                f"{self.micro_batch} is absurd; {n.word('seq_len')} ≤ 1e7, {n.word('micro_batch')} ≤ 1e6")
+
+    @property
+    def loop(self):
+        """The training loop's conventions as a ``loop.Loop``."""
+        from .loop import Loop
+
+        return Loop(logits=self.logits, loss=self.loss, loss_chunks=self.loss_chunks, ac=self.activation_checkpointing,
+                    ac_every=self.ac_every, compile=self.compile, float8=self.float8,
+                    offload_activations=self.offload_activations, optimizer_in_backward=self.optimizer_in_backward,
+                    recipe=self.recipe)
 
     @property
     def tokens_per_micro_batch(self) -> int:
