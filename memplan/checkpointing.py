@@ -102,7 +102,7 @@ def block_kept_under(model: ModelSpec, train: TrainSpec, loop: Loop, index: int,
         return op_sac_kept(model, train)
     if policy == "none" and loop.compile:
         return compiled_block_saved(model, train, inputs_cast=inputs_cast)
-    return block_kept(model, replace(train, activation_checkpointing=policy), inputs_cast=inputs_cast)
+    return block_kept(model, replace(train, activation_checkpointing=policy, ac_every=1), inputs_cast=inputs_cast)
 
 
 def block_transient_under(model: ModelSpec, train: TrainSpec, loop: Loop, index: int, *,
@@ -112,7 +112,7 @@ def block_transient_under(model: ModelSpec, train: TrainSpec, loop: Loop, index:
     torchtitan's SelectiveAC): the recompute rebuilds the whole saved set, taking the SAC
     cache's tensors instead of recomputing them, so it needs that much less on top."""
     policy = _policy(loop, index)
-    full = block_backward_transient(model, replace(train, activation_checkpointing="full" if policy == "op" else policy),
+    full = block_backward_transient(model, replace(train, activation_checkpointing="full" if policy == "op" else policy, ac_every=1),
                                     inputs_cast=inputs_cast)
     if policy != "op":
         return full

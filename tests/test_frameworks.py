@@ -38,7 +38,7 @@ def test_each_moment_is_its_declared_groups_in_order(strategy):
 def test_the_logits_are_found_by_key_and_live_until_the_first_block_backward():
     step = Step(job("ddp"))
     t = step.job.train
-    (logits,) = step.groups()["logits"]
+    (logits,) = step.groups()["logits.forward"]
     # the head's output in the compute dtype: c·b·s·V
     assert logits.key == "logits" and logits.bytes == POLICIES[t.precision].compute_bytes * t.micro_batch * \
         t.seq_len * step.job.model.vocab_size
