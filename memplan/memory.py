@@ -22,6 +22,7 @@ from .checkpointing import (block_kept_under, block_transient_under, checkpointe
                             offloaded)
 from .errors import MemplanError
 from .frameworks.base import term
+from .loop import recipe_rows
 from .loss import FUSED_DROPS
 from .overheads import overhead_terms
 from .precision import ADAM8BIT_BYTES_PER_PARAM, DTYPE_BYTES, OPTIMIZER_STATES, POLICIES, Policy
@@ -95,6 +96,8 @@ class Step:
         self.shard_master = fw.shard_is_master and pol.master
         self.casts_block_inputs = self.shard_master and pol.compute_bytes < 4
         self.gather_bytes = pol.compute_bytes if pol.master else pol.param_bytes
+        # the recipe's FSDP units: torchtitan's wraps the embedding alone, resharded after forward
+        self.reshards_embedding = recipe_rows()[train.recipe].get("reshard_after_forward", ("all", ""))[0] == "blocks"
         reduce = train.reduce_dtype
         self.reduce_bytes = DTYPE_BYTES[reduce] if reduce else self.gather_bytes
 

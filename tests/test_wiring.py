@@ -86,3 +86,28 @@ def test_offloaded_activations_stay_as_a_stash_and_the_rest_goes_to_host():
 
 def test_the_plain_loop_carries_no_notes():
     assert estimate(_job()).notes == ()
+
+
+def test_the_header_names_each_convention_and_its_origin():
+    from memplan.loop import in_force
+
+    resolved = in_force(_job(recipe="torchtitan", ac="full").train)
+    origins = {c.setting: c.origin for c in resolved.conventions + resolved.elsewhere}
+    assert origins["ac"] == "explicit" and origins["logits"] == "recipe torchtitan"
+    assert origins["reshard_after_forward"] == "recipe torchtitan"
+    assert resolved.describe().startswith("recipe torchtitan: logits freed")
+
+
+def test_torchtitan_holds_only_the_head_unit_unsharded():
+    plain, titan = (Step(_job(recipe=r, ac="op")) for r in ("plain", "torchtitan"))
+    root = {s: next(t for t in s.framework.gathered(s, "loss") if t.key == "fsdp.root_unit") for s in (plain, titan)}
+    assert root[plain].bytes == plain.gather_bytes * plain.root_params
+    assert root[titan].bytes == titan.gather_bytes * titan.job.model.head_params()
+
+
+def test_old_records_load_with_the_plain_loop():
+    from calibrate.records import job_from_spec, spec_dict
+
+    spec = spec_dict(_job())
+    assert "logits" not in spec["train"] and job_from_spec(spec) == _job()
+    assert job_from_spec(spec_dict(_job(recipe="torchtune"))) == _job(recipe="torchtune")
