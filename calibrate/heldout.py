@@ -1,0 +1,345 @@
+"""The held-out accuracy matrix: Hugging Face models trained by real frameworks' loops,
+in shapes the tuned matrix (calibrate.matrix: hidden 256, the tiny gpt2) never used.
+
+Each case is a memplan Job as a user would type it today (its ``spec``) plus the loop that
+really ran (calibrate.loops) and its conventions (the record's ``loop``), on real gloo
+ranks (``local``) or one rank of a larger job on the fake process group (``emulate``).
+
+    python -m calibrate.heldout            # measure every case not yet recorded
+    python -m calibrate.heldout --report   # measured, estimated today, error %, peak phase
+
+Each case runs in a child process (``--case ID --result FILE``), one at a time; a crash or
+a timeout is recorded with status failed / timeout and the sweep goes on.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
+
+from . import records
+from .records import Run
+
+OUT = "docs/heldout_matrix_cpu.jsonl"
+TIMEOUT_S = 240
+STEPS, WARMUP = 2, 1
+TODAY_AC = {"none": "none", "full": "full", "op": "selective"}
+"""The --ac a user types today for each loop's policy: torchtitan's per-op SAC → selective."""
+
+LLAMA_A = ModelSpec(name="llama-h512", arch="llama", num_layers=2, hidden=512, num_heads=4, num_kv_heads=2,
+                    ffn_hidden=1408, vocab_size=32000)
+LLAMA_B = ModelSpec(name="llama-h384", arch="llama", num_layers=2, hidden=384, num_heads=6, num_kv_heads=2,
+                    ffn_hidden=1024, vocab_size=8192)
+LLAMA_V128K = ModelSpec(name="llama-h384-v128k", arch="llama", num_layers=1, hidden=384, num_heads=3,
+                        num_kv_heads=1, ffn_hidden=1024, vocab_size=128256)
+QWEN_A = ModelSpec(name="qwen2-h896", arch="llama", num_layers=2, hidden=896, num_heads=14, num_kv_heads=2,
+                   ffn_hidden=2432, vocab_size=16384, tied_embeddings=True, qkv_bias=True)
+QWEN_B = ModelSpec(name="qwen2-h448", arch="llama", num_layers=2, hidden=448, num_heads=7, num_kv_heads=1,
+                   ffn_hidden=1216, vocab_size=8192, tied_embeddings=True, qkv_bias=True)
+MISTRAL_A = ModelSpec(name="mistral-h640", arch="llama", num_layers=2, hidden=640, num_heads=5, num_kv_heads=1,
+                      ffn_hidden=1792, vocab_size=32768)
+MISTRAL_B = ModelSpec(name="mistral-h512", arch="llama", num_layers=2, hidden=512, num_heads=8, num_kv_heads=2,
+                      ffn_hidden=1536, vocab_size=8192)
+GPT2_A = ModelSpec(name="gpt2-h384", arch="gpt2", num_layers=2, hidden=384, num_heads=6, ffn_hidden=1536,
+                   vocab_size=50257, max_positions=1024, tied_embeddings=True, linear_bias=True, dropout=0.1)
+GPT2_LONG = ModelSpec(name="gpt2-h384-s2048", arch="gpt2", num_layers=1, hidden=384, num_heads=3, ffn_hidden=1536,
+                      vocab_size=8192, max_positions=2048, tied_embeddings=True, linear_bias=True)
+NEOX_A = ModelSpec(name="neox-h768", arch="neox", num_layers=2, hidden=768, num_heads=6, ffn_hidden=3072,
+                   vocab_size=12288, linear_bias=True)
+NEOX_B = ModelSpec(name="neox-h512", arch="neox", num_layers=2, hidden=512, num_heads=8, ffn_hidden=2048,
+                   vocab_size=8192, linear_bias=True)
+HF_TYPE = {"llama-h512": "llama", "llama-h384": "llama", "llama-h384-v128k": "llama", "qwen2-h896": "qwen2",
+           "qwen2-h448": "qwen2", "mistral-h640": "mistral", "mistral-h512": "mistral", "gpt2-h384": "gpt2",
+           "gpt2-h384-s2048": "gpt2", "neox-h768": "gpt_neox", "neox-h512": "gpt_neox"}
+STRATEGY = {"ddp": "ddp", "fsdp": "fsdp-full-shard", "sgo": "fsdp-shard-grad-op"}
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    job: Job
+    loop: str
+    ac: str = "none"
+    """The loop's own policy: none | full | op (torchtitan's per-op SAC)."""
+    mode: str = "emulate"
+
+    @property
+    def hf_type(self) -> str:
+        return HF_TYPE[self.job.model.name]
+
+
+def _case(loop: str, model: ModelSpec, strategy: str, precision: str, *, gpus: int, b: int, s: int,
+          ac: str = "none", mode: str = "emulate", attention: str = "sdpa") -> Case:
+    job = Job(model=model,
+              train=TrainSpec(seq_len=s, micro_batch=b, precision=precision, activation_checkpointing=TODAY_AC[ac],
+                              attention=attention, device="cpu"),
+              cluster=ClusterSpec(gpus=gpus), plan=Plan(strategy=STRATEGY[strategy]))
+    where = "g" if mode == "local" else "w"
+    name = f"{model.name}-{loop}-{strategy}-{precision}-ac{ac}-{where}{gpus}-b{b}s{s}"
+    return Case(name, job, loop, ac, mode)
+
+
+# bf16/fp16 matmuls run several times slower than fp32 on this CPU (no AVX512-BF16):
+# the low-precision cases use the smaller models and fewer tokens
+CASES = (
+    _case("plain-kept", LLAMA_A, "ddp", "fp32", gpus=2, b=2, s=256, mode="local"),
+    _case("plain-freed", LLAMA_A, "ddp", "fp32", gpus=2, b=2, s=256, mode="local"),
+    _case("hf-trainer", LLAMA_A, "ddp", "fp32", gpus=2, b=2, s=256, mode="local"),
+    _case("accelerate", LLAMA_A, "ddp", "fp32", gpus=4, b=2, s=256),
+    _case("torchtitan", LLAMA_A, "fsdp", "fp32", gpus=8, b=2, s=512, ac="op"),
+    _case("torchtitan", LLAMA_A, "sgo", "fp32", gpus=8, b=2, s=512),
+    _case("torchtune", LLAMA_A, "fsdp", "fp32", gpus=8, b=2, s=512),
+    _case("hf-trainer", LLAMA_A, "fsdp", "fp32", gpus=4, b=4, s=256, ac="full"),
+    _case("plain-kept", LLAMA_B, "ddp", "amp-bf16", gpus=2, b=1, s=128, mode="local"),
+    _case("hf-trainer", LLAMA_B, "fsdp", "amp-bf16", gpus=16, b=1, s=128),
+    _case("torchtitan", LLAMA_B, "fsdp", "mixed-bf16", gpus=32, b=1, s=256, ac="op"),
+    _case("torchtune", LLAMA_B, "fsdp", "bf16", gpus=8, b=1, s=128, ac="full"),
+    _case("plain-freed", LLAMA_B, "ddp", "bf16", gpus=4, b=1, s=128),
+    _case("plain-kept", LLAMA_B, "fsdp", "mixed-bf16", gpus=2, b=1, s=128, mode="local"),
+    _case("plain-freed", LLAMA_B, "fsdp", "fp32", gpus=4, b=8, s=128),
+    _case("plain-freed", LLAMA_V128K, "fsdp", "fp32", gpus=64, b=1, s=128),
+    _case("torchtune", LLAMA_V128K, "fsdp", "fp32", gpus=16, b=1, s=128),
+    _case("plain-kept", QWEN_A, "fsdp", "fp32", gpus=2, b=1, s=256, mode="local"),
+    _case("hf-trainer", QWEN_A, "fsdp", "fp32", gpus=8, b=2, s=256, ac="full"),
+    _case("plain-freed", QWEN_A, "ddp", "fp32", gpus=4, b=1, s=512),
+    _case("hf-trainer", QWEN_B, "ddp", "amp-fp16", gpus=4, b=1, s=128),
+    _case("plain-kept", QWEN_B, "fsdp", "mixed-fp16", gpus=8, b=1, s=128),
+    _case("torchtitan", QWEN_B, "fsdp", "bf16", gpus=16, b=1, s=128, ac="op"),
+    _case("plain-kept", MISTRAL_A, "fsdp", "fp32", gpus=16, b=1, s=1024),
+    _case("torchtitan", MISTRAL_A, "fsdp", "fp32", gpus=32, b=1, s=1024, ac="full"),
+    _case("accelerate", MISTRAL_A, "ddp", "fp32", gpus=2, b=1, s=512, mode="local"),
+    _case("hf-trainer", MISTRAL_B, "fsdp", "mixed-bf16", gpus=4, b=1, s=128, ac="full"),
+    _case("plain-freed", MISTRAL_B, "ddp", "amp-bf16", gpus=8, b=1, s=128),
+    _case("plain-kept", GPT2_A, "ddp", "fp32", gpus=2, b=2, s=256, mode="local", attention="eager"),
+    _case("hf-trainer", GPT2_A, "fsdp", "fp32", gpus=4, b=2, s=256, ac="full"),
+    _case("plain-freed", GPT2_A, "fsdp", "amp-bf16", gpus=8, b=1, s=128),
+    _case("plain-kept", GPT2_LONG, "fsdp", "fp32", gpus=4, b=1, s=2048),
+    _case("plain-kept", NEOX_A, "ddp", "fp32", gpus=8, b=2, s=256),
+    _case("hf-trainer", NEOX_A, "fsdp", "fp32", gpus=4, b=1, s=512, ac="full"),
+    _case("plain-freed", NEOX_B, "fsdp", "bf16", gpus=8, b=1, s=128),
+    _case("torchtune", NEOX_B, "ddp", "amp-fp16", gpus=4, b=1, s=128),
+    _case("hf-trainer", NEOX_B, "fsdp", "amp-fp16", gpus=16, b=1, s=128),
+)
+BY_ID = {case.id: case for case in CASES}
+
+
+def _run(case: Case) -> Run:
+    return Run(job=case.job, mode=case.mode, workload="hf", steps=STEPS, warmup=WARMUP)
+
+
+def record_id(case: Case) -> str:
+    """A record's id: its run's key with the loop, policy and model type that ran it."""
+    key = json.dumps([_run(case).key, case.loop, case.ac, case.hf_type])
+    return hashlib.sha1(key.encode()).hexdigest()[:10]
+
+
+# --- the child: one case in this process ---------------------------------------------
+
+
+def _measure_emulated(case: Case):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from . import loops
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=case.job.cluster.gpus)
+    try:
+        return loops.run(case.job, loops.LOOPS[case.loop], hf_type=case.hf_type, ac=case.ac, emulated=True,
+                         steps=STEPS, warmup=WARMUP)
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank(rank: int, world: int, port: int, case_id: str, results) -> None:
+    import dataclasses
+    import traceback
+
+    import torch.distributed as dist
+
+    from . import loops
+
+    case = BY_ID[case_id]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        m = loops.run(case.job, loops.LOOPS[case.loop], hf_type=case.hf_type, ac=case.ac, emulated=False,
+                      steps=STEPS, warmup=WARMUP)
+        results.put((rank, dataclasses.asdict(m), None))
+    except BaseException as exc:  # reported to the parent with its traceback
+        results.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure_local(case: Case):
+    import torch.multiprocessing as mp
+
+    from . import launch, measure
+
+    world = case.job.cluster.gpus
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    port = launch._free_port()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, case.id, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    out = {}
+    while not results.empty():
+        rank, measurement, error = results.get()
+        if error:
+            raise RuntimeError(f"rank {rank} failed: {error}")
+        out[rank] = measure.Measurement(**measurement)
+    if len(out) != world:
+        raise RuntimeError(f"ranks {sorted(set(range(world)) - set(out))} exited without reporting")
+    return out[0]
+
+
+def measure_case(case: Case) -> dict:
+    """The case's outcome here: ``{"status", "measurement", "error"}`` (rank 0's measurement)."""
+    import dataclasses
+    import traceback
+
+    from . import launch
+
+    try:
+        m = _measure_local(case) if case.mode == "local" else _measure_emulated(case)
+        return {"status": "ok", "measurement": dataclasses.asdict(m), "error": None}
+    except BaseException as exc:  # an outcome, whatever went wrong: the sweep goes on
+        return {"status": launch.failure_status(exc), "measurement": None,
+                "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}".strip()}
+
+
+# --- the parent: one child per case, one record per case -------------------------------
+
+
+def loop_fields(case: Case) -> dict:
+    """The record's ``loop`` (the conventions that ran) and ``loop_source`` (whose code)."""
+    from . import loops
+
+    loop = loops.LOOPS[case.loop]
+    return {"loop": loop.conventions(case.ac), "loop_source": loop.loop_source(), "case": case.id,
+            "hf_model_type": case.hf_type}
+
+
+def _execute(case: Case, timeout_s: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="heldout-") as tmp:
+        result, log = Path(tmp, "result.json"), Path(tmp, "log.txt")
+        command = [sys.executable, "-m", "calibrate.heldout", "--case", case.id, "--result", str(result)]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            filter(None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")])))
+        with open(log, "wb") as log_file:
+            try:
+                code = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                      timeout=timeout_s, check=False).returncode
+            except subprocess.TimeoutExpired:
+                return {"status": "timeout", "measurement": None, "error": f"no result after {timeout_s:g} s"}
+        if result.exists():
+            return json.loads(result.read_text(encoding="utf-8"))
+        tail = "\n".join(log.read_text(encoding="utf-8", errors="replace").splitlines()[-15:])
+        return {"status": "failed", "measurement": None, "error": f"exit code {code} without a result:\n{tail}"}
+
+
+def make_record(case: Case, outcome: dict, wall_s: float) -> dict:
+    record = records.make_record(_run(case), **outcome, wall_s=wall_s)
+    return record | {"id": record_id(case)} | loop_fields(case)
+
+
+def sweep(cases=CASES, *, out=OUT, timeout_s: float = TIMEOUT_S) -> None:
+    """Measure every case ``out`` holds no ok record of, appending its record as it ends."""
+    done = {r["id"] for r in records.read([out]) if r["status"] == "ok"} if Path(out).exists() else set()
+    for case in cases:
+        if record_id(case) in done:
+            continue
+        start = time.perf_counter()
+        record = make_record(case, _execute(case, timeout_s), time.perf_counter() - start)
+        records.append(out, record)
+        print(f"{record['status']:7} {record['wall_s']:6.1f} s  {case.id}", flush=True)
+
+
+# --- the report ----------------------------------------------------------------------
+
+
+def _convention(record: dict) -> str:
+    loop = record["loop"]
+    return (f"{loop['recipe']} logits-{loop['logits']} {loop['loss']} ac-{loop['ac']}")
+
+
+def latest(recs: list[dict]) -> list[dict]:
+    """The last record of each case (a re-measured case appends a new one), in first-seen order."""
+    by_id: dict[str, dict] = {}
+    for record in recs:
+        by_id[record["id"]] = record  # a dict keeps a key's first position when its value is replaced
+    return list(by_id.values())
+
+
+def table_rows(recs: list[dict]) -> list[dict]:
+    """report.rows, the run named by its case (model, loop, strategy, precision, AC, world, shape)."""
+    from .report import rows
+
+    return [row | {"run": record["case"]} for row, record in zip(rows(recs), recs)]
+
+
+def _group_lines(table: list[dict], recs: list[dict], key) -> list[str]:
+    groups: dict[str, list[float]] = {}
+    for row, record in zip(table, recs):
+        if row["status"] == "ok" and row["error_pct"] is not None:
+            groups.setdefault(key(record), []).append(row["error_pct"])
+    return [f"| {name} | {len(errs)} | {statistics.median(abs(e) for e in errs):.2f} | "
+            f"{max(abs(e) for e in errs):.2f} | {min(errs):+.2f} … {max(errs):+.2f} |"
+            for name, errs in sorted(groups.items())]
+
+
+def render_report(recs: list[dict]) -> str:
+    from .report import render_table
+
+    table = table_rows(recs)
+    header = ["| convention | cases | median abs error % | max abs error % | error range % |",
+              "|---|---|---|---|---|"]
+    sections = [
+        ("by logits", lambda r: f"logits {r['loop']['logits']}"),
+        ("by loss", lambda r: r["loop"]["loss"]),
+        ("by activation checkpointing", lambda r: f"ac {r['loop']['ac']}"),
+        ("by recipe", lambda r: r["loop"]["recipe"]),
+        ("by precision", lambda r: r["spec"]["train"]["precision"]),
+        ("by strategy", lambda r: r["spec"]["plan"]["strategy"]),
+    ]
+    lines = [render_table(table), ""]
+    for title, key in sections:
+        lines += [f"{title}:", "", *header, *_group_lines(table, recs, key), ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m calibrate.heldout", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=OUT)
+    parser.add_argument("--report", action="store_true", help="print the table of the records and exit")
+    parser.add_argument("--case", help="(child) measure this one case here")
+    parser.add_argument("--result", help="(child) where to write the case's outcome")
+    parser.add_argument("--only", nargs="*", help="measure only these case ids")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_S)
+    args = parser.parse_args(argv)
+    if args.report:
+        print(render_report(latest(records.read([args.out]))))
+    elif args.case:
+        outcome = measure_case(BY_ID[args.case])
+        Path(args.result).write_text(json.dumps(outcome), encoding="utf-8")
+    else:
+        cases = [BY_ID[i] for i in args.only] if args.only else CASES
+        sweep(cases, out=args.out, timeout_s=args.timeout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+"""The training steps real frameworks run, measured on CPU with their own code.
+
+Each Loop names the conventions of its step (who still holds the logits when backward
+starts, which loss, which activation checkpointing) in the keys of issue 12's ``loop``
+record, and ``step`` runs one micro-batch's forward and backward the way that framework
+does it, calling the framework's own function where it runs here:
+
+    hf-trainer     transformers ``Trainer.training_step`` (compute_loss keeps only the
+                   loss: the logits are freed before ``accelerator.backward``)
+    plain-kept     ``out = model(input_ids=x, labels=x); loss = out.loss; loss.backward()``
+    plain-freed    ``model(input_ids=x, labels=x).loss.backward()``
+    accelerate     ``outputs = model(**batch); loss = outputs.loss; accelerator.backward(loss)``
+                   (accelerate's README loop: the outputs are kept)
+    torchtune      ``logits = model(x)`` as torchtune's chunked output (the LM head applied
+                   per chunk of the hidden states); ``CEWithChunkedOutputLoss``; ``del logits``
+    torchtitan     ``pred = model(x); loss = cross_entropy_loss(pred, labels); del pred``
+                   (torchtitan's Trainer._forward_backward_body and components/loss.py)
+
+Activation checkpointing ``op`` is torchtitan's own per-op ``SelectiveAC`` applied to
+the Hugging Face blocks; ``full`` is transformers' gradient checkpointing (torchtitan's
+``FullAC`` in the torchtitan loop).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from memplan.precision import POLICIES
+from memplan.specs import Job, ModelSpec
+
+from .measure import Measurement, _CpuMeter, _optimizer
+from .wrappers import DTYPES, wrap
+from .workloads import hf_config
+
+LOOP_KEYS = ("logits", "loss", "loss_chunks", "ac", "ac_every", "compile", "offload_activations",
+             "optimizer_in_backward", "recipe")
+AC_POLICIES = ("none", "full", "op")
+HF_TYPES = ("llama", "qwen2", "mistral", "gpt2", "gpt_neox")
+TORCHTUNE_CHUNKS = 8
+"""torchtune recipes' ``num_output_chunks`` (CEWithChunkedOutputLoss's default)."""
+
+
+def _version(package: str) -> str:
+    return metadata.version(package)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Loop:
+    name: str
+    recipe: str
+    logits: str
+    """kept: the caller holds the model's output during backward; freed: dropped before."""
+    source: str
+    """The framework function that runs the step (its package is named in ``loop_source``)."""
+    package: str
+    loss: str = "ce"
+    loss_chunks: int = 1
+
+    def conventions(self, ac: str) -> dict:
+        """The record's ``loop`` object for this loop under activation checkpointing ``ac``."""
+        return {"logits": self.logits, "loss": self.loss, "loss_chunks": self.loss_chunks, "ac": ac,
+                "ac_every": 1 if ac != "none" else 0, "compile": False, "offload_activations": False,
+                "optimizer_in_backward": False, "recipe": self.recipe}
+
+    def loop_source(self) -> str:
+        return f"{self.package} {_version(self.package)} {self.source}"
+
+
+LOOPS = {loop.name: loop for loop in (
+    Loop(name="hf-trainer", recipe="hf-trainer", logits="freed", package="transformers",
+         source="Trainer.training_step"),
+    Loop(name="plain-kept", recipe="plain", logits="kept", package="transformers",
+         source="PreTrainedModel forward: out = model(input_ids, labels); out.loss.backward()"),
+    Loop(name="plain-freed", recipe="plain", logits="freed", package="transformers",
+         source="PreTrainedModel forward: model(input_ids, labels).loss.backward()"),
+    Loop(name="accelerate", recipe="accelerate", logits="kept", package="accelerate",
+         source="Accelerator.backward on outputs = model(**batch); loss = outputs.loss"),
+    Loop(name="torchtune", recipe="torchtune", logits="freed", loss="chunked-ce", loss_chunks=TORCHTUNE_CHUNKS,
+         package="torchtune",
+         source="modules/loss/ce_chunked_output_loss.py CEWithChunkedOutputLoss (the module file loaded alone: "
+                "the torchtune package does not import with torchao 0.18), chunked output as "
+                "TransformerDecoder.chunked_output, del logits"),
+    Loop(name="torchtitan", recipe="torchtitan", logits="freed", package="torchtitan",
+         source="components/loss.py cross_entropy_loss, Trainer._forward_backward_body (del pred); "
+                "AC distributed/activation_checkpoint.py SelectiveAC / FullAC"),
+)}
+
+
+def _torchtune_loss_class():
+    """torchtune's CEWithChunkedOutputLoss from its own source file (torch-only imports)."""
+    spec = importlib.util.find_spec("torchtune")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("torchtune is not installed")
+    path = Path(spec.submodule_search_locations[0], "modules", "loss", "ce_chunked_output_loss.py")
+    module_spec = importlib.util.spec_from_file_location("_torchtune_ce_chunked_output_loss", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.CEWithChunkedOutputLoss
+
+
+def _hf_config(spec: ModelSpec, hf_type: str, *, attention: str):
+    """The transformers config of ``hf_type`` with the spec's shapes (random weights)."""
+    from transformers import AutoConfig
+
+    if hf_type in ("llama", "gpt2", "gpt_neox"):
+        return hf_config(spec, attention=attention)
+    # qwen2 and mistral are llama-arch blocks (qwen2: q/k/v biases); memplan describes them as arch llama
+    config = AutoConfig.for_model(
+        hf_type, vocab_size=spec.vocab_size, tie_word_embeddings=spec.tied_embeddings,
+        num_hidden_layers=spec.num_layers, hidden_size=spec.hidden, num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads, intermediate_size=spec.ffn_hidden, attention_dropout=spec.dropout,
+        sliding_window=None, use_sliding_window=False)
+    config._attn_implementation = attention
+    return config
+
+
+class LoopLM(nn.Module):
+    """A transformers AutoModelForCausalLM (from a config) whose forward serves every loop."""
+
+    def __init__(self, spec: ModelSpec, *, hf_type: str, attention: str, autocast_dtype=None):
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        self.hf = AutoModelForCausalLM.from_config(_hf_config(spec, hf_type, attention=attention))
+        self.autocast_dtype = autocast_dtype
+        """amp: the forward runs under autocast, as accelerate's prepared forward and the
+        Trainer's compute_loss context run it; backward runs outside."""
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        base = self.hf.base_model
+        return base.h if hasattr(base, "h") else base.layers
+
+    def forward(self, input_ids, labels=None, chunks: int = 0):
+        if self.autocast_dtype is None:
+            return self._forward(input_ids, labels, chunks)
+        with torch.autocast("cpu", dtype=self.autocast_dtype):
+            return self._forward(input_ids, labels, chunks)
+
+    def _forward(self, input_ids, labels, chunks):
+        if chunks:  # torchtune TransformerDecoder.chunked_output: the output projection per chunk
+            hidden = self.hf.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+            return [self.hf.lm_head(chunk) for chunk in hidden.chunk(chunks, dim=1)]
+        if labels is None:  # torchtitan's and torchtune's models keep no KV cache in training
+            return self.hf(input_ids=input_ids, use_cache=False).logits
+        return self.hf(input_ids=input_ids, labels=labels)
+
+
+def apply_ac(model: LoopLM, ac: str, loop: Loop) -> None:
+    """Checkpoint every block: ``op`` torchtitan's SelectiveAC, ``full`` transformers' (torchtitan's FullAC there)."""
+    if ac == "none":
+        return
+    if ac == "op" or loop.name == "torchtitan":
+        from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+        policy = (SelectiveAC if ac == "op" else FullAC).Config().build()
+        # SelectiveAC.apply wraps model.get_submodule("layers")'s children in place
+        policy.apply(SimpleNamespace(get_submodule=lambda name: model.layers))
+        return
+    if ac != "full":
+        raise ValueError(f"activation checkpointing {ac!r} is not one of: {', '.join(AC_POLICIES)}")
+    # transformers 5's name for gradient_checkpointing_enable (the old name warns, same code)
+    model.hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _shifted(ids: torch.Tensor) -> torch.Tensor:
+    """Next-token labels as torchtune and torchtitan build them (last position ignored)."""
+    return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+
+
+def make_step(loop: Loop, model: nn.Module, hf_model: nn.Module, micro_batch: int):
+    """The loop's forward + backward of one micro-batch, as a function of the input ids."""
+    if loop.name == "hf-trainer":
+        import tempfile
+
+        from transformers import Trainer, TrainingArguments
+
+        args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="heldout-trainer-"), use_cpu=True,
+                                 report_to=[], per_device_train_batch_size=micro_batch, save_strategy="no")
+        trainer = Trainer(model=hf_model, args=args)
+        trainer.current_gradient_accumulation_steps = 1  # set per step by Trainer._inner_training_loop
+        return lambda ids: trainer.training_step(model, {"input_ids": ids, "labels": ids})
+    if loop.name == "plain-kept":
+        def kept(ids):
+            out = model(input_ids=ids, labels=ids)
+            loss = out.loss
+            loss.backward()
+        return kept
+    if loop.name == "plain-freed":
+        return lambda ids: model(input_ids=ids, labels=ids).loss.backward()
+    if loop.name == "accelerate":
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=True)
+
+        def accelerate_step(ids):
+            outputs = model(input_ids=ids, labels=ids)
+            loss = outputs.loss
+            accelerator.backward(loss)
+        return accelerate_step
+    if loop.name == "torchtune":
+        loss_fn = _torchtune_loss_class()(num_output_chunks=loop.loss_chunks)
+
+        def torchtune_step(ids):
+            labels = _shifted(ids)
+            logits = model(input_ids=ids, chunks=loop.loss_chunks)
+            loss = loss_fn(logits, labels)
+            del logits
+            loss.backward()
+        return torchtune_step
+    if loop.name == "torchtitan":
+        from torchtitan.components.loss import cross_entropy_loss
+
+        def torchtitan_step(ids):
+            labels = _shifted(ids)
+            pred = model(input_ids=ids)
+            loss = cross_entropy_loss(pred, labels) / labels.numel()
+            del pred
+            loss.backward()
+        return torchtitan_step
+    raise ValueError(f"loop {loop.name!r} is not one of: {', '.join(LOOPS)}")
+
+
+@contextlib.contextmanager
+def _forward_ends_at_backward(meter, phase_peaks: dict):
+    """Record the meter's peak as the forward phase's when ``Tensor.backward`` is called
+    (the loops call it inside framework code, so the step cannot be split from outside)."""
+    original = torch.Tensor.backward
+
+    def backward(self, *args, **kwargs):
+        phase_peaks["forward"] = max(phase_peaks.get("forward", 0), meter.peak())
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.backward = backward
+    try:
+        yield
+    finally:
+        torch.Tensor.backward = original
+
+
+def run(job: Job, loop: Loop, *, hf_type: str, ac: str, emulated: bool, steps: int = 2,
+        warmup: int = 1) -> Measurement:
+    """Build the HF model, wrap it as the job's strategy, and train ``steps`` steps with the
+    loop's step; measure the last (MemTracker's peak of live tensors, by phase)."""
+    if steps <= warmup:
+        raise ValueError("steps must exceed warmup: the measured step needs optimizer states")
+    torch.manual_seed(dist.get_rank() if dist.is_initialized() else 0)
+    train = job.train
+    policy = POLICIES[train.precision]
+    meter = _CpuMeter()
+    ids = torch.randint(0, job.model.vocab_size, (train.micro_batch, train.seq_len))
+    phase_peaks: dict[str, int] = {}
+    times = []
+    with meter:
+        model = LoopLM(job.model, hf_type=hf_type, attention=train.attention,
+                       autocast_dtype=DTYPES[policy.compute_dtype] if policy.autocast else None)
+        apply_ac(model, ac, loop)
+        hf_model = model.hf
+        model = wrap(model, job, emulated)
+        optimizer = _optimizer(model, job)
+        step = make_step(loop, model, hf_model, train.micro_batch)
+        for index in range(steps):
+            measured = index == steps - 1
+            if measured:
+                meter.reset_peak()
+            start = time.perf_counter()
+            meter.new_step()
+            marks = _forward_ends_at_backward(meter, phase_peaks) if measured else contextlib.nullcontext()
+            with marks:
+                step(ids)
+            if measured:
+                phase_peaks["backward"] = meter.peak()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+            if measured:
+                phase_peaks["optimizer"] = meter.peak()
+        peak = meter.peak()
+        categories = meter.categories()
+    phase = next(p for p in ("forward", "backward", "optimizer") if phase_peaks[p] == peak)
+    return Measurement(
+        peak_allocated_bytes=peak, phase=phase, categories=categories, step_time_s=times[-1],
+        tokens_per_s=train.tokens_per_micro_batch / times[-1], device="cpu",
+        world_size=dist.get_world_size() if dist.is_initialized() else 1, emulated=emulated,
+        phase_peaks=phase_peaks,
+    )

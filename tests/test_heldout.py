@@ -1,0 +1,66 @@
+"""The held-out matrix's records (docs/heldout_matrix_cpu.jsonl): every case recorded once
+at least, each record rebuilding into its case's Job and carrying the loop that ran it.
+The accuracy tolerance on these records comes with the loop-aware model (issue 12)."""
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+from calibrate import heldout, records  # noqa: E402
+from calibrate.loops import LOOP_KEYS, LOOPS  # noqa: E402
+
+RECORDS = Path(__file__).resolve().parent.parent / heldout.OUT
+RELATIVE_TOLERANCE = 0.005
+
+
+@pytest.fixture(scope="module")
+def recs() -> list[dict]:
+    return heldout.latest(records.read([RECORDS]))
+
+
+def test_every_case_has_a_record_and_every_record_a_case(recs):
+    assert len(heldout.CASES) >= 30
+    assert {r["id"] for r in recs} == {heldout.record_id(c) for c in heldout.CASES}
+    assert {r["case"] for r in recs} == set(heldout.BY_ID)
+
+
+def test_records_rebuild_their_case(recs):
+    for record in recs:
+        case = heldout.BY_ID[record["case"]]
+        assert records.job_from_spec(record["spec"]) == case.job
+        assert record["spec"]["train"]["activation_checkpointing"] == heldout.TODAY_AC[case.ac]
+        assert record["hf_model_type"] == case.hf_type
+
+
+def test_each_record_carries_its_loop(recs):
+    for record in recs:
+        case = heldout.BY_ID[record["case"]]
+        assert tuple(sorted(record["loop"])) == tuple(sorted(LOOP_KEYS))
+        assert record["loop"] == LOOPS[case.loop].conventions(case.ac)
+        assert record["loop_source"].startswith(LOOPS[case.loop].package + " ")
+
+
+def test_ok_records_carry_a_measurement_and_todays_estimate(recs):
+    for record in recs:
+        if record["status"] == "ok":
+            assert record["measurement"]["peak_allocated_bytes"] > 0
+            assert record["measurement"]["phase"] in ("forward", "backward", "optimizer")
+            assert record["estimate"]["allocated_bytes"] > 0
+
+
+def _quick_cases() -> list:
+    # one HF Trainer step under FSDP2 with gradient checkpointing, one plain loop that frees its logits
+    return [heldout.BY_ID["gpt2-h384-hf-trainer-fsdp-fp32-acfull-w4-b2s256"],
+            heldout.BY_ID["llama-h384-plain-freed-fsdp-fp32-acnone-w4-b8s128"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _quick_cases(), ids=lambda c: c.id)
+def test_live_measurement_matches_the_record(case, recs):
+    record = next(r for r in recs if r["case"] == case.id)
+    assert record["status"] == "ok"
+    outcome = heldout.measure_case(case)
+    assert outcome["status"] == "ok", outcome["error"]
+    recorded = record["measurement"]["peak_allocated_bytes"]
+    measured = outcome["measurement"]["peak_allocated_bytes"]
+    assert abs(measured - recorded) <= RELATIVE_TOLERANCE * recorded, (measured, recorded)
