@@ -68,6 +68,12 @@ LAST_CHECKPOINTED = MomentSpec(
             "block.backward.last_checkpointed"))
 """With ``ac_every`` N > 1 and the last block not checkpointed, the backward of block
 ⌊L/N⌋·N − 1 (the last checkpointed one) recomputes its forward with blocks 0..it still kept."""
+ROOT_BACKWARD = MomentSpec(phase="backward", label="backward of the input embedding (root unit gradients)",
+                           groups=("states", "grads.blocks", "gathered.root", "grads.root_unsharded"))
+"""FSDP2 with sharded parameters: the root unit's gradients stay unsharded until its
+post-backward reduce-scatter, after the input embedding's backward, while its parameters are
+still gathered (measured: the held-out matrix's large-vocabulary FSDP cases, whose peak holds
+no activations, the gathered root unit and its gradients)."""
 
 
 class Step:
@@ -175,6 +181,8 @@ class Step:
                   "optimizer.step": self.step_transient()}
         if self.job.train.optimizer_in_backward:
             groups.update(self.in_backward_groups())
+        if self.holds_root_grads():
+            groups.update(self.root_grad_groups())
         return groups
 
     def grad_groups(self) -> dict[str, list[Term]]:
@@ -196,6 +204,23 @@ class Step:
             groups["grads.last_checkpointed"] = self.grad_share(self.root_params + after * self.block_params,
                                                                 f"embedding/head params and {after} blocks")
         return groups
+
+    def holds_root_grads(self) -> bool:
+        return self.framework.id == "fsdp" and self.strategy.shards_params and not self.job.train.optimizer_in_backward
+
+    def root_grad_groups(self) -> dict[str, list[Term]]:
+        """The moment after the input embedding's backward (``ROOT_BACKWARD``): the blocks'
+        gradients reduced and sharded, the root unit gathered with its unsharded gradients; a
+        tied embedding adds its own gradient to the head's, both live (AccumulateGrad)."""
+        model, L = self.job.model, self.job.model.num_layers
+        tied = model.vocab_size * model.hidden if model.tied_embeddings else 0
+        count = self.root_params + tied
+        return {"grads.blocks": self.grad_share(L * self.block_params, f"{L} blocks' params"),
+                "gathered.root": [term(B, "fsdp.root_unit", "unsharded root unit (embeddings, head)",
+                                       f"{self.gather_bytes}·{self.root_params:,}", self.gather_bytes * self.root_params)],
+                "grads.root_unsharded": [term(G, "fsdp.root_grads", "unsharded root unit gradients (before its "
+                                              "reduce-scatter)" + (", the tied embedding's twice" if tied else ""),
+                                              f"{self.gather_bytes}·{count:,}", self.gather_bytes * count)]}
 
     def in_backward_groups(self) -> dict[str, list[Term]]:
         """optimizer_in_backward (torchtune's optimizer_in_bwd): each parameter steps in its
@@ -308,10 +333,14 @@ class Step:
             return None
         return num_checkpointed(L, loop.ac_every) * loop.ac_every - 1
 
+    def moment_specs(self) -> tuple[MomentSpec, ...]:
+        """``MOMENTS``, with the moments only some steps have in their place."""
+        specs = MOMENTS if self.last_checkpointed() is None else (*MOMENTS[:3], LAST_CHECKPOINTED, *MOMENTS[3:])
+        return (*specs[:-1], ROOT_BACKWARD, specs[-1]) if self.holds_root_grads() else specs
+
     def moments(self) -> list[Moment]:
         groups = self.groups()
-        specs = MOMENTS if self.last_checkpointed() is None else (*MOMENTS[:3], LAST_CHECKPOINTED, *MOMENTS[3:])
-        return [Moment(m.phase, m.label, tuple(t for g in m.groups for t in groups[g])) for m in specs]
+        return [Moment(m.phase, m.label, tuple(t for g in m.groups for t in groups[g])) for m in self.moment_specs()]
 
     def grad_share(self, count: int, what: str) -> list[Term]:
         full = self.grad_terms()[0]
@@ -341,15 +370,15 @@ def model_states(job: Job, policy: Policy | None = None) -> dict[Component, int]
 
 # what the loop's conventions add that is modelled from the framework's source but not measured
 _UNMEASURED = (
-    (lambda t: t.loss == "fused-linear-ce", "fused-linear-ce (Liger's) is modelled from its source, not measured "
-                                            "(its Triton kernels do not run on CPU)"),
-    (lambda t: t.offload_activations, "activation offloading is modelled from torchtune's source, not measured "
-                                      "(it needs CUDA streams)"),
+    (lambda t: t.loss == "fused-linear-ce",
+     "fused-linear-ce (Liger's) is modelled from its source, not measured (its Triton kernels do not run on CPU)"),
+    (lambda t: t.offload_activations,
+     "activation offloading is modelled from torchtune's source, not measured (it needs CUDA streams)"),
     (lambda t: t.activation_checkpointing == "op" and t.attention == "sdpa" and t.device == "cuda",
      "op SAC saving the CUDA sdpa kernels' outputs is modelled, not measured (CPU's flash kernel is recomputed)"),
     (lambda t: t.compile, "the compiled loss's backward is modelled, its saved tensors measured"),
-    (lambda t: t.float8, "float8 keeps what bf16 keeps (measured on CPU, torchao Float8Linear); its fp8 casts "
-                         "are transient and not modelled"),
+    (lambda t: t.float8,
+     "float8 keeps what bf16 keeps (measured on CPU, torchao Float8Linear); its fp8 casts are transient, not modelled"),
 )
 
 
