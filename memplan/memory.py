@@ -104,6 +104,8 @@ class Step:
         self.gather_bytes = pol.compute_bytes if pol.master else pol.param_bytes
         # the recipe's FSDP units: torchtitan's wraps the embedding alone, resharded after forward
         self.reshards_embedding = recipe_rows()[train.recipe].get("reshard_after_forward", ("all", ""))[0] == "blocks"
+        self._kept: dict[bool, list[Saved]] = {}
+        self._transient: dict[bool, list[Term]] = {}
         reduce = train.reduce_dtype
         self.reduce_bytes = DTYPE_BYTES[reduce] if reduce else self.gather_bytes
 
@@ -297,14 +299,18 @@ class Step:
                      f"{L} × ({' + '.join(s.formula for s in moved)})", L * sum(s.bytes for s in moved))]
 
     def kept(self, index: int) -> list[Saved]:
-        return block_kept_under(self.job.model, self.job.train, self.job.train.loop, index,
-                                inputs_cast=self.casts_block_inputs)
+        """What block ``index`` keeps: it depends on the index only through whether it is checkpointed."""
+        policy = checkpointed(index, self.job.train.loop.ac_every)
+        if policy not in self._kept:
+            self._kept[policy] = block_kept_under(self.job.model, self.job.train, self.job.train.loop, index,
+                                                  inputs_cast=self.casts_block_inputs)
+        return self._kept[policy]
 
     def block_terms(self, indices: range, *, first: bool = False) -> list[Term]:
         """The kept activations of these blocks: one term per policy they run under."""
         loop = self.job.train.loop
-        by_policy: dict[bool, list[int]] = {}
-        for i in indices:
+        by_policy: dict[bool, list[int]] = {True: list(indices)} if loop.ac_every == 1 else {}
+        for i in indices if loop.ac_every > 1 else ():
             by_policy.setdefault(checkpointed(i, loop.ac_every), []).append(i)
         if len(by_policy) == 1:
             kept = self.kept(indices[0])
@@ -322,9 +328,13 @@ class Step:
         return terms
 
     def transient_terms(self, index: int) -> list[Term]:
-        job = self.job
-        return _terms(A, block_transient_under(job.model, job.train, job.train.loop, index,
-                                               inputs_cast=self.casts_block_inputs), "block.backward")
+        """Block ``index``'s backward transient: like ``kept``, one per policy."""
+        job, policy = self.job, checkpointed(index, self.job.train.loop.ac_every)
+        if policy not in self._transient:
+            self._transient[policy] = _terms(A, block_transient_under(job.model, job.train, job.train.loop, index,
+                                                                      inputs_cast=self.casts_block_inputs),
+                                             "block.backward")
+        return self._transient[policy]
 
     def last_checkpointed(self) -> int | None:
         """Block ⌊L/N⌋·N − 1 where ``ac_every`` N > 1 leaves the last block unchecked (else None)."""

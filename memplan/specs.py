@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from .errors import InputError, MemplanError
 
@@ -221,9 +222,9 @@ class TrainSpec:
             raise MemplanError(lambda n: f"{n.word('seq_len')} {self.seq_len} or {n.word('micro_batch')} "
                                f"{self.micro_batch} is absurd; {n.word('seq_len')} ≤ 1e7, {n.word('micro_batch')} ≤ 1e6")
 
-    @property
+    @cached_property
     def loop(self):
-        """The training loop's conventions as a ``loop.Loop``."""
+        """The training loop's conventions as a ``loop.Loop`` (built once: the step's hot path reads it)."""
         from .loop import Loop
 
         return Loop(logits=self.logits, loss=self.loss, loss_chunks=self.loss_chunks, ac=self.activation_checkpointing,
