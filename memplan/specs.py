@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import lru_cache
 
 from .errors import InputError, MemplanError
 
@@ -171,6 +171,16 @@ class ModelSpec:
         )
 
 
+@lru_cache(maxsize=256)
+def _loop(logits, loss, loss_chunks, ac, ac_every, compile, float8, offload_activations, optimizer_in_backward, recipe):
+    """A step's ``loop.Loop``, built once per distinct loop (the step's hot path reads it)."""
+    from .loop import Loop
+
+    return Loop(logits=logits, loss=loss, loss_chunks=loss_chunks, ac=ac, ac_every=ac_every, compile=compile,
+                float8=float8, offload_activations=offload_activations, optimizer_in_backward=optimizer_in_backward,
+                recipe=recipe)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainSpec:
     """One optimizer step: micro-batches, precision, optimizer and memory-saving switches."""
@@ -222,15 +232,11 @@ class TrainSpec:
             raise MemplanError(lambda n: f"{n.word('seq_len')} {self.seq_len} or {n.word('micro_batch')} "
                                f"{self.micro_batch} is absurd; {n.word('seq_len')} ≤ 1e7, {n.word('micro_batch')} ≤ 1e6")
 
-    @cached_property
+    @property
     def loop(self):
-        """The training loop's conventions as a ``loop.Loop`` (built once: the step's hot path reads it)."""
-        from .loop import Loop
-
-        return Loop(logits=self.logits, loss=self.loss, loss_chunks=self.loss_chunks, ac=self.activation_checkpointing,
-                    ac_every=self.ac_every, compile=self.compile, float8=self.float8,
-                    offload_activations=self.offload_activations, optimizer_in_backward=self.optimizer_in_backward,
-                    recipe=self.recipe)
+        """The training loop's conventions as a ``loop.Loop``."""
+        return _loop(self.logits, self.loss, self.loss_chunks, self.activation_checkpointing, self.ac_every,
+                     self.compile, self.float8, self.offload_activations, self.optimizer_in_backward, self.recipe)
 
     @property
     def tokens_per_micro_batch(self) -> int:
