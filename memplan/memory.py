@@ -217,7 +217,9 @@ class Step:
         model, L = self.job.model, self.job.model.num_layers
         tied = model.vocab_size * model.hidden if model.tied_embeddings else 0
         count = self.root_params + tied
-        return {"grads.blocks": self.grad_share(L * self.block_params, f"{L} blocks' params"),
+        blocks = self.grad_terms() if self.job.train.grad_accum > 1 else self.grad_share(L * self.block_params,
+                                                                                          f"{L} blocks' params")
+        return {"grads.blocks": blocks,
                 "gathered.root": [term(B, "fsdp.root_unit", "unsharded root unit (embeddings, head)",
                                        f"{self.gather_bytes}·{self.root_params:,}", self.gather_bytes * self.root_params)],
                 "grads.root_unsharded": [term(G, "fsdp.root_grads", "unsharded root unit gradients (before its "
@@ -247,6 +249,9 @@ class Step:
     def activation_groups(self) -> dict[str, list[Term]]:
         model, train, L = self.job.model, self.job.train, self.job.model.num_layers
         loop = train.loop
+        if model.arch == "vit" and loop.loss != "ce":
+            raise MemplanError(f"loss {loop.loss} is modelled for decoders' b·s·V logits, not for a vit classifier's "
+                               "b·V ones; use loss ce")
         pre, post = model_saved(model, train)
         if loop.loss == "fused-linear-ce":
             post = [t for t in post if t.name not in FUSED_DROPS and t.key != "logits"]

@@ -111,3 +111,19 @@ def test_old_records_load_with_the_plain_loop():
     spec = spec_dict(_job())
     assert "logits" not in spec["train"] and job_from_spec(spec) == _job()
     assert job_from_spec(spec_dict(_job(recipe="torchtune"))) == _job(recipe="torchtune")
+
+
+def test_a_vit_refuses_the_decoder_losses():
+    request = Request.of(model="vit-large-patch16-224", strategy="ddp", gpus=2, loss="chunked-ce")
+    with pytest.raises(MemplanError, match="loss chunked-ce"):
+        estimate(build_jobs(request)[1][0])
+
+
+def test_the_root_unit_moment_holds_its_gradients_unsharded():
+    step = Step(_job())
+    moment = next(m for m in estimate(_job()).moments if m.label.startswith("backward of the input embedding"))
+    (grads,) = [t for t in moment.terms if t.key == "fsdp.root_grads"]
+    m = step.job.model
+    tied = m.vocab_size * m.hidden if m.tied_embeddings else 0
+    assert grads.bytes == step.gather_bytes * (step.root_params + tied)
+    assert not any(t.component.value == "activations" for t in moment.terms)
