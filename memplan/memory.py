@@ -69,8 +69,8 @@ LAST_CHECKPOINTED = MomentSpec(
 """With ``ac_every`` N > 1 and the last block not checkpointed, the backward of block
 ⌊L/N⌋·N − 1 (the last checkpointed one) recomputes its forward with blocks 0..it still kept."""
 ROOT_BACKWARD = MomentSpec(phase="backward", label="backward of the input embedding (root unit gradients)",
-                           groups=("states", "grads.blocks", "gathered.root", "grads.root_unsharded"))
-"""FSDP2 with sharded parameters: the root unit's gradients stay unsharded until its
+                           groups=("states", "grads.blocks", "logits.block", "gathered.root", "grads.root_unsharded"))
+"""FSDP2: the root unit's gradients stay unsharded until its
 post-backward reduce-scatter, after the input embedding's backward, while its parameters are
 still gathered (measured: the held-out matrix's large-vocabulary FSDP cases, whose peak holds
 no activations, the gathered root unit and its gradients)."""
@@ -208,14 +208,16 @@ class Step:
         return groups
 
     def holds_root_grads(self) -> bool:
-        return self.framework.id == "fsdp" and self.strategy.shards_params and not self.job.train.optimizer_in_backward
+        return self.framework.id == "fsdp" and not self.job.train.optimizer_in_backward
 
     def root_grad_groups(self) -> dict[str, list[Term]]:
         """The moment after the input embedding's backward (``ROOT_BACKWARD``): the blocks'
         gradients reduced and sharded, the root unit gathered with its unsharded gradients; a
-        tied embedding adds its own gradient to the head's, both live (AccumulateGrad)."""
+        tied embedding's gradient is added to the head's out of place (AccumulateGrad), so the
+        head's, the embedding's own and their sum are live at once (measured: the tied cases
+        of the held-out matrix hold three V·h gradients there)."""
         model, L = self.job.model, self.job.model.num_layers
-        tied = model.vocab_size * model.hidden if model.tied_embeddings else 0
+        tied = 2 * model.vocab_size * model.hidden if model.tied_embeddings else 0
         count = self.root_params + tied
         blocks = self.grad_terms() if self.job.train.grad_accum > 1 else self.grad_share(L * self.block_params,
                                                                                           f"{L} blocks' params")
@@ -223,7 +225,7 @@ class Step:
                 "gathered.root": [term(B, "fsdp.root_unit", "unsharded root unit (embeddings, head)",
                                        f"{self.gather_bytes}·{self.root_params:,}", self.gather_bytes * self.root_params)],
                 "grads.root_unsharded": [term(G, "fsdp.root_grads", "unsharded root unit gradients (before its "
-                                              "reduce-scatter)" + (", the tied embedding's twice" if tied else ""),
+                                              "reduce-scatter)" + (", the tied embedding's three times" if tied else ""),
                                               f"{self.gather_bytes}·{count:,}", self.gather_bytes * count)]}
 
     def in_backward_groups(self) -> dict[str, list[Term]]:
