@@ -283,29 +283,52 @@ def latest(recs: list[dict]) -> list[dict]:
     return list(by_id.values())
 
 
-def table_rows(recs: list[dict]) -> list[dict]:
-    """report.rows, the run named by its case (model, loop, strategy, precision, AC, world, shape)."""
+def loop_job(record: dict) -> Job:
+    """The record's Job with the loop that ran it (its ``loop``) as memplan's inputs. Only the
+    conventions: the loops wrap with calibrate.wrappers (memplan's own FSDP units, not
+    torchtitan's apply_fsdp) and step the spec's optimizer, so the recipe's FSDP units and
+    optimizer implementation are not what ran."""
+    loop = record["loop"]
+    return records.job_from_spec(record["spec"]).with_(
+        logits=loop["logits"], loss=loop["loss"], activation_checkpointing=loop["ac"],
+        loss_chunks=loop["loss_chunks"] if loop["loss"] == "chunked-ce" else TrainSpec.loss_chunks,
+        ac_every=max(1, loop["ac_every"]), compile=loop["compile"], offload_activations=loop["offload_activations"],
+        optimizer_in_backward=loop["optimizer_in_backward"])
+
+
+def table_rows(recs: list[dict], *, with_loop: bool = True) -> list[dict]:
+    """report.rows, the run named by its case (model, loop, strategy, precision, AC, world, shape),
+    estimated with the record's loop (``loop_job``) or, ``with_loop=False``, on its spec alone."""
     from .report import rows
 
-    return [row | {"run": record["case"]} for row, record in zip(rows(recs), recs)]
+    table = rows(recs, loop_job) if with_loop else rows(recs)
+    return [row | {"run": record["case"]} for row, record in zip(table, recs)]
 
 
-def _group_lines(table: list[dict], recs: list[dict], key) -> list[str]:
+def _errors(table: list[dict], recs: list[dict], key) -> dict[str, list[float]]:
     groups: dict[str, list[float]] = {}
     for row, record in zip(table, recs):
         if row["status"] == "ok" and row["error_pct"] is not None:
             groups.setdefault(key(record), []).append(row["error_pct"])
-    return [f"| {name} | {len(errs)} | {statistics.median(abs(e) for e in errs):.2f} | "
-            f"{max(abs(e) for e in errs):.2f} | {min(errs):+.2f} … {max(errs):+.2f} |"
-            for name, errs in sorted(groups.items())]
+    return groups
+
+
+def _spread(errs: list[float]) -> str:
+    return f"{statistics.median(abs(e) for e in errs):.2f} | {max(abs(e) for e in errs):.2f}"
+
+
+def _group_lines(before: list[dict], after: list[dict], recs: list[dict], key) -> list[str]:
+    was, now = _errors(before, recs, key), _errors(after, recs, key)
+    return [f"| {name} | {len(errs)} | {_spread(was[name])} | {_spread(errs)} | {min(errs):+.2f} … {max(errs):+.2f} |"
+            for name, errs in sorted(now.items())]
 
 
 def render_report(recs: list[dict]) -> str:
     from .report import render_table
 
-    table = table_rows(recs)
-    header = ["| convention | cases | median abs error % | max abs error % | error range % |",
-              "|---|---|---|---|---|"]
+    table, before = table_rows(recs), table_rows(recs, with_loop=False)
+    header = ["| convention | cases | before: median abs error % | before: max | after: median abs error % | "
+              "after: max | after: error range % |", "|---|---|---|---|---|---|---|"]
     sections = [
         ("by logits", lambda r: f"logits {r['loop']['logits']}"),
         ("by loss", lambda r: r["loop"]["loss"]),
@@ -315,8 +338,9 @@ def render_report(recs: list[dict]) -> str:
         ("by strategy", lambda r: r["spec"]["plan"]["strategy"]),
     ]
     lines = [render_table(table), ""]
+    sections.append(("all", lambda r: "all cases"))
     for title, key in sections:
-        lines += [f"{title}:", "", *header, *_group_lines(table, recs, key), ""]
+        lines += [f"{title}:", "", *header, *_group_lines(before, table, recs, key), ""]
     return "\n".join(lines)
 
 

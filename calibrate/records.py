@@ -33,10 +33,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from memplan.errors import MemplanError
+from memplan.loop import Loop
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
 SCHEMA = 1
@@ -44,11 +45,17 @@ MODES = ("local", "emulate", "cluster")
 STATUSES = ("ok", "oom", "timeout", "failed")
 WORKLOADS = ("native", "hf")
 _SPEC_TYPES = {"model": ModelSpec, "train": TrainSpec, "cluster": ClusterSpec, "plan": Plan}
+_LOOP_DEFAULTS = {f.name: f.default for f in fields(TrainSpec)
+                  if f.name in ("recipe", "ac_every", *(g.name for g in fields(Loop)))}
 
 
 def spec_dict(job: Job) -> dict:
     """The four specs of a job as plain dicts (the ``spec`` field of a record)."""
-    return {part: asdict(getattr(job, part)) for part in _SPEC_TYPES}
+    spec = {part: asdict(getattr(job, part)) for part in _SPEC_TYPES}
+    # the loop's settings only where they differ from the plain loop's: records made before
+    # the loop was an input keep their keys (run_key), and load with the defaults
+    spec["train"] = {k: v for k, v in spec["train"].items() if k not in _LOOP_DEFAULTS or v != _LOOP_DEFAULTS[k]}
+    return spec
 
 
 def job_from_spec(spec: dict) -> Job:

@@ -21,15 +21,15 @@ COLUMNS = ("id", "run", "status", "measured_bytes", "estimated_bytes", "error_pc
            "estimated_phase", "error")
 
 
-def _current_estimate(record: dict) -> dict:
+def _current_estimate(record: dict, job_of) -> dict:
     try:
-        return estimate_summary(job_from_spec(record["spec"]))
+        return estimate_summary(job_of(record))
     except MemplanError:
         return record.get("estimate") or {}
 
 
-def _row(record: dict) -> dict:
-    measurement, est = record.get("measurement") or {}, _current_estimate(record)
+def _row(record: dict, job_of) -> dict:
+    measurement, est = record.get("measurement") or {}, _current_estimate(record, job_of)
     measured, estimated = measurement.get("peak_allocated_bytes"), est.get("allocated_bytes")
     error_pct = 100.0 * (estimated - measured) / measured if measured and estimated is not None else None
     return {
@@ -41,8 +41,9 @@ def _row(record: dict) -> dict:
     }
 
 
-def rows(records: list[dict]) -> list[dict]:
-    return [_row(r) for r in records]
+def rows(records: list[dict], job_of=lambda record: job_from_spec(record["spec"])) -> list[dict]:
+    """One row per record, estimated on ``job_of(record)`` (default: the record's spec)."""
+    return [_row(r, job_of) for r in records]
 
 
 def summary(table: list[dict]) -> dict:

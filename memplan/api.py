@@ -104,7 +104,7 @@ def _jobs(request: Request):
 def _recommend(request: Request, decision: Decision) -> tuple[ModelChoice, Recommendation]:
     from .decide import recommend_job
 
-    values = request.inputs()
+    values = {**request.inputs(), "ac": request.training.spec().activation_checkpointing}
     fixed = {a: values.get(a) for a in (*[a for a in FIXABLE if a in decision.fixed],
                                         *[a for a in decision.fixed if a not in FIXABLE])}
     if fixed.get("strategy") == "all":

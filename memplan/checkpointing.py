@@ -92,6 +92,13 @@ def _policy(loop: Loop, index: int) -> str:
     return loop.ac if checkpointed(index, loop.ac_every) else "none"
 
 
+def _under(train: TrainSpec, policy: str) -> TrainSpec:
+    """The step with one block's policy as its own (itself where it already is)."""
+    if train.activation_checkpointing == policy and train.ac_every == 1:
+        return train
+    return replace(train, activation_checkpointing=policy, ac_every=1)
+
+
 def block_kept_under(model: ModelSpec, train: TrainSpec, loop: Loop, index: int, *,
                      inputs_cast: bool = False) -> list[Saved]:
     """What block ``index`` keeps from its forward to its backward under the loop's AC
@@ -102,7 +109,7 @@ def block_kept_under(model: ModelSpec, train: TrainSpec, loop: Loop, index: int,
         return op_sac_kept(model, train)
     if policy == "none" and loop.compile:
         return compiled_block_saved(model, train, inputs_cast=inputs_cast)
-    return block_kept(model, replace(train, activation_checkpointing=policy), inputs_cast=inputs_cast)
+    return block_kept(model, _under(train, policy), inputs_cast=inputs_cast)
 
 
 def block_transient_under(model: ModelSpec, train: TrainSpec, loop: Loop, index: int, *,
@@ -112,8 +119,7 @@ def block_transient_under(model: ModelSpec, train: TrainSpec, loop: Loop, index:
     torchtitan's SelectiveAC): the recompute rebuilds the whole saved set, taking the SAC
     cache's tensors instead of recomputing them, so it needs that much less on top."""
     policy = _policy(loop, index)
-    full = block_backward_transient(model, replace(train, activation_checkpointing="full" if policy == "op" else policy),
-                                    inputs_cast=inputs_cast)
+    full = block_backward_transient(model, _under(train, "full" if policy == "op" else policy), inputs_cast=inputs_cast)
     if policy != "op":
         return full
     temporaries, *recomputed = full  # block_backward_transient lists the gradient temporaries first

@@ -7,7 +7,7 @@ import importlib.util
 
 import click
 
-from . import specs
+from . import loop, specs
 from .errors import FLAGS, MemplanError
 from .request import default
 from .strategies import STRATEGIES
@@ -55,8 +55,23 @@ TRAIN_OPTIONS = [
     click.option("--optimizer", type=_choice(specs.OPTIMIZERS), default=default("optimizer"), show_default=True),
     click.option("--optimizer-impl", type=_choice(specs.OPTIMIZER_IMPLS),
                  help="foreach | fused | single [default: foreach on cuda, single on cpu, as torch]"),
-    click.option("--ac", type=_choice(specs.AC_MODES), default=default("ac"), show_default=True,
-                 help="Activation checkpointing."),
+    click.option("--recipe", type=_choice(loop.RECIPES), default=default("recipe"), show_default=True,
+                 help="The training loop's conventions as that framework sets them (tables/recipes.csv); "
+                      "the loop flags below win."),
+    click.option("--ac", type=_choice(loop.AC_POLICIES),
+                 help="Activation checkpointing: selective is the attention core, op torchtitan's per-op SAC "
+                      "[default: the recipe's; plain: none]."),
+    click.option("--ac-every", type=int, help="Checkpoint every N-th block only [default: the recipe's; plain: 1]."),
+    click.option("--logits", type=_choice(loop.LOGITS),
+                 help="Whether the caller holds the logits when backward starts [default: the recipe's; plain: kept]."),
+    click.option("--loss", type=_choice(loop.LOSSES), help="[default: the recipe's; plain: ce]"),
+    click.option("--loss-chunks", type=int, help="Chunks of chunked-ce [default: the recipe's; plain: 8]."),
+    click.option("--compile/--no-compile", default=None, help="torch.compile of each block and the loss."),
+    click.option("--float8/--no-float8", default=None, help="torchao float8 training of the linear layers."),
+    click.option("--offload-activations/--no-offload-activations", default=None,
+                 help="torchtune's activation offloading to host memory."),
+    click.option("--optimizer-in-backward/--no-optimizer-in-backward", default=None,
+                 help="The optimizer steps each parameter inside backward."),
     click.option("--attention", type=_choice(specs.ATTENTIONS), default=default("attention"), show_default=True),
     click.option("--device", type=_choice(specs.DEVICES), default=default("device"), show_default=True,
                  help="cpu estimates what the same job allocates on CPU (no CUDA-side overhead)."),

@@ -8,12 +8,12 @@ and says where each convention came from.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import cache
 
 from .catalog import read_table
 from .errors import InputError, MemplanError
-from .specs import _check_choice, _check_positive
+from .specs import TrainSpec, _check_choice, _check_positive
 
 LOGITS = ("kept", "freed")
 LOSSES = ("ce", "chunked-ce", "fused-linear-ce")
@@ -144,3 +144,15 @@ def resolve(recipe: str = "plain", **explicit) -> Resolved:
     elsewhere = tuple(Convention(setting=s, value=v, origin=f"recipe {recipe}", source=src)
                       for s, (v, src) in table.items() if s not in _SETTINGS)
     return Resolved(loop=Loop(recipe=recipe, **values), conventions=tuple(conventions), elsewhere=elsewhere)
+
+
+def in_force(train: TrainSpec) -> Resolved:
+    """The conventions of a step's loop and where each came from: its recipe's, or explicit
+    where the value differs from the recipe's."""
+    loop, table = train.loop, recipe_rows()[train.recipe]
+    explicit = {s: getattr(loop, s) for s in _SETTINGS if getattr(loop, s) != _parse(s, table[s][0])}
+    resolved = resolve(train.recipe, **explicit)
+    # a recipe setting the step also carries (the optimizer implementation) is explicit where it differs
+    elsewhere = tuple(Convention(setting=c.setting, value=str(getattr(train, c.setting)), origin="explicit", source="")
+                      if getattr(train, c.setting, c.value) != c.value else c for c in resolved.elsewhere)
+    return replace(resolved, elsewhere=elsewhere)

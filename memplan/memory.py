@@ -15,9 +15,15 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .activations import Saved, block_backward_transient, block_kept, loss_saved, model_saved
+from . import loss
+from .activations import Saved, model_saved
 from .breakdown import Component, Estimate, Moment, Term
+from .checkpointing import (block_kept_under, block_transient_under, checkpointed, num_checkpointed, offload_stash_blocks,
+                            offloaded)
+from .errors import MemplanError
 from .frameworks.base import term
+from .loop import recipe_rows
+from .loss import FUSED_DROPS
 from .overheads import overhead_terms
 from .precision import ADAM8BIT_BYTES_PER_PARAM, DTYPE_BYTES, OPTIMIZER_STATES, POLICIES, Policy
 from .specs import Job
@@ -44,19 +50,31 @@ class MomentSpec:
 
 MOMENTS = (
     MomentSpec(phase="forward", label="end of forward (cross-entropy)",
-               groups=("states", "grads.carried", "activations.blocks", "activations.outside", "logits",
+               groups=("states", "grads.carried", "activations.blocks", "activations.outside", "logits.forward",
                        "gathered.forward", "loss.forward")),
     MomentSpec(phase="backward", label="start of backward (loss gradient)",
-               groups=("states", "grads.carried", "activations.blocks", "activations.outside", "logits",
+               groups=("states", "grads.carried", "activations.blocks", "activations.outside", "logits.loss",
                        "gathered.loss", "loss.backward")),
     MomentSpec(phase="backward", label="backward of the last block",
-               groups=("states", "grads.last_block", "activations.blocks", "logits", "gathered.block",
-                       "block.backward")),
+               groups=("states", "grads.last_block", "activations.last_block", "logits.block", "gathered.block",
+                       "block.backward.last")),
     MomentSpec(phase="backward", label="backward of the first block",
-               groups=("states", "grads.first_block", "activations.first_block", "logits", "gathered.block",
-                       "block.backward")),
+               groups=("states", "grads.first_block", "activations.first_block", "logits.block", "gathered.block",
+                       "block.backward.first")),
     MomentSpec(phase="optimizer", label="optimizer step", groups=("states", "grads", "optimizer.step")),
 )
+LAST_CHECKPOINTED = MomentSpec(
+    phase="backward", label="backward of the last checkpointed block",
+    groups=("states", "grads.last_checkpointed", "activations.last_checkpointed", "logits.block", "gathered.block",
+            "block.backward.last_checkpointed"))
+"""With ``ac_every`` N > 1 and the last block not checkpointed, the backward of block
+⌊L/N⌋·N − 1 (the last checkpointed one) recomputes its forward with blocks 0..it still kept."""
+ROOT_BACKWARD = MomentSpec(phase="backward", label="backward of the input embedding (root unit gradients)",
+                           groups=("states", "grads.blocks", "logits.block", "gathered.root", "grads.root_unsharded"))
+"""FSDP2: the root unit's gradients stay unsharded until its
+post-backward reduce-scatter, after the input embedding's backward, while its parameters are
+still gathered (measured: the held-out matrix's large-vocabulary FSDP cases, whose peak holds
+no activations, the gathered root unit and its gradients)."""
 
 
 class Step:
@@ -85,6 +103,10 @@ class Step:
         self.shard_master = fw.shard_is_master and pol.master
         self.casts_block_inputs = self.shard_master and pol.compute_bytes < 4
         self.gather_bytes = pol.compute_bytes if pol.master else pol.param_bytes
+        # the recipe's FSDP units: torchtitan's wraps the embedding alone, resharded after forward
+        self.reshards_embedding = recipe_rows()[train.recipe].get("reshard_after_forward", ("all", ""))[0] == "blocks"
+        self._kept: dict[bool, list[Saved]] = {}
+        self._transient: dict[bool, list[Term]] = {}
         reduce = train.reduce_dtype
         self.reduce_bytes = DTYPE_BYTES[reduce] if reduce else self.gather_bytes
 
@@ -158,8 +180,13 @@ class Step:
     def groups(self) -> dict[str, list[Term]]:
         states = self.param_terms() + self.optimizer_terms() + self.framework.persistent_buffers(self)
         gathered = {f"gathered.{i}": self.framework.gathered(self, i) for i in ("forward", "loss", "block")}
-        return {"states": states, **self.grad_groups(), **self.activation_groups(), **gathered,
-                "optimizer.step": self.step_transient()}
+        groups = {"states": states, **self.grad_groups(), **self.activation_groups(), **gathered,
+                  "optimizer.step": self.step_transient()}
+        if self.job.train.optimizer_in_backward:
+            groups.update(self.in_backward_groups())
+        if self.holds_root_grads():
+            groups.update(self.root_grad_groups())
+        return groups
 
     def grad_groups(self) -> dict[str, list[Term]]:
         model, grads = self.job.model, self.grad_terms()
@@ -171,33 +198,167 @@ class Step:
         pending = model.embedding_params() - (model.vocab_size * model.hidden if model.tied_embeddings else 0)
         own = self.block_params if self.framework.block_grads_after_reduce else 0
         what = "params (all but the input embedding" + (" and the first block)" if own else ")")
-        return {"grads": grads, "grads.carried": [],
-                "grads.last_block": self.grad_share(self.root_params, "embedding/head params"),
-                "grads.first_block": self.grad_share(self.params - pending - own, what)}
+        groups = {"grads": grads, "grads.carried": [],
+                  "grads.last_block": self.grad_share(self.root_params, "embedding/head params"),
+                  "grads.first_block": self.grad_share(self.params - pending - own, what)}
+        j = self.last_checkpointed()
+        if j is not None:
+            after = model.num_layers - 1 - j
+            groups["grads.last_checkpointed"] = self.grad_share(self.root_params + after * self.block_params,
+                                                                f"embedding/head params and {after} blocks")
+        return groups
+
+    def holds_root_grads(self) -> bool:
+        return self.framework.id == "fsdp" and not self.job.train.optimizer_in_backward
+
+    def root_grad_groups(self) -> dict[str, list[Term]]:
+        """The moment after the input embedding's backward (``ROOT_BACKWARD``): the blocks'
+        gradients reduced and sharded, the root unit gathered with its unsharded gradients; a
+        tied embedding's gradient is added to the head's out of place (AccumulateGrad), so the
+        head's, the embedding's own and their sum are live at once (measured: the tied cases
+        of the held-out matrix hold three V·h gradients there)."""
+        model, L = self.job.model, self.job.model.num_layers
+        tied = 2 * model.vocab_size * model.hidden if model.tied_embeddings else 0
+        count = self.root_params + tied
+        blocks = self.grad_terms() if self.job.train.grad_accum > 1 else self.grad_share(L * self.block_params,
+                                                                                          f"{L} blocks' params")
+        return {"grads.blocks": blocks,
+                "gathered.root": [term(B, "fsdp.root_unit", "unsharded root unit (embeddings, head)",
+                                       f"{self.gather_bytes}·{self.root_params:,}", self.gather_bytes * self.root_params)],
+                "grads.root_unsharded": [term(G, "fsdp.root_grads", "unsharded root unit gradients (before its "
+                                              "reduce-scatter)" + (", the tied embedding's three times" if tied else ""),
+                                              f"{self.gather_bytes}·{count:,}", self.gather_bytes * count)]}
+
+    def in_backward_groups(self) -> dict[str, list[Term]]:
+        """optimizer_in_backward (torchtune's optimizer_in_bwd): each parameter steps in its
+        gradient's post-accumulate hook and frees it, so at most one gradient exists (measured on
+        CPU: the peak gradients are one largest parameter's, tests/test_loop.py)."""
+        if self.job.train.grad_accum > 1:
+            raise MemplanError(f"optimizer-in-backward steps inside backward: grad-accum {self.job.train.grad_accum} "
+                               "is refused, as torchtune refuses it; use grad-accum 1")
+        pol, largest = self.policy, self.local(self.largest_param(), self.strategy.shards_grads)
+        nbytes = 4 if self.shard_master else pol.grad_bytes
+        one = [term(G, "grads", "gradient of the largest parameter (stepped in backward)",
+                    f"{nbytes}·largest tensor{self.div(self.strategy.shards_grads)}", nbytes * largest)]
+        # one optimizer per parameter (torchtune's OptimizerInBackwardWrapper): a foreach step's
+        # sqrt(v) temporary covers that parameter alone, a single-tensor step's two copies of it
+        copies = {"foreach": 1, "single": 2}.get(self.job.train.optimizer_impl, 0)
+        step = [term(B, "optimizer.sqrt_temporaries", "sqrt(v) temporaries of the largest parameter",
+                     f"{copies}·{pol.state_bytes}·largest tensor", copies * pol.state_bytes * largest)
+                ] if copies and self.job.train.optimizer in ("adamw", "adam") else []
+        return {"grads": one, "grads.carried": [], "grads.last_block": one, "grads.first_block": one,
+                "grads.last_checkpointed": one, "optimizer.step": step}
 
     def activation_groups(self) -> dict[str, list[Term]]:
         model, train, L = self.job.model, self.job.train, self.job.model.num_layers
-        kept = block_kept(model, train, inputs_cast=self.casts_block_inputs)
-        per_block, formula = sum(s.bytes for s in kept), " + ".join(s.formula for s in kept)
+        loop = train.loop
+        if model.arch == "vit" and loop.loss != "ce":
+            raise MemplanError(f"loss {loop.loss} is modelled for decoders' b·s·V logits, not for a vit classifier's "
+                               "b·V ones; use loss ce")
         pre, post = model_saved(model, train)
+        if loop.loss == "fused-linear-ce":
+            post = [t for t in post if t.name not in FUSED_DROPS and t.key != "logits"]
         outside = _terms(A, pre + post, "activations.outside")
-        loss_fwd, loss_bwd = loss_saved(model, train)
-        transient = block_backward_transient(model, train, inputs_cast=self.casts_block_inputs)
-        return {
-            "activations.blocks": [term(A, "activations.blocks", f"kept activations of {L} blocks",
-                                        f"{L} × ({formula})", L * per_block)],
-            "activations.first_block": [term(A, "activations.first_block", "kept activations of the first block",
-                                             formula, per_block)],
+        loss_fwd, loss_bwd = loss.loss_saved(model, train, loop)
+        logits = [t for t in outside if t.key == "logits"]
+        # the logits term where loss.logits_live holds them (freed: gone once backward starts)
+        held = {i: logits if loss.logits_live(model, train, loop, instant=i) else [] for i in loss.INSTANTS}
+        blocks = self.block_terms(range(L))
+        last = L - 1
+        groups = {
+            "activations.blocks": blocks,
+            "activations.last_block": blocks,
+            "activations.first_block": self.block_terms(range(1), first=True),
             "activations.outside": [t for t in outside if t.key != "logits"],
-            "logits": [t for t in outside if t.key == "logits"],
+            **{f"logits.{i}": held[i] for i in loss.INSTANTS},
             "loss.forward": _terms(A, loss_fwd, "loss.forward"),
             "loss.backward": _terms(A, loss_bwd, "loss.backward"),
-            "block.backward": _terms(A, transient, "block.backward"),
+            "block.backward.last": self.transient_terms(last),
+            "block.backward.first": self.transient_terms(0),
         }
+        if self.last_checkpointed() is not None:
+            j = self.last_checkpointed()
+            groups["activations.last_checkpointed"] = self.block_terms(range(j + 1))
+            groups["block.backward.last_checkpointed"] = self.transient_terms(j)
+        if loop.offload_activations:
+            groups.update(self.offload_groups())
+        return groups
+
+    def offload_groups(self) -> dict[str, list[Term]]:
+        """torchtune's activation offloading: at the end of forward and the start of backward
+        only the stash's blocks are on the GPU, while a block runs its backward its own kept
+        activations (modelled from torchtune 0.6.1 training/_activation_offloading.py; it needs
+        CUDA streams, so not measured)."""
+        L, kept = self.job.model.num_layers, self.kept(0)
+        stash = offload_stash_blocks(L)
+        formula = " + ".join(s.formula for s in kept)
+        on_gpu = [term(A, "activations.blocks.stash", f"kept activations of {stash} blocks (offload stash)",
+                       f"{stash} × ({formula})", stash * sum(s.bytes for s in kept))]
+        one = [term(A, "activations.blocks.one", "kept activations of one block (brought back)", formula,
+                    sum(s.bytes for s in kept))]
+        return {"activations.blocks": on_gpu, "activations.last_block": one}
+
+    def offloaded_activation_terms(self) -> list[Term]:
+        """Host RAM per GPU of the blocks' offloaded activations."""
+        if not self.job.train.offload_activations:
+            return []
+        L, moved = self.job.model.num_layers, offloaded(self.kept(0))[1]
+        return [term(A, "activations.offloaded", f"offloaded activations of {L} blocks (host RAM)",
+                     f"{L} × ({' + '.join(s.formula for s in moved)})", L * sum(s.bytes for s in moved))]
+
+    def kept(self, index: int) -> list[Saved]:
+        """What block ``index`` keeps: it depends on the index only through whether it is checkpointed."""
+        policy = checkpointed(index, self.job.train.loop.ac_every)
+        if policy not in self._kept:
+            self._kept[policy] = block_kept_under(self.job.model, self.job.train, self.job.train.loop, index,
+                                                  inputs_cast=self.casts_block_inputs)
+        return self._kept[policy]
+
+    def block_terms(self, indices: range, *, first: bool = False) -> list[Term]:
+        """The kept activations of these blocks: one term per policy they run under."""
+        loop = self.job.train.loop
+        by_policy: dict[bool, list[int]] = {True: list(indices)} if loop.ac_every == 1 else {}
+        for i in indices if loop.ac_every > 1 else ():
+            by_policy.setdefault(checkpointed(i, loop.ac_every), []).append(i)
+        if len(by_policy) == 1:
+            kept = self.kept(indices[0])
+            formula = " + ".join(s.formula for s in kept)
+            n, key = len(indices), "activations.first_block" if first else "activations.blocks"
+            name = "kept activations of the first block" if first else f"kept activations of {n} blocks"
+            return [term(A, key, name, formula if first else f"{n} × ({formula})", n * sum(s.bytes for s in kept))]
+        terms = []
+        for is_checkpointed, members in sorted(by_policy.items(), reverse=True):
+            kept, n = self.kept(members[0]), len(members)
+            what = f"AC {loop.ac}, every {loop.ac_every}th" if is_checkpointed else "not checkpointed"
+            terms.append(term(A, f"activations.blocks.{'checkpointed' if is_checkpointed else 'plain'}",
+                              f"kept activations of {n} blocks ({what})",
+                              f"{n} × ({' + '.join(s.formula for s in kept)})", n * sum(s.bytes for s in kept)))
+        return terms
+
+    def transient_terms(self, index: int) -> list[Term]:
+        """Block ``index``'s backward transient: like ``kept``, one per policy."""
+        job, policy = self.job, checkpointed(index, self.job.train.loop.ac_every)
+        if policy not in self._transient:
+            self._transient[policy] = _terms(A, block_transient_under(job.model, job.train, job.train.loop, index,
+                                                                      inputs_cast=self.casts_block_inputs),
+                                             "block.backward")
+        return self._transient[policy]
+
+    def last_checkpointed(self) -> int | None:
+        """Block ⌊L/N⌋·N − 1 where ``ac_every`` N > 1 leaves the last block unchecked (else None)."""
+        loop, L = self.job.train.loop, self.job.model.num_layers
+        if loop.ac_every == 1 or checkpointed(L - 1, loop.ac_every) or not num_checkpointed(L, loop.ac_every):
+            return None
+        return num_checkpointed(L, loop.ac_every) * loop.ac_every - 1
+
+    def moment_specs(self) -> tuple[MomentSpec, ...]:
+        """``MOMENTS``, with the moments only some steps have in their place."""
+        specs = MOMENTS if self.last_checkpointed() is None else (*MOMENTS[:3], LAST_CHECKPOINTED, *MOMENTS[3:])
+        return (*specs[:-1], ROOT_BACKWARD, specs[-1]) if self.holds_root_grads() else specs
 
     def moments(self) -> list[Moment]:
         groups = self.groups()
-        return [Moment(m.phase, m.label, tuple(t for g in m.groups for t in groups[g])) for m in MOMENTS]
+        return [Moment(m.phase, m.label, tuple(t for g in m.groups for t in groups[g])) for m in self.moment_specs()]
 
     def grad_share(self, count: int, what: str) -> list[Term]:
         full = self.grad_terms()[0]
@@ -207,12 +368,12 @@ class Step:
     def host_terms(self) -> list[Term]:
         """Host RAM per GPU for what is offloaded."""
         if self.job.plan.offload == "none":
-            return []
+            return self.offloaded_activation_terms()
         on_gpu = Step(self.job.with_(offload="none"))
         terms = on_gpu.optimizer_terms() if self.states_on_host else []
         if self.params_on_host:
             terms += on_gpu.param_terms() + (on_gpu.grad_terms() if self.grads_on_host else [])
-        return terms
+        return terms + self.offloaded_activation_terms()
 
 
 def model_states(job: Job, policy: Policy | None = None) -> dict[Component, int]:
@@ -225,6 +386,25 @@ def model_states(job: Job, policy: Policy | None = None) -> dict[Component, int]
     return out
 
 
+# what the loop's conventions add that is modelled from the framework's source but not measured
+_UNMEASURED = (
+    (lambda t: t.loss == "fused-linear-ce",
+     "fused-linear-ce (Liger's) is modelled from its source, not measured (its Triton kernels do not run on CPU)"),
+    (lambda t: t.offload_activations,
+     "activation offloading is modelled from torchtune's source, not measured (it needs CUDA streams)"),
+    (lambda t: t.activation_checkpointing == "op" and t.attention == "sdpa" and t.device == "cuda",
+     "op SAC saving the CUDA sdpa kernels' outputs is modelled, not measured (CPU's flash kernel is recomputed)"),
+    (lambda t: t.compile, "the compiled loss's backward is modelled, its saved tensors measured"),
+    (lambda t: t.float8,
+     "float8 keeps what bf16 keeps (measured on CPU, torchao Float8Linear); its fp8 casts are transient, not modelled"),
+)
+
+
+def loop_notes(job: Job) -> tuple[str, ...]:
+    """What the estimate models of the training loop without a measurement behind it."""
+    return tuple(note for applies, note in _UNMEASURED if applies(job.train))
+
+
 @lru_cache(maxsize=4096)
 def estimate(job: Job) -> Estimate:
     """Peak per-GPU memory of one configuration: the largest of the step's moments."""
@@ -233,4 +413,4 @@ def estimate(job: Job) -> Estimate:
     peak = max(moments, key=lambda m: m.allocated_bytes)
     host = sum(t.bytes for t in step.host_terms())
     return Estimate(job=job, peak=peak, moments=tuple(moments), overhead=tuple(overhead_terms(job, peak)),
-                    host_bytes=host)
+                    host_bytes=host, notes=loop_notes(job))

@@ -5,11 +5,13 @@ from __future__ import annotations
 import csv
 import io
 import json
+from dataclasses import asdict
 
 from .breakdown import Component, Estimate
 from .calibration import Applied, Corrected
 from .decide import FRAMEWORKS, Fix, Reason, Recommendation, Rejected, RuleVerdict, framework_strategies
 from .inputs import ModelChoice
+from .loop import in_force
 from .strategies import STRATEGIES
 from .units import gib
 
@@ -21,12 +23,14 @@ def inputs_dict(choice: ModelChoice, est: Estimate) -> dict:
     job = est.job
     model = {k: getattr(job.model, k) for k in job.model.__dataclass_fields__}
     model["num_params"] = job.model.num_params
+    loop = in_force(job.train)
     return {
         "model": model,
         "model_source": choice.source,
         "assumed_architecture": choice.assumed,
         "train": {k: getattr(job.train, k) for k in job.train.__dataclass_fields__},
         "cluster": {k: getattr(job.cluster, k) for k in job.cluster.__dataclass_fields__},
+        "loop": [asdict(c) for c in loop.conventions + loop.elsewhere],
     }
 
 
@@ -153,6 +157,7 @@ def _header(choice: ModelChoice, job) -> str:
     return (f"model    {model}\n"
             f"training seq {t.seq_len} × micro-batch {t.micro_batch} × accum {t.grad_accum}, {t.precision}, "
             f"{t.optimizer} ({t.optimizer_impl}), AC {t.activation_checkpointing}, {t.attention} attention\n"
+            f"loop     {in_force(t).describe()}\n"
             f"cluster  {c.gpus} × {c.gpu_name} {_g(c.gpu_mem_bytes)} GiB ({c.num_nodes} node(s) of "
             f"{c.gpus_per_node}), headroom {c.headroom:.0%}: {_g(c.usable_bytes)} GiB usable")
 

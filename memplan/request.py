@@ -88,23 +88,58 @@ class TrainingRequest:
     """adamw | adam | sgd | sgd-momentum | adam8bit."""
     optimizer_impl: str | None = None
     """foreach | fused | single; None: torch's default (foreach on cuda, single on cpu)."""
-    ac: str = TrainSpec.activation_checkpointing
-    """Activation checkpointing: none | selective | full."""
     attention: str = TrainSpec.attention
     """sdpa | eager."""
     device: str = TrainSpec.device
     """cuda, or cpu: what the same job allocates on CPU (no CUDA-side overhead)."""
+    # the training loop (memplan.loop.Loop); None: as the recipe sets it
+    recipe: str = TrainSpec.recipe
+    """plain | hf-trainer | torchtitan | torchtune | lightning | accelerate: the loop's conventions as that
+    framework sets them by default (tables/recipes.csv); any given below wins."""
+    ac: str | None = None
+    """Activation checkpointing: none | selective (attention core) | op (torchtitan's per-op SAC) | full."""
+    ac_every: int | None = None
+    """Checkpoint every N-th block only (torchtitan's layer SAC)."""
+    logits: str | None = None
+    """kept | freed: whether the caller still holds the logits when backward starts."""
+    loss: str | None = None
+    """ce | chunked-ce | fused-linear-ce."""
+    loss_chunks: int | None = None
+    """Chunks of chunked-ce."""
+    compile: bool | None = None
+    """torch.compile of each block and of the loss."""
+    float8: bool | None = None
+    """torchao float8 training of the linear layers."""
+    offload_activations: bool | None = None
+    """torchtune's activation offloading to host memory."""
+    optimizer_in_backward: bool | None = None
+    """The optimizer steps each parameter inside backward."""
 
     def __post_init__(self):
         self.spec()
 
+    def resolved(self):
+        """The loop's conventions: the recipe's, with those given here winning (``loop.Resolved``)."""
+        from .loop import resolve
+
+        return resolve(self.recipe, **{s: getattr(self, s) for s in _LOOP})
+
     def spec(self) -> TrainSpec:
         """The step at this micro-batch (1 for ``"max"``: searched later)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values["activation_checkpointing"] = values.pop("ac")
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _LOOP}
+        resolved = self.resolved()
+        loop = {s: getattr(resolved.loop, s) for s in _LOOP}
+        values["activation_checkpointing"] = loop.pop("ac")
         if values["micro_batch"] == "max":
             values["micro_batch"] = 1
-        return TrainSpec(**values)
+        if values["optimizer_impl"] is None:
+            values["optimizer_impl"] = next((c.value for c in resolved.elsewhere if c.setting == "optimizer_impl"), None)
+        return TrainSpec(**values, **loop)
+
+
+_LOOP = ("ac", "ac_every", "logits", "loss", "loss_chunks", "compile", "float8", "offload_activations",
+         "optimizer_in_backward")
+"""The TrainingRequest fields that are loop settings (``loop.Loop``), None where the recipe sets them."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from .errors import InputError, MemplanError
 
@@ -16,6 +17,7 @@ PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "mixed-bf16", "mixed-fp16", "bf16"
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adam8bit")
 OPTIMIZER_IMPLS = ("foreach", "fused", "single")
 AC_MODES = ("none", "selective", "full")
+"""The policies the recommendation searches; ``loop.AC_POLICIES`` adds torchtitan's op SAC."""
 ATTENTIONS = ("sdpa", "eager")
 DEVICES = ("cuda", "cpu")
 OFFLOADS = ("none", "optimizer", "params", "all")
@@ -169,6 +171,16 @@ class ModelSpec:
         )
 
 
+@lru_cache(maxsize=256)
+def _loop(logits, loss, loss_chunks, ac, ac_every, compile, float8, offload_activations, optimizer_in_backward, recipe):
+    """A step's ``loop.Loop``, built once per distinct loop (the step's hot path reads it)."""
+    from .loop import Loop
+
+    return Loop(logits=logits, loss=loss, loss_chunks=loss_chunks, ac=ac, ac_every=ac_every, compile=compile,
+                float8=float8, offload_activations=offload_activations, optimizer_in_backward=optimizer_in_backward,
+                recipe=recipe)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainSpec:
     """One optimizer step: micro-batches, precision, optimizer and memory-saving switches."""
@@ -184,14 +196,29 @@ class TrainSpec:
     optimizer_impl: str | None = None
     """foreach | fused | single; None means torch's default on the device."""
     activation_checkpointing: str = "none"
+    """none | selective | op | full (``loop.Loop.ac``)."""
     attention: str = "sdpa"
     device: str = "cuda"
+    # the training loop's conventions (``loop.Loop``, whose docstrings say what each does)
+    logits: str = "kept"
+    loss: str = "ce"
+    loss_chunks: int = 8
+    ac_every: int = 1
+    compile: bool = False
+    float8: bool = False
+    offload_activations: bool = False
+    optimizer_in_backward: bool = False
+    recipe: str = "plain"
+    """The recipe the loop's conventions were resolved from (``loop.resolve``)."""
 
     def __post_init__(self):
         _check_positive(self, "seq_len", "micro_batch", "grad_accum")
         _check_choice(self.precision, PRECISIONS, "precision")
         _check_choice(self.optimizer, OPTIMIZERS, "optimizer")
-        _check_choice(self.activation_checkpointing, AC_MODES, "activation checkpointing")
+        from .loop import AC_POLICIES
+
+        _check_choice(self.activation_checkpointing, AC_POLICIES, "activation checkpointing")
+        self.loop  # noqa: B018 -- the loop's conventions checked
         _check_choice(self.attention, ATTENTIONS, "attention")
         _check_choice(self.device, DEVICES, "device")
         if self.reduce_dtype is not None:
@@ -204,6 +231,12 @@ class TrainSpec:
         if self.seq_len > 10_000_000 or self.micro_batch > 1_000_000:
             raise MemplanError(lambda n: f"{n.word('seq_len')} {self.seq_len} or {n.word('micro_batch')} "
                                f"{self.micro_batch} is absurd; {n.word('seq_len')} ≤ 1e7, {n.word('micro_batch')} ≤ 1e6")
+
+    @property
+    def loop(self):
+        """The training loop's conventions as a ``loop.Loop``."""
+        return _loop(self.logits, self.loss, self.loss_chunks, self.activation_checkpointing, self.ac_every,
+                     self.compile, self.float8, self.offload_activations, self.optimizer_in_backward, self.recipe)
 
     @property
     def tokens_per_micro_batch(self) -> int:

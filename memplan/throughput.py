@@ -98,11 +98,12 @@ def flops_per_token(job: Job) -> float:
     term is the attention score and value matmuls (forward 4·L·h·s, backward twice that).
     Activation checkpointing re-runs forward work in backward (Korthikanti et al. 2022,
     'Reducing Activation Recomputation', §4): full AC one whole forward, 2·N + 4·L·h·s;
-    selective only the attention core, 4·L·h·s.
+    selective only the attention core, 4·L·h·s; torchtitan's op SAC every second matmul of
+    a block (its policy saves mm 1, 3, 5, ... and sdpa), about half the matmul forward, N.
     """
     m, s = job.model, job.train.seq_len
     attention_fwd = 4 * m.num_layers * m.hidden * s
-    recompute = {"none": 0.0, "selective": attention_fwd,
+    recompute = {"none": 0.0, "selective": attention_fwd, "op": m.num_params,
                  "full": 2 * m.num_params + attention_fwd}[job.train.activation_checkpointing]
     return 6 * m.num_params + 3 * attention_fwd + recompute
 

@@ -6,7 +6,7 @@ from memplan.emit import KINDS
 from memplan.errors import MemplanError
 from memplan.frameworks import FRAMEWORKS
 from memplan.inputs import build_jobs
-from memplan.memory import MOMENTS, Step, estimate
+from memplan.memory import Step, estimate
 from memplan.precision import DTYPE_BYTES, POLICIES
 from memplan.specs import PRECISIONS
 from memplan.strategies import STRATEGIES
@@ -29,8 +29,8 @@ def test_every_strategy_names_a_registered_adapter_and_every_emit_kind_has_one_w
 def test_each_moment_is_its_declared_groups_in_order(strategy):
     step = Step(job(strategy, grad_accum=1))
     groups = step.groups()
-    assert {g for m in MOMENTS for g in m.groups} <= set(groups)
-    for spec, moment in zip(MOMENTS, step.moments()):
+    assert {g for m in step.moment_specs() for g in m.groups} <= set(groups)
+    for spec, moment in zip(step.moment_specs(), step.moments(), strict=True):
         assert moment.terms == tuple(t for g in spec.groups for t in groups[g])
         assert all(t.key for t in moment.terms)
 
@@ -38,7 +38,7 @@ def test_each_moment_is_its_declared_groups_in_order(strategy):
 def test_the_logits_are_found_by_key_and_live_until_the_first_block_backward():
     step = Step(job("ddp"))
     t = step.job.train
-    (logits,) = step.groups()["logits"]
+    (logits,) = step.groups()["logits.forward"]
     # the head's output in the compute dtype: c·b·s·V
     assert logits.key == "logits" and logits.bytes == POLICIES[t.precision].compute_bytes * t.micro_batch * \
         t.seq_len * step.job.model.vocab_size

@@ -134,7 +134,13 @@ class FSDP(Framework):
     def gathered(self, step, instant: str) -> list:
         s, L, bp = step.strategy, step.job.model.num_layers, step.block_params
         # FSDP2 does not reshard the root unit after forward: backward needs it at once
-        terms = [_gathered(step, "fsdp.root_unit", step.root_params, "unsharded root unit (embeddings, head)")]
+        if s.reshard_after_forward and step.reshards_embedding:
+            # torchtitan's apply_fsdp: the embedding is its own unit, resharded after forward;
+            # [norm, lm_head] one that is not (recipes.csv reshard_after_forward blocks)
+            terms = [_gathered(step, "fsdp.root_unit", step.job.model.head_params(),
+                               "unsharded head unit (final norm, lm head)")]
+        else:
+            terms = [_gathered(step, "fsdp.root_unit", step.root_params, "unsharded root unit (embeddings, head)")]
         if not s.reshard_after_forward:
             terms.append(_gathered(step, "fsdp.all_blocks", L * bp, f"unsharded {L} blocks (forward→backward)"))
         elif instant == "loss" and step.gather_group > 1:

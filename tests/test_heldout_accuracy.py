@@ -1,0 +1,62 @@
+"""memplan against the held-out matrix (docs/heldout_matrix_cpu.jsonl), each record estimated
+with the loop that ran it (calibrate.heldout.loop_job): within 1 % of the measured peak. The
+cases memplan does not yet meet are listed with what the measured categories show; each is
+a strict xfail, so a fixed one must leave the list."""
+from pathlib import Path
+
+import pytest
+
+from calibrate import heldout, records
+from memplan.memory import estimate
+
+TOLERANCE = 0.01
+RECORDS = Path(__file__).resolve().parent.parent / heldout.OUT
+
+_SAC_LOSS = ("torchtitan's loop under FSDP full-shard with its own SelectiveAC/FullAC: the measured peak holds the "
+             "two loss gradients but not the log_softmax output memplan keeps at the start of backward "
+             "(the same loss without AC, shard-grad-op, matches): read off the categories of the first and third; "
+             "not explained")
+_FSDP = ("FSDP full-shard: off by more than 1 % with the loop's conventions applied, as some plain loops are "
+         "(`python -m calibrate.heldout --report` has each error); cause not found")
+KNOWN = {
+    "llama-h512-torchtitan-fsdp-fp32-acop-w8-b2s512": _SAC_LOSS,
+    "llama-h384-torchtitan-fsdp-mixed-bf16-acop-w32-b1s256": _FSDP,
+    "mistral-h640-torchtitan-fsdp-fp32-acfull-w32-b1s1024": _SAC_LOSS,
+    "qwen2-h448-torchtitan-fsdp-bf16-acop-w16-b1s128": _FSDP,
+    "llama-h512-torchtune-fsdp-fp32-acnone-w8-b2s512": _FSDP,
+    "llama-h384-v128k-torchtune-fsdp-fp32-acnone-w16-b1s128": _FSDP,
+    "llama-h384-torchtune-fsdp-bf16-acfull-w8-b1s128": _FSDP,
+    "llama-h384-v128k-plain-freed-fsdp-fp32-acnone-w64-b1s128": _FSDP,
+    "qwen2-h896-plain-kept-fsdp-fp32-acnone-g2-b1s256": _FSDP,
+    "qwen2-h896-hf-trainer-fsdp-fp32-acfull-w8-b2s256": _FSDP,
+    "llama-h384-plain-kept-fsdp-mixed-bf16-acnone-g2-b1s128": _FSDP,
+    "gpt2-h384-s2048-plain-kept-fsdp-fp32-acnone-w4-b1s2048": _FSDP,
+    "llama-h384-hf-trainer-fsdp-amp-bf16-acnone-w16-b1s128": _FSDP,
+    "qwen2-h448-plain-kept-fsdp-mixed-fp16-acnone-w8-b1s128": _FSDP,
+    "mistral-h512-hf-trainer-fsdp-mixed-bf16-acfull-w4-b1s128": _FSDP,
+    "gpt2-h384-plain-freed-fsdp-amp-bf16-acnone-w8-b1s128": _FSDP,
+    "neox-h768-hf-trainer-fsdp-fp32-acfull-w4-b1s512": _FSDP,
+    "neox-h512-plain-freed-fsdp-bf16-acnone-w8-b1s128": _FSDP,
+    "neox-h512-hf-trainer-fsdp-amp-fp16-acnone-w16-b1s128": _FSDP,
+}
+
+
+def _records() -> list[dict]:
+    return [r for r in heldout.latest(records.read([RECORDS])) if r["status"] == "ok"]
+
+
+def _params():
+    return [pytest.param(r, id=r["case"], marks=[pytest.mark.xfail(strict=True, reason=KNOWN[r["case"]])]
+                         if r["case"] in KNOWN else []) for r in _records()]
+
+
+def test_the_known_cases_are_cases():
+    assert set(KNOWN) <= {r["case"] for r in _records()}
+
+
+@pytest.mark.parametrize("record", _params())
+def test_estimate_with_the_loop_within_1_percent(record):
+    measured = record["measurement"]["peak_allocated_bytes"]
+    est = estimate(heldout.loop_job(record))
+    error = (est.allocated_bytes - measured) / measured
+    assert abs(error) <= TOLERANCE, f"{record['case']}: estimated {est.allocated_bytes:,} B, measured {measured:,} B: {error:+.2%}"
