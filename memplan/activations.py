@@ -13,6 +13,7 @@ c compute bytes, r residual-stream bytes, m dropout-mask bytes (CUDA's fused dro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .precision import POLICIES
 from .specs import ModelSpec, TrainSpec
@@ -51,6 +52,7 @@ class Shapes:
         return self.b * self.s
 
 
+@lru_cache(maxsize=4096)  # every term of every moment asks; specs are frozen
 def shapes(model: ModelSpec, train: TrainSpec) -> Shapes:
     policy = POLICIES[train.precision]
     on_cpu = train.device == "cpu"

@@ -3,6 +3,7 @@ peak moment, with the terms that add up to them."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from functools import cached_property
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -48,7 +49,7 @@ class Moment:
             out[term.component] += term.bytes
         return out
 
-    @property
+    @cached_property  # the searches ask each moment many times
     def allocated_bytes(self) -> int:
         return sum(t.bytes for t in self.terms)
 

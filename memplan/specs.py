@@ -139,6 +139,7 @@ class ModelSpec:
         }
         return counts
 
+    @lru_cache(maxsize=1024)  # noqa: B019 - frozen specs, asked for by every term of every estimate
     def block_params(self) -> int:
         return sum(self.block_param_counts().values())
 
@@ -159,7 +160,7 @@ class ModelSpec:
 
     @property
     def num_params(self) -> int:
-        return self.embedding_params() + self.num_layers * self.block_params() + self.head_params()
+        return _num_params(self)
 
     def describe(self) -> str:
         gqa = f", kv-heads {self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
@@ -179,6 +180,11 @@ def _loop(logits, loss, loss_chunks, ac, ac_every, compile, float8, offload_acti
     return Loop(logits=logits, loss=loss, loss_chunks=loss_chunks, ac=ac, ac_every=ac_every, compile=compile,
                 float8=float8, offload_activations=offload_activations, optimizer_in_backward=optimizer_in_backward,
                 recipe=recipe)
+
+
+@lru_cache(maxsize=1024)
+def _num_params(model: ModelSpec) -> int:
+    return model.embedding_params() + model.num_layers * model.block_params() + model.head_params()
 
 
 @dataclass(frozen=True, kw_only=True)
