@@ -7,6 +7,7 @@ launch.emulate called in this process, torch already imported).
 
     python benchmarks/calibration_point.py [repeats]
 """
+
 import statistics
 import sys
 import time
@@ -18,8 +19,12 @@ TINY = ModelSpec(arch="llama", num_layers=2, hidden=64, num_heads=4, ffn_hidden=
 
 
 def job(strategy: str) -> Job:
-    return Job(model=TINY, train=TrainSpec(seq_len=32, micro_batch=2, precision="fp32", device="cpu"),
-               cluster=ClusterSpec(gpus=2), plan=Plan(strategy=strategy))
+    return Job(
+        model=TINY,
+        train=TrainSpec(seq_len=32, micro_batch=2, precision="fp32", device="cpu"),
+        cluster=ClusterSpec(gpus=2),
+        plan=Plan(strategy=strategy),
+    )
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:
@@ -34,8 +39,10 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 def main(repeats: int = 3) -> None:
     from calibrate import launch, runs
 
-    print(f"one calibration point, {TINY.num_params:,}-parameter llama, seq 32 × micro-batch 2, fp32, "
-          f"world size 2, 3 steps (2 warm-up); median of {repeats}")
+    print(
+        f"one calibration point, {TINY.num_params:,}-parameter llama, seq 32 × micro-batch 2, fp32, "
+        f"world size 2, 3 steps (2 warm-up); median of {repeats}"
+    )
     for strategy in ("ddp", "fsdp-full-shard"):
         for mode in ("local", "emulate"):
             run = Run(job=job(strategy), mode=mode)
@@ -44,9 +51,11 @@ def main(repeats: int = 3) -> None:
                 alone_s, m = timed(lambda run=run: launch.local(run.job, nprocs=2)[0], repeats)
             else:
                 alone_s, m = timed(lambda run=run: launch.emulate(run.job, world_size=2), repeats)
-            print(f"  {strategy:16s} {mode:8s} end to end {end_to_end_s:6.2f} s   measurement alone "
-                  f"{alone_s:6.2f} s   peak {m.peak_allocated_bytes:,} B ({outcome['status']}, "
-                  f"child's peak {outcome['measurement']['peak_allocated_bytes']:,} B)")
+            print(
+                f"  {strategy:16s} {mode:8s} end to end {end_to_end_s:6.2f} s   measurement alone "
+                f"{alone_s:6.2f} s   peak {m.peak_allocated_bytes:,} B ({outcome['status']}, "
+                f"child's peak {outcome['measurement']['peak_allocated_bytes']:,} B)"
+            )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ than the wall time.
 
     python benchmarks/cli_startup.py [runs]
 """
+
 import resource
 import statistics
 import subprocess
@@ -29,14 +30,18 @@ def times_s(args) -> tuple[float, float]:
 
 def _quote(args, runs: int) -> str:
     wall, cpu = zip(*(times_s(args) for _ in range(runs)))
-    return (f"median {statistics.median(wall):.3f} s wall (min {min(wall):.3f}, max {max(wall):.3f}), "
-            f"median {statistics.median(cpu):.3f} s CPU")
+    return (
+        f"median {statistics.median(wall):.3f} s wall (min {min(wall):.3f}, max {max(wall):.3f}), "
+        f"median {statistics.median(cpu):.3f} s CPU"
+    )
 
 
 def imported_modules(args) -> set[str]:
-    code = ("import sys; from memplan.cli import main\n"
-            f"try:\n    main({args!r})\nexcept SystemExit:\n    pass\n"
-            "print(' '.join(sys.modules))")
+    code = (
+        "import sys; from memplan.cli import main\n"
+        f"try:\n    main({args!r})\nexcept SystemExit:\n    pass\n"
+        "print(' '.join(sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     return set(out.split())
 

@@ -4,6 +4,7 @@ as in a fresh process) and warm (the same grid again), and the scalar estimate f
 
     python benchmarks/sweep.py [repeats]
 """
+
 import sys
 import time
 
@@ -11,8 +12,13 @@ from memplan.grid import sweep
 from memplan.inputs import build_jobs
 from memplan.memory import estimate
 
-GRID = dict(params=[1e9, 3e9, 7e9, 13e9, 30e9, 70e9, 175e9, 405e9], gpus=[1, 2, 4, 8, 16, 24, 32, 64, 128, 256],
-            micro_batch=[1, 2, 4, 8, 16], seq_len=[512, 2048, 4096, 8192], gpu="h100-sxm")
+GRID = dict(
+    params=[1e9, 3e9, 7e9, 13e9, 30e9, 70e9, 175e9, 405e9],
+    gpus=[1, 2, 4, 8, 16, 24, 32, 64, 128, 256],
+    micro_batch=[1, 2, 4, 8, 16],
+    seq_len=[512, 2048, 4096, 8192],
+    gpu="h100-sxm",
+)
 
 
 def rate(repeats: int, clear: bool) -> tuple[int, float, float]:
@@ -32,8 +38,10 @@ def rate(repeats: int, clear: bool) -> tuple[int, float, float]:
 def main(repeats: int = 3) -> None:
     rows, cold, cold_cpu = rate(repeats, clear=True)
     _, warm, warm_cpu = rate(repeats, clear=False)
-    print(f"sweep of {rows:,} configurations: {cold:,.0f} per second cold, {warm:,.0f} warm "
-          f"(per CPU second: {cold_cpu:,.0f} cold, {warm_cpu:,.0f} warm; best of {repeats})")
+    print(
+        f"sweep of {rows:,} configurations: {cold:,.0f} per second cold, {warm:,.0f} warm "
+        f"(per CPU second: {cold_cpu:,.0f} cold, {warm_cpu:,.0f} warm; best of {repeats})"
+    )
     _, jobs = build_jobs(params=7e9, gpus=8, gpu="h100-sxm")
     estimate.cache_clear()
     start = time.perf_counter()

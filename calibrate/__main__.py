@@ -13,6 +13,7 @@ process group of its own that it kills on ``--timeout``.
 rank 0 has recorded the run, it records the run as ``timeout`` (RC 124 or 137, from
 ``timeout``) or ``failed``. It imports no torch.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -35,9 +36,12 @@ TIMEOUT_EXIT_CODES = (124, 137)
 def _recorded_since(out, run: records.Run, since_epoch_s: float) -> bool:
     if not Path(out).exists():
         return False
-    return any(records.record_key(r) == run.key and "finished_at" in r
-               and datetime.datetime.fromisoformat(r["finished_at"]).timestamp() >= since_epoch_s
-               for r in records.read([out]))
+    return any(
+        records.record_key(r) == run.key
+        and "finished_at" in r
+        and datetime.datetime.fromisoformat(r["finished_at"]).timestamp() >= since_epoch_s
+        for r in records.read([out])
+    )
 
 
 def _record_exit(run: records.Run, out, exit_code: int, since_epoch_s: float) -> None:
@@ -45,8 +49,9 @@ def _record_exit(run: records.Run, out, exit_code: int, since_epoch_s: float) ->
         return
     status = "timeout" if exit_code in TIMEOUT_EXIT_CODES else "failed"
     error = f"torchrun exited with code {exit_code} before rank 0 recorded the run"
-    records.append(out, records.make_record(run, status=status, measurement=None, error=error,
-                                            wall_s=time.time() - since_epoch_s))
+    records.append(
+        out, records.make_record(run, status=status, measurement=None, error=error, wall_s=time.time() - since_epoch_s)
+    )
 
 
 def _write_result(path, outcome: dict) -> None:
@@ -56,17 +61,31 @@ def _write_result(path, outcome: dict) -> None:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--runs", "runs_path", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="Run requests, one JSON object a line (written by memplan calibrate).")
+@click.option(
+    "--runs",
+    "runs_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Run requests, one JSON object a line (written by memplan calibrate).",
+)
 @click.option("--index", type=int, required=True, help="Which line of --runs to run (from 0).")
 @click.option("--out", type=click.Path(dir_okay=False), help="Append the record to this .jsonl file.")
 @click.option("--result", type=click.Path(dir_okay=False), help="Write the bare outcome here instead.")
 @click.option("--resume", is_flag=True, help="Do nothing when --out already records this run.")
-@click.option("--max-host-mem", "max_host_mem_bytes", type=int,
-              help="Bytes of address space each process may map beyond torch's own (RLIMIT_AS).")
+@click.option(
+    "--max-host-mem",
+    "max_host_mem_bytes",
+    type=int,
+    help="Bytes of address space each process may map beyond torch's own (RLIMIT_AS).",
+)
 @click.option("--record-exit-code", type=int, help="Record a torchrun that exited with this code (fallback).")
-@click.option("--since", "since_epoch_s", type=float, default=0.0,
-              help="With --record-exit-code: when the attempt started (seconds since the epoch).")
+@click.option(
+    "--since",
+    "since_epoch_s",
+    type=float,
+    default=0.0,
+    help="With --record-exit-code: when the attempt started (seconds since the epoch).",
+)
 def main(runs_path, index, out, result, resume, max_host_mem_bytes, record_exit_code, since_epoch_s):
     """Run one calibration point and record it."""
     if (out is None) == (result is None):

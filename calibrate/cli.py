@@ -3,6 +3,7 @@
 Parses, calls calibrate.runs / cluster / report, renders. Imports no torch: the runs
 execute in child processes (``python -m calibrate``); reading records needs none.
 """
+
 from __future__ import annotations
 
 import sys
@@ -16,32 +17,72 @@ from memplan.units import parse_bytes
 
 from .records import MODES, WORKLOADS
 
-RUN_ONLY_FLAGS = ("mode", "out", "steps", "warmup", "timeout_s", "resume", "workload", "grid", "max_host_mem",
-                  "nodes", "layers_scaled")
+RUN_ONLY_FLAGS = (
+    "mode",
+    "out",
+    "steps",
+    "warmup",
+    "timeout_s",
+    "resume",
+    "workload",
+    "grid",
+    "max_host_mem",
+    "nodes",
+    "layers_scaled",
+)
 
 
 def _sweep_options(f):
     options = [
-        click.option("--out", required=True, type=click.Path(),
-                     help="Records file (.jsonl) to append to; for --mode cluster a directory."),
-        click.option("--steps", type=int, default=3, show_default=True,
-                     help="Training steps per run; the last one is measured."),
-        click.option("--warmup", type=int, default=2, show_default=True,
-                     help="Steps before the measured one (at least 1: optimizer states exist)."),
-        click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True,
-                     help="Seconds a run may take before its processes are killed (status timeout)."),
+        click.option(
+            "--out",
+            required=True,
+            type=click.Path(),
+            help="Records file (.jsonl) to append to; for --mode cluster a directory.",
+        ),
+        click.option(
+            "--steps", type=int, default=3, show_default=True, help="Training steps per run; the last one is measured."
+        ),
+        click.option(
+            "--warmup",
+            type=int,
+            default=2,
+            show_default=True,
+            help="Steps before the measured one (at least 1: optimizer states exist).",
+        ),
+        click.option(
+            "--timeout",
+            "timeout_s",
+            type=float,
+            default=600.0,
+            show_default=True,
+            help="Seconds a run may take before its processes are killed (status timeout).",
+        ),
         click.option("--resume", is_flag=True, help="Skip runs the records file already holds."),
-        click.option("--workload", type=click.Choice(WORKLOADS), default="native", show_default=True,
-                     help="native: calibrate's reference blocks; hf: the transformers model of the same shapes."),
-        click.option("--grid", type=click.Path(exists=True, dir_okay=False),
-                     help="YAML/JSON grid: flag name -> list of values; one run per combination."),
-        click.option("--max-host-mem",
-                     help="Host memory each run process may take beyond torch's own (RLIMIT_AS), e.g. 4GiB; "
-                          "a run that needs more is recorded as oom."),
+        click.option(
+            "--workload",
+            type=click.Choice(WORKLOADS),
+            default="native",
+            show_default=True,
+            help="native: calibrate's reference blocks; hf: the transformers model of the same shapes.",
+        ),
+        click.option(
+            "--grid",
+            type=click.Path(exists=True, dir_okay=False),
+            help="YAML/JSON grid: flag name -> list of values; one run per combination.",
+        ),
+        click.option(
+            "--max-host-mem",
+            help="Host memory each run process may take beyond torch's own (RLIMIT_AS), e.g. 4GiB; "
+            "a run that needs more is recorded as oom.",
+        ),
         click.option("--nodes", type=int, help="Nodes (with --gpus-per-node): sets --gpus to their product."),
-        click.option("--layers-scaled", is_flag=True,
-                     help="For a model too big for this device: run it at full width with 1, 2 and 4 blocks and "
-                          "record the peak extrapolated to its real depth, with the fit's uncertainty."),
+        click.option(
+            "--layers-scaled",
+            is_flag=True,
+            help="For a model too big for this device: run it at full width with 1, 2 and 4 blocks and "
+            "record the peak extrapolated to its real depth, with the fit's uncertainty.",
+        ),
     ]
     for option in reversed(options):
         f = option(f)
@@ -59,8 +100,10 @@ def _grid_flag_sets(ctx: click.Context, flags: dict, grid_path) -> list[dict]:
     for key, values in load_grid(grid_path).items():
         name = str(key).lstrip("-").replace("-", "_")
         if name not in params:
-            raise MemplanError(f"grid key {key!r} is not a flag of memplan estimate; use one of: "
-                               + ", ".join(n.replace("_", "-") for n in params))
+            raise MemplanError(
+                f"grid key {key!r} is not a flag of memplan estimate; use one of: "
+                + ", ".join(n.replace("_", "-") for n in params)
+            )
         try:
             grid[name] = [v if v is None else params[name].type.convert(v, params[name], ctx) for v in values]
         except click.BadParameter as exc:
@@ -88,11 +131,15 @@ def _plan(ctx, flags, *, mode, steps, warmup, workload, grid, nodes, layers_scal
     if layers_scaled and mode == "cluster":
         raise MemplanError("--layers-scaled runs here (--mode local or emulate), not as a cluster job")
     flag_sets = [_apply_nodes(ctx, f, nodes) for f in _grid_flag_sets(ctx, flags, grid)]
-    runs, skipped = plan(flag_sets, mode=mode, steps=steps, warmup=warmup, workload=workload,
-                         layers_scaled=layers_scaled)
+    runs, skipped = plan(
+        flag_sets, mode=mode, steps=steps, warmup=warmup, workload=workload, layers_scaled=layers_scaled
+    )
     if skipped:
-        click.echo(f"skipping {', '.join(skipped)}: the harness drives DDP and FSDP2, not DeepSpeed "
-                   "(name one with --strategy to record it as failed)", err=True)
+        click.echo(
+            f"skipping {', '.join(skipped)}: the harness drives DDP and FSDP2, not DeepSpeed "
+            "(name one with --strategy to record it as failed)",
+            err=True,
+        )
     if not runs:
         raise MemplanError("no runs left to do: every strategy asked for needs DeepSpeed")
     return runs
@@ -106,8 +153,11 @@ def _write_cluster(runs, *, out, timeout_s, resume):
     for i, (run, command) in enumerate(zip(plan.runs, cluster.torchrun_commands(plan))):
         click.echo(f"# run {i}: {run.describe()}")
         click.echo(command)
-    click.echo(f"wrote {plan.runs_path} and {plan.script_path} ({len(runs)} run(s)); "
-               f"submit with: sbatch {plan.script_path}; records go to {plan.records_path}", err=True)
+    click.echo(
+        f"wrote {plan.runs_path} and {plan.script_path} ({len(runs)} run(s)); "
+        f"submit with: sbatch {plan.script_path}; records go to {plan.records_path}",
+        err=True,
+    )
 
 
 def _run_sweep(runs, *, out, timeout_s, resume, max_host_mem_bytes):
@@ -116,26 +166,50 @@ def _run_sweep(runs, *, out, timeout_s, resume, max_host_mem_bytes):
     if Path(out).is_dir():
         raise MemplanError(f"--out {out!r} is a directory; local and emulate runs append to a .jsonl file")
     failures = []
-    with click.progressbar(length=len(runs), label="calibrating", file=sys.stderr, show_eta=True,
-                           show_pos=True, item_show_func=lambda r: r.describe() if r else None) as bar:
+    with click.progressbar(
+        length=len(runs),
+        label="calibrating",
+        file=sys.stderr,
+        show_eta=True,
+        show_pos=True,
+        item_show_func=lambda r: r.describe() if r else None,
+    ) as bar:
+
         def on_end(run, record):
             if record and record["status"] != "ok":
                 failures.append(f"{run.describe()}: {record['status']}: {record['error'].splitlines()[0]}")
             bar.update(1, run)
 
-        summary = sweep(runs, out=out, timeout_s=timeout_s, resume=resume, max_host_mem_bytes=max_host_mem_bytes,
-                        on_start=lambda run: bar.update(0, run), on_end=on_end)
+        summary = sweep(
+            runs,
+            out=out,
+            timeout_s=timeout_s,
+            resume=resume,
+            max_host_mem_bytes=max_host_mem_bytes,
+            on_start=lambda run: bar.update(0, run),
+            on_end=on_end,
+        )
     for line in failures:
         click.echo(line, err=True)
     click.echo(summary.line(out))
 
 
-def _execute(ctx, *, mode, out, steps, warmup, timeout_s, resume, workload, grid, max_host_mem, nodes, layers_scaled,
-             flags):
+def _execute(
+    ctx, *, mode, out, steps, warmup, timeout_s, resume, workload, grid, max_host_mem, nodes, layers_scaled, flags
+):
     if timeout_s <= 0:
         raise MemplanError(f"--timeout must be a positive number of seconds, got {timeout_s:g}")
-    runs = _plan(ctx, flags, mode=mode, steps=steps, warmup=warmup, workload=workload, grid=grid, nodes=nodes,
-                 layers_scaled=layers_scaled)
+    runs = _plan(
+        ctx,
+        flags,
+        mode=mode,
+        steps=steps,
+        warmup=warmup,
+        workload=workload,
+        grid=grid,
+        nodes=nodes,
+        layers_scaled=layers_scaled,
+    )
     if mode == "cluster":
         _write_cluster(runs, out=out, timeout_s=timeout_s, resume=resume)
         return
@@ -150,22 +224,38 @@ def calibrate():
 
 @calibrate.command()
 @job_options
-@click.option("--mode", type=click.Choice(MODES), default="local", show_default=True,
-              help="local: N processes here (gloo on CPU, nccl on GPUs); emulate: one rank on a fake process "
-                   "group of N; cluster: write a Slurm script and print torchrun commands (dry run).")
+@click.option(
+    "--mode",
+    type=click.Choice(MODES),
+    default="local",
+    show_default=True,
+    help="local: N processes here (gloo on CPU, nccl on GPUs); emulate: one rank on a fake process "
+    "group of N; cluster: write a Slurm script and print torchrun commands (dry run).",
+)
 @_sweep_options
 @click.pass_context
 @user_errors
-def run(ctx, mode, out, steps, warmup, timeout_s, resume, workload, grid, max_host_mem, nodes, layers_scaled,
-        **flags):
+def run(ctx, mode, out, steps, warmup, timeout_s, resume, workload, grid, max_host_mem, nodes, layers_scaled, **flags):
     """Run, measure and record one job per strategy (or per grid point).
 
     Example: memplan calibrate run --arch llama --layers 2 --hidden 64 --heads 4 --ffn 128 --vocab 256
     --seq-len 32 --micro-batch 2 --precision fp32 --device cpu --gpus 2 --mode emulate --out runs.jsonl
     """
-    _execute(ctx, mode=mode, out=out, steps=steps, warmup=warmup, timeout_s=timeout_s, resume=resume,
-             workload=workload, grid=grid, max_host_mem=max_host_mem, nodes=nodes, layers_scaled=layers_scaled,
-             flags=flags)
+    _execute(
+        ctx,
+        mode=mode,
+        out=out,
+        steps=steps,
+        warmup=warmup,
+        timeout_s=timeout_s,
+        resume=resume,
+        workload=workload,
+        grid=grid,
+        max_host_mem=max_host_mem,
+        nodes=nodes,
+        layers_scaled=layers_scaled,
+        flags=flags,
+    )
 
 
 @calibrate.command()
@@ -173,16 +263,27 @@ def run(ctx, mode, out, steps, warmup, timeout_s, resume, workload, grid, max_ho
 @_sweep_options
 @click.pass_context
 @user_errors
-def cluster(ctx, out, steps, warmup, timeout_s, resume, workload, grid, max_host_mem, nodes, layers_scaled,
-            **flags):
+def cluster(ctx, out, steps, warmup, timeout_s, resume, workload, grid, max_host_mem, nodes, layers_scaled, **flags):
     """Write DIR/calibrate.sbatch and print the torchrun commands (same as run --mode cluster).
 
     Example: memplan calibrate cluster --model llama-2-7b --strategy fsdp-full-shard --nodes 2
     --gpus-per-node 8 --out calib/
     """
-    _execute(ctx, mode="cluster", out=out, steps=steps, warmup=warmup, timeout_s=timeout_s, resume=resume,
-             workload=workload, grid=grid, max_host_mem=max_host_mem, nodes=nodes, layers_scaled=layers_scaled,
-             flags=flags)
+    _execute(
+        ctx,
+        mode="cluster",
+        out=out,
+        steps=steps,
+        warmup=warmup,
+        timeout_s=timeout_s,
+        resume=resume,
+        workload=workload,
+        grid=grid,
+        max_host_mem=max_host_mem,
+        nodes=nodes,
+        layers_scaled=layers_scaled,
+        flags=flags,
+    )
 
 
 @calibrate.command()
@@ -210,8 +311,13 @@ def report(files, fmt):
 
 @calibrate.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
-              help="Corrections file to write (JSON), for memplan estimate --calibration.")
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Corrections file to write (JSON), for memplan estimate --calibration.",
+)
 @user_errors
 def fit(files, output):
     """Fit per-device corrections from ok records; print the fit's quality.
@@ -228,25 +334,36 @@ def fit(files, output):
     calibration.save(output)
     for c in calibration.corrections:
         scales = ", ".join(f"{g} ×{v:.4f}" for g, v in c.scales.items())
-        click.echo(f"{c.device} (torch {c.torch_version}), {c.num_records} records: {scales}, "
-                   f"offset {c.offset_bytes:+,} B")
-        click.echo(f"  median |error| {c.before_median_abs_pct:.3f} % before, {c.after_median_abs_pct:.3f} % after; "
-                   f"residual spread (band) ±{c.residual_pct:.2f} %")
+        click.echo(
+            f"{c.device} (torch {c.torch_version}), {c.num_records} records: {scales}, offset {c.offset_bytes:+,} B"
+        )
+        click.echo(
+            f"  median |error| {c.before_median_abs_pct:.3f} % before, {c.after_median_abs_pct:.3f} % after; "
+            f"residual spread (band) ±{c.residual_pct:.2f} %"
+        )
         for t in c.throughput:
             mfu = f", MFU {t.mfu:.1%}" if t.mfu is not None else ""
-            hidden = (f", {t.exposed_comm_fraction:.0%} of modelled communication exposed"
-                      if t.exposed_comm_fraction is not None else "")
-            click.echo(f"  {t.strategy}: {t.achieved_flops / 1e9:,.1f} GFLOP/s achieved{mfu}{hidden} "
-                       f"({t.num_records} runs)")
+            hidden = (
+                f", {t.exposed_comm_fraction:.0%} of modelled communication exposed"
+                if t.exposed_comm_fraction is not None
+                else ""
+            )
+            click.echo(
+                f"  {t.strategy}: {t.achieved_flops / 1e9:,.1f} GFLOP/s achieved{mfu}{hidden} ({t.num_records} runs)"
+            )
         if c.overhead_base_bytes is not None:
-            click.echo(f"  runtime overhead {c.overhead_base_bytes / 2**20:,.0f} MiB + "
-                       f"{100 * c.overhead_per_allocated:.1f} % of allocated")
+            click.echo(
+                f"  runtime overhead {c.overhead_base_bytes / 2**20:,.0f} MiB + "
+                f"{100 * c.overhead_per_allocated:.1f} % of allocated"
+            )
     for device in {c.device for c in calibration.corrections}:
         for row in held_out([o for o in observations(ok) if o.device == device]):
-            click.echo(f"held out ({device}; fitted on the {row.fitted_on}, judged on the other "
-                       f"{row.num_held_out}): median |error| {row.before_median_abs_pct:.3f} % -> "
-                       f"{row.after_median_abs_pct:.3f} %, max {row.before_max_abs_pct:.2f} % -> "
-                       f"{row.after_max_abs_pct:.2f} %")
+            click.echo(
+                f"held out ({device}; fitted on the {row.fitted_on}, judged on the other "
+                f"{row.num_held_out}): median |error| {row.before_median_abs_pct:.3f} % -> "
+                f"{row.after_median_abs_pct:.3f} %, max {row.before_max_abs_pct:.2f} % -> "
+                f"{row.after_max_abs_pct:.2f} %"
+            )
     click.echo(f"wrote {output}")
 
 

@@ -9,6 +9,7 @@ the run requests and the batch script and prints the torchrun commands; nothing 
 Known limitations: all runs of one script share the allocation, so they must have the same
 world size; a rank that hangs in NCCL holds the run until ``--timeout`` kills it.
 """
+
 from __future__ import annotations
 
 import math
@@ -56,27 +57,58 @@ def cluster_plan(runs: list[Run], *, out_dir, timeout_s: float, resume: bool = F
         raise MemplanError("no runs to launch")
     shapes = {(r.job.cluster.num_nodes, r.job.cluster.gpus_per_node) for r in runs}
     if len(shapes) > 1:
-        raise MemplanError(f"a cluster script runs on one allocation, but the runs ask for "
-                           f"{', '.join(f'{n}×{g}' for n, g in sorted(shapes))} nodes×GPUs; "
-                           "keep --gpus and --gpus-per-node out of the grid")
-    (num_nodes, gpus_per_node), = shapes
-    return ClusterPlan(out_dir=Path(out_dir).resolve(), runs=tuple(runs), num_nodes=num_nodes,
-                       gpus_per_node=gpus_per_node, timeout_s=math.ceil(timeout_s), resume=resume)
+        raise MemplanError(
+            f"a cluster script runs on one allocation, but the runs ask for "
+            f"{', '.join(f'{n}×{g}' for n, g in sorted(shapes))} nodes×GPUs; "
+            "keep --gpus and --gpus-per-node out of the grid"
+        )
+    ((num_nodes, gpus_per_node),) = shapes
+    return ClusterPlan(
+        out_dir=Path(out_dir).resolve(),
+        runs=tuple(runs),
+        num_nodes=num_nodes,
+        gpus_per_node=gpus_per_node,
+        timeout_s=math.ceil(timeout_s),
+        resume=resume,
+    )
 
 
 def torchrun_args(plan: ClusterPlan, index: int | str, *, rdzv_endpoint: str, rdzv_id: str) -> str:
     """``torchrun ... -m calibrate ...`` for one run (``index`` may be a shell variable)."""
-    entry = ["-m", "calibrate", "--runs", shlex.quote(str(plan.runs_path)), "--index", str(index),
-             "--out", shlex.quote(str(plan.records_path))] + (["--resume"] if plan.resume else [])
-    return " ".join(["torchrun", "--nnodes", str(plan.num_nodes), "--nproc-per-node", str(plan.gpus_per_node),
-                     "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id, *entry])
+    entry = [
+        "-m",
+        "calibrate",
+        "--runs",
+        shlex.quote(str(plan.runs_path)),
+        "--index",
+        str(index),
+        "--out",
+        shlex.quote(str(plan.records_path)),
+    ] + (["--resume"] if plan.resume else [])
+    return " ".join(
+        [
+            "torchrun",
+            "--nnodes",
+            str(plan.num_nodes),
+            "--nproc-per-node",
+            str(plan.gpus_per_node),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            rdzv_endpoint,
+            "--rdzv-id",
+            rdzv_id,
+            *entry,
+        ]
+    )
 
 
 def torchrun_commands(plan: ClusterPlan) -> list[str]:
     """One command per run, to start by hand on every node (MASTER_ADDR: the first node)."""
     endpoint = f'"${{MASTER_ADDR:-127.0.0.1}}:${{MASTER_PORT:-{DEFAULT_PORT}}}"'
-    return [torchrun_args(plan, i, rdzv_endpoint=endpoint, rdzv_id=f"memplan-calibrate-{i}")
-            for i in range(len(plan.runs))]
+    return [
+        torchrun_args(plan, i, rdzv_endpoint=endpoint, rdzv_id=f"memplan-calibrate-{i}") for i in range(len(plan.runs))
+    ]
 
 
 def _slurm_time(seconds: int) -> str:
@@ -88,8 +120,7 @@ def sbatch_script(plan: ClusterPlan) -> str:
     num_runs = len(plan.runs)
     # every run may use its whole timeout plus the kill grace; one more grace for start-up
     wall_s = num_runs * (plan.timeout_s + KILL_AFTER_S) + KILL_AFTER_S
-    launch = torchrun_args(plan, '"$i"', rdzv_endpoint='"$MASTER_ADDR:$MASTER_PORT"',
-                           rdzv_id='"$SLURM_JOB_ID-$i"')
+    launch = torchrun_args(plan, '"$i"', rdzv_endpoint='"$MASTER_ADDR:$MASTER_PORT"', rdzv_id='"$SLURM_JOB_ID-$i"')
     runs, out = shlex.quote(str(plan.runs_path)), shlex.quote(str(plan.records_path))
     listing = "\n".join(f"#   {i}: {r.describe()}" for i, r in enumerate(plan.runs))
     return f"""#!/bin/bash

@@ -4,6 +4,7 @@ method is described in memplan.calibration, which applies what this fits).
 memplan's current estimate of each ok record's spec (not the one stored in the record,
 which an older memplan may have made) is set against what the run measured.
 """
+
 from __future__ import annotations
 
 import math
@@ -70,9 +71,14 @@ def fit_one(observations: list[Observation]) -> Correction:
         slope, base = np.polyfit([a for a, _ in overhead], [b for _, b in overhead], 1)
     return Correction(
         throughput=fit_throughput(observations),
-        device=first.device, torch_version=first.torch_version, scales=scales, offset_bytes=round(float(solution[-1])),
-        residual_pct=float(np.sqrt(np.mean(after**2))), num_records=len(y),
-        before_median_abs_pct=float(np.median(np.abs(before))), after_median_abs_pct=float(np.median(np.abs(after))),
+        device=first.device,
+        torch_version=first.torch_version,
+        scales=scales,
+        offset_bytes=round(float(solution[-1])),
+        residual_pct=float(np.sqrt(np.mean(after**2))),
+        num_records=len(y),
+        before_median_abs_pct=float(np.median(np.abs(before))),
+        after_median_abs_pct=float(np.median(np.abs(after))),
         overhead_base_bytes=None if base is None else round(float(base)),
         overhead_per_allocated=None if slope is None else float(slope),
     )
@@ -90,8 +96,13 @@ def _throughput_one(strategy: str, obs: list[Observation]) -> ThroughputFit:
         (inverse, exposed), *_ = np.linalg.lstsq(design / scale, np.array([o.step_time_s for o in real]), rcond=None)
         achieved, exposed = float(scale[0] / inverse), float(np.clip(exposed / scale[1], 0.0, 1.0))
     peak = obs[0].peak_flops
-    return ThroughputFit(strategy=strategy, num_records=len(obs), achieved_flops=achieved,
-                         mfu=achieved / peak if peak else None, exposed_comm_fraction=exposed)
+    return ThroughputFit(
+        strategy=strategy,
+        num_records=len(obs),
+        achieved_flops=achieved,
+        mfu=achieved / peak if peak else None,
+        exposed_comm_fraction=exposed,
+    )
 
 
 def fit_throughput(observations: list[Observation]) -> tuple[ThroughputFit, ...]:
@@ -123,16 +134,23 @@ def held_out(observations: list[Observation]) -> list[HeldOut]:
     """Two-fold check: fit on the even records and judge on the odd ones, then the reverse."""
     out = []
     for name, half in (("even records", 0), ("odd records", 1)):
-        train, test = observations[half::2], observations[1 - half::2]
+        train, test = observations[half::2], observations[1 - half :: 2]
         if not train or not test:
             continue
         [correction] = fit(train)[:1]
         y = np.array([o.measured_bytes for o in test], dtype=float)
         before = np.abs(_errors_pct(np.array([sum(o.estimated.values()) for o in test], dtype=float), y))
         after = np.abs(_errors_pct(np.array([correction.corrected_bytes(o.estimated) for o in test], dtype=float), y))
-        out.append(HeldOut(fitted_on=name, num_held_out=len(test),
-                           before_median_abs_pct=float(np.median(before)), after_median_abs_pct=float(np.median(after)),
-                           before_max_abs_pct=float(before.max()), after_max_abs_pct=float(after.max())))
+        out.append(
+            HeldOut(
+                fitted_on=name,
+                num_held_out=len(test),
+                before_median_abs_pct=float(np.median(before)),
+                after_median_abs_pct=float(np.median(after)),
+                before_max_abs_pct=float(before.max()),
+                after_max_abs_pct=float(after.max()),
+            )
+        )
     return out
 
 
@@ -153,12 +171,16 @@ def observation(record: dict) -> Observation:
     job = job_from_spec(record["spec"])
     flops, peak, comm = _speed_model(job, measured, record["mode"])
     return Observation(
-        device=measured["device"], torch_version=measured["torch_version"],
+        device=measured["device"],
+        torch_version=measured["torch_version"],
         estimated=group_bytes(estimate(job).by_component),
         measured_bytes=measured["peak_allocated_bytes"],
         overhead_bytes=None if used is None else used - measured["peak_allocated_bytes"],
-        strategy=job.plan.strategy, step_time_s=measured.get("step_time_s"), flops_per_step=flops,
-        peak_flops=peak, comm_s=comm,
+        strategy=job.plan.strategy,
+        step_time_s=measured.get("step_time_s"),
+        flops_per_step=flops,
+        peak_flops=peak,
+        comm_s=comm,
     )
 
 

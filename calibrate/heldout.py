@@ -11,6 +11,7 @@ ranks (``local``) or one rank of a larger job on the fake process group (``emula
 Each case runs in a child process (``--case ID --result FILE``), one at a time; a crash or
 a timeout is recorded with status failed / timeout and the sweep goes on.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,31 +36,138 @@ STEPS, WARMUP = 2, 1
 TODAY_AC = {"none": "none", "full": "full", "op": "selective"}
 """The --ac a user types today for each loop's policy: torchtitan's per-op SAC → selective."""
 
-LLAMA_A = ModelSpec(name="llama-h512", arch="llama", num_layers=2, hidden=512, num_heads=4, num_kv_heads=2,
-                    ffn_hidden=1408, vocab_size=32000)
-LLAMA_B = ModelSpec(name="llama-h384", arch="llama", num_layers=2, hidden=384, num_heads=6, num_kv_heads=2,
-                    ffn_hidden=1024, vocab_size=8192)
-LLAMA_V128K = ModelSpec(name="llama-h384-v128k", arch="llama", num_layers=1, hidden=384, num_heads=3,
-                        num_kv_heads=1, ffn_hidden=1024, vocab_size=128256)
-QWEN_A = ModelSpec(name="qwen2-h896", arch="llama", num_layers=2, hidden=896, num_heads=14, num_kv_heads=2,
-                   ffn_hidden=2432, vocab_size=16384, tied_embeddings=True, qkv_bias=True)
-QWEN_B = ModelSpec(name="qwen2-h448", arch="llama", num_layers=2, hidden=448, num_heads=7, num_kv_heads=1,
-                   ffn_hidden=1216, vocab_size=8192, tied_embeddings=True, qkv_bias=True)
-MISTRAL_A = ModelSpec(name="mistral-h640", arch="llama", num_layers=2, hidden=640, num_heads=5, num_kv_heads=1,
-                      ffn_hidden=1792, vocab_size=32768)
-MISTRAL_B = ModelSpec(name="mistral-h512", arch="llama", num_layers=2, hidden=512, num_heads=8, num_kv_heads=2,
-                      ffn_hidden=1536, vocab_size=8192)
-GPT2_A = ModelSpec(name="gpt2-h384", arch="gpt2", num_layers=2, hidden=384, num_heads=6, ffn_hidden=1536,
-                   vocab_size=50257, max_positions=1024, tied_embeddings=True, linear_bias=True, dropout=0.1)
-GPT2_LONG = ModelSpec(name="gpt2-h384-s2048", arch="gpt2", num_layers=1, hidden=384, num_heads=3, ffn_hidden=1536,
-                      vocab_size=8192, max_positions=2048, tied_embeddings=True, linear_bias=True)
-NEOX_A = ModelSpec(name="neox-h768", arch="neox", num_layers=2, hidden=768, num_heads=6, ffn_hidden=3072,
-                   vocab_size=12288, linear_bias=True)
-NEOX_B = ModelSpec(name="neox-h512", arch="neox", num_layers=2, hidden=512, num_heads=8, ffn_hidden=2048,
-                   vocab_size=8192, linear_bias=True)
-HF_TYPE = {"llama-h512": "llama", "llama-h384": "llama", "llama-h384-v128k": "llama", "qwen2-h896": "qwen2",
-           "qwen2-h448": "qwen2", "mistral-h640": "mistral", "mistral-h512": "mistral", "gpt2-h384": "gpt2",
-           "gpt2-h384-s2048": "gpt2", "neox-h768": "gpt_neox", "neox-h512": "gpt_neox"}
+LLAMA_A = ModelSpec(
+    name="llama-h512",
+    arch="llama",
+    num_layers=2,
+    hidden=512,
+    num_heads=4,
+    num_kv_heads=2,
+    ffn_hidden=1408,
+    vocab_size=32000,
+)
+LLAMA_B = ModelSpec(
+    name="llama-h384",
+    arch="llama",
+    num_layers=2,
+    hidden=384,
+    num_heads=6,
+    num_kv_heads=2,
+    ffn_hidden=1024,
+    vocab_size=8192,
+)
+LLAMA_V128K = ModelSpec(
+    name="llama-h384-v128k",
+    arch="llama",
+    num_layers=1,
+    hidden=384,
+    num_heads=3,
+    num_kv_heads=1,
+    ffn_hidden=1024,
+    vocab_size=128256,
+)
+QWEN_A = ModelSpec(
+    name="qwen2-h896",
+    arch="llama",
+    num_layers=2,
+    hidden=896,
+    num_heads=14,
+    num_kv_heads=2,
+    ffn_hidden=2432,
+    vocab_size=16384,
+    tied_embeddings=True,
+    qkv_bias=True,
+)
+QWEN_B = ModelSpec(
+    name="qwen2-h448",
+    arch="llama",
+    num_layers=2,
+    hidden=448,
+    num_heads=7,
+    num_kv_heads=1,
+    ffn_hidden=1216,
+    vocab_size=8192,
+    tied_embeddings=True,
+    qkv_bias=True,
+)
+MISTRAL_A = ModelSpec(
+    name="mistral-h640",
+    arch="llama",
+    num_layers=2,
+    hidden=640,
+    num_heads=5,
+    num_kv_heads=1,
+    ffn_hidden=1792,
+    vocab_size=32768,
+)
+MISTRAL_B = ModelSpec(
+    name="mistral-h512",
+    arch="llama",
+    num_layers=2,
+    hidden=512,
+    num_heads=8,
+    num_kv_heads=2,
+    ffn_hidden=1536,
+    vocab_size=8192,
+)
+GPT2_A = ModelSpec(
+    name="gpt2-h384",
+    arch="gpt2",
+    num_layers=2,
+    hidden=384,
+    num_heads=6,
+    ffn_hidden=1536,
+    vocab_size=50257,
+    max_positions=1024,
+    tied_embeddings=True,
+    linear_bias=True,
+    dropout=0.1,
+)
+GPT2_LONG = ModelSpec(
+    name="gpt2-h384-s2048",
+    arch="gpt2",
+    num_layers=1,
+    hidden=384,
+    num_heads=3,
+    ffn_hidden=1536,
+    vocab_size=8192,
+    max_positions=2048,
+    tied_embeddings=True,
+    linear_bias=True,
+)
+NEOX_A = ModelSpec(
+    name="neox-h768",
+    arch="neox",
+    num_layers=2,
+    hidden=768,
+    num_heads=6,
+    ffn_hidden=3072,
+    vocab_size=12288,
+    linear_bias=True,
+)
+NEOX_B = ModelSpec(
+    name="neox-h512",
+    arch="neox",
+    num_layers=2,
+    hidden=512,
+    num_heads=8,
+    ffn_hidden=2048,
+    vocab_size=8192,
+    linear_bias=True,
+)
+HF_TYPE = {
+    "llama-h512": "llama",
+    "llama-h384": "llama",
+    "llama-h384-v128k": "llama",
+    "qwen2-h896": "qwen2",
+    "qwen2-h448": "qwen2",
+    "mistral-h640": "mistral",
+    "mistral-h512": "mistral",
+    "gpt2-h384": "gpt2",
+    "gpt2-h384-s2048": "gpt2",
+    "neox-h768": "gpt_neox",
+    "neox-h512": "gpt_neox",
+}
 STRATEGY = {"ddp": "ddp", "fsdp": "fsdp-full-shard", "sgo": "fsdp-shard-grad-op"}
 
 
@@ -77,12 +185,32 @@ class Case:
         return HF_TYPE[self.job.model.name]
 
 
-def _case(loop: str, model: ModelSpec, strategy: str, precision: str, *, gpus: int, b: int, s: int,
-          ac: str = "none", mode: str = "emulate", attention: str = "sdpa") -> Case:
-    job = Job(model=model,
-              train=TrainSpec(seq_len=s, micro_batch=b, precision=precision, activation_checkpointing=TODAY_AC[ac],
-                              attention=attention, device="cpu"),
-              cluster=ClusterSpec(gpus=gpus), plan=Plan(strategy=STRATEGY[strategy]))
+def _case(
+    loop: str,
+    model: ModelSpec,
+    strategy: str,
+    precision: str,
+    *,
+    gpus: int,
+    b: int,
+    s: int,
+    ac: str = "none",
+    mode: str = "emulate",
+    attention: str = "sdpa",
+) -> Case:
+    job = Job(
+        model=model,
+        train=TrainSpec(
+            seq_len=s,
+            micro_batch=b,
+            precision=precision,
+            activation_checkpointing=TODAY_AC[ac],
+            attention=attention,
+            device="cpu",
+        ),
+        cluster=ClusterSpec(gpus=gpus),
+        plan=Plan(strategy=STRATEGY[strategy]),
+    )
     where = "g" if mode == "local" else "w"
     name = f"{model.name}-{loop}-{strategy}-{precision}-ac{ac}-{where}{gpus}-b{b}s{s}"
     return Case(name, job, loop, ac, mode)
@@ -153,8 +281,15 @@ def _measure_emulated(case: Case):
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=case.job.cluster.gpus)
     try:
-        return loops.run(case.job, loops.LOOPS[case.loop], hf_type=case.hf_type, ac=case.ac, emulated=True,
-                         steps=STEPS, warmup=WARMUP)
+        return loops.run(
+            case.job,
+            loops.LOOPS[case.loop],
+            hf_type=case.hf_type,
+            ac=case.ac,
+            emulated=True,
+            steps=STEPS,
+            warmup=WARMUP,
+        )
     finally:
         dist.destroy_process_group()
 
@@ -170,8 +305,15 @@ def _rank(rank: int, world: int, port: int, case_id: str, results) -> None:
     case = BY_ID[case_id]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        m = loops.run(case.job, loops.LOOPS[case.loop], hf_type=case.hf_type, ac=case.ac, emulated=False,
-                      steps=STEPS, warmup=WARMUP)
+        m = loops.run(
+            case.job,
+            loops.LOOPS[case.loop],
+            hf_type=case.hf_type,
+            ac=case.ac,
+            emulated=False,
+            steps=STEPS,
+            warmup=WARMUP,
+        )
         results.put((rank, dataclasses.asdict(m), None))
     except BaseException as exc:  # reported to the parent with its traceback
         results.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))
@@ -216,8 +358,11 @@ def measure_case(case: Case) -> dict:
         m = _measure_local(case) if case.mode == "local" else _measure_emulated(case)
         return {"status": "ok", "measurement": dataclasses.asdict(m), "error": None}
     except BaseException as exc:  # an outcome, whatever went wrong: the sweep goes on
-        return {"status": launch.failure_status(exc), "measurement": None,
-                "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}".strip()}
+        return {
+            "status": launch.failure_status(exc),
+            "measurement": None,
+            "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}".strip(),
+        }
 
 
 # --- the parent: one child per case, one record per case -------------------------------
@@ -228,20 +373,29 @@ def loop_fields(case: Case) -> dict:
     from . import loops
 
     loop = loops.LOOPS[case.loop]
-    return {"loop": loop.conventions(case.ac), "loop_source": loop.loop_source(), "case": case.id,
-            "hf_model_type": case.hf_type}
+    return {
+        "loop": loop.conventions(case.ac),
+        "loop_source": loop.loop_source(),
+        "case": case.id,
+        "hf_model_type": case.hf_type,
+    }
 
 
 def _execute(case: Case, timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="heldout-") as tmp:
         result, log = Path(tmp, "result.json"), Path(tmp, "log.txt")
         command = [sys.executable, "-m", "calibrate.heldout", "--case", case.id, "--result", str(result)]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            filter(None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")])))
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(
+                filter(None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")])
+            ),
+        )
         with open(log, "wb") as log_file:
             try:
-                code = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                      timeout=timeout_s, check=False).returncode
+                code = subprocess.run(
+                    command, stdout=log_file, stderr=subprocess.STDOUT, env=env, timeout=timeout_s, check=False
+                ).returncode
             except subprocess.TimeoutExpired:
                 return {"status": "timeout", "measurement": None, "error": f"no result after {timeout_s:g} s"}
         if result.exists():
@@ -272,7 +426,7 @@ def sweep(cases=CASES, *, out=OUT, timeout_s: float = TIMEOUT_S) -> None:
 
 def _convention(record: dict) -> str:
     loop = record["loop"]
-    return (f"{loop['recipe']} logits-{loop['logits']} {loop['loss']} ac-{loop['ac']}")
+    return f"{loop['recipe']} logits-{loop['logits']} {loop['loss']} ac-{loop['ac']}"
 
 
 def latest(recs: list[dict]) -> list[dict]:
@@ -290,10 +444,15 @@ def loop_job(record: dict) -> Job:
     optimizer implementation are not what ran."""
     loop = record["loop"]
     return records.job_from_spec(record["spec"]).with_(
-        logits=loop["logits"], loss=loop["loss"], activation_checkpointing=loop["ac"],
+        logits=loop["logits"],
+        loss=loop["loss"],
+        activation_checkpointing=loop["ac"],
         loss_chunks=loop["loss_chunks"] if loop["loss"] == "chunked-ce" else TrainSpec.loss_chunks,
-        ac_every=max(1, loop["ac_every"]), compile=loop["compile"], offload_activations=loop["offload_activations"],
-        optimizer_in_backward=loop["optimizer_in_backward"])
+        ac_every=max(1, loop["ac_every"]),
+        compile=loop["compile"],
+        offload_activations=loop["offload_activations"],
+        optimizer_in_backward=loop["optimizer_in_backward"],
+    )
 
 
 def table_rows(recs: list[dict], *, with_loop: bool = True) -> list[dict]:
@@ -319,16 +478,21 @@ def _spread(errs: list[float]) -> str:
 
 def _group_lines(before: list[dict], after: list[dict], recs: list[dict], key) -> list[str]:
     was, now = _errors(before, recs, key), _errors(after, recs, key)
-    return [f"| {name} | {len(errs)} | {_spread(was[name])} | {_spread(errs)} | {min(errs):+.2f} … {max(errs):+.2f} |"
-            for name, errs in sorted(now.items())]
+    return [
+        f"| {name} | {len(errs)} | {_spread(was[name])} | {_spread(errs)} | {min(errs):+.2f} … {max(errs):+.2f} |"
+        for name, errs in sorted(now.items())
+    ]
 
 
 def render_report(recs: list[dict]) -> str:
     from .report import render_table
 
     table, before = table_rows(recs), table_rows(recs, with_loop=False)
-    header = ["| convention | cases | before: median abs error % | before: max | after: median abs error % | "
-              "after: max | after: error range % |", "|---|---|---|---|---|---|---|"]
+    header = [
+        "| convention | cases | before: median abs error % | before: max | after: median abs error % | "
+        "after: max | after: error range % |",
+        "|---|---|---|---|---|---|---|",
+    ]
     sections = [
         ("by logits", lambda r: f"logits {r['loop']['logits']}"),
         ("by loss", lambda r: r["loop"]["loss"]),

@@ -1,5 +1,6 @@
 """Where a measurement runs: emulated in this process (fake process group of any world
 size) or as N real local processes (gloo on CPU, nccl on GPUs)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,8 +76,7 @@ def _worker(rank: int, world_size: int, port: int, job: Job, run_kwargs: dict, r
     try:
         results.put((rank, dataclasses.asdict(measure.run(job, **run_kwargs)), None, None))
     except BaseException as exc:  # reported to the parent, which decides what failed
-        results.put((rank, None, failure_status(exc),
-                     f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
+        results.put((rank, None, failure_status(exc), f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
     finally:
         dist.destroy_process_group()
 
@@ -108,8 +108,11 @@ def local(job: Job, *, nprocs: int, **run_kwargs) -> list[measure.Measurement]:
 
 
 def _rank_failure(procs, out: dict, errors: dict) -> RankFailure:
-    silent = [f"rank {r} exited with code {p.exitcode} without reporting"
-              for r, p in enumerate(procs) if r not in out and r not in errors]
+    silent = [
+        f"rank {r} exited with code {p.exitcode} without reporting"
+        for r, p in enumerate(procs)
+        if r not in out and r not in errors
+    ]
     raised = [f"rank {r} failed: {text}" for r, (_, text) in sorted(errors.items())]
     status = "oom" if any(s == "oom" for s, _ in errors.values()) else "failed"
     return RankFailure("; ".join(silent + raised), status=status)

@@ -7,6 +7,7 @@ through its 1/2/4-block peaks to the byte). A least-squares line through the sha
 runs, extrapolated to the real depth, stands for a measurement of the full model; its
 uncertainty is the line's prediction standard error at that depth.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,8 +63,11 @@ def _scaled(num_layers: int, depths, runs: list[dict]) -> LayerScaled:
     points = [(d, r["peak_allocated_bytes"]) for d, r in zip(depths, runs)]
     per_block, constant, predicted, se = fit_depth(points, num_layers)
     return LayerScaled(
-        num_layers=num_layers, peak_allocated_bytes=round(predicted), uncertainty_bytes=math.ceil(se),
-        per_block_bytes=per_block, constant_bytes=constant,
+        num_layers=num_layers,
+        peak_allocated_bytes=round(predicted),
+        uncertainty_bytes=math.ceil(se),
+        per_block_bytes=per_block,
+        constant_bytes=constant,
         points=tuple((d, r["peak_allocated_bytes"], r["phase"]) for d, r in zip(depths, runs)),
         phase=runs[-1]["phase"],
     )
@@ -85,7 +89,11 @@ def scaled_measurement(job: Job, *, measure, depths=DEPTHS) -> dict:
             value = fit_depth([(d, r[key]) for d, r in zip(depths, runs)], job.model.num_layers)[2]
             out[key] = value if key == "step_time_s" else round(value)
     out["tokens_per_s"] = job.train.tokens_per_micro_batch * job.train.grad_accum / out["step_time_s"]
-    out["layer_scaled"] = {"depths": list(depths), "per_block_bytes": scaled.per_block_bytes,
-                           "constant_bytes": scaled.constant_bytes, "uncertainty_bytes": scaled.uncertainty_bytes,
-                           "points": [list(p) for p in scaled.points]}
+    out["layer_scaled"] = {
+        "depths": list(depths),
+        "per_block_bytes": scaled.per_block_bytes,
+        "constant_bytes": scaled.constant_bytes,
+        "uncertainty_bytes": scaled.uncertainty_bytes,
+        "points": [list(p) for p in scaled.points],
+    }
     return out

@@ -20,6 +20,7 @@ Activation checkpointing ``op`` is torchtitan's own per-op ``SelectiveAC`` appli
 the Hugging Face blocks; ``full`` is transformers' gradient checkpointing (torchtitan's
 ``FullAC`` in the torchtitan loop).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,11 +39,20 @@ from memplan.precision import POLICIES
 from memplan.specs import Job, ModelSpec
 
 from .measure import Measurement, _CpuMeter, _optimizer
-from .wrappers import DTYPES, wrap
 from .workloads import hf_config
+from .wrappers import DTYPES, wrap
 
-LOOP_KEYS = ("logits", "loss", "loss_chunks", "ac", "ac_every", "compile", "offload_activations",
-             "optimizer_in_backward", "recipe")
+LOOP_KEYS = (
+    "logits",
+    "loss",
+    "loss_chunks",
+    "ac",
+    "ac_every",
+    "compile",
+    "offload_activations",
+    "optimizer_in_backward",
+    "recipe",
+)
 AC_POLICIES = ("none", "full", "op")
 HF_TYPES = ("llama", "qwen2", "mistral", "gpt2", "gpt_neox")
 TORCHTUNE_CHUNKS = 8
@@ -67,32 +77,74 @@ class Loop:
 
     def conventions(self, ac: str) -> dict:
         """The record's ``loop`` object for this loop under activation checkpointing ``ac``."""
-        return {"logits": self.logits, "loss": self.loss, "loss_chunks": self.loss_chunks, "ac": ac,
-                "ac_every": 1 if ac != "none" else 0, "compile": False, "offload_activations": False,
-                "optimizer_in_backward": False, "recipe": self.recipe}
+        return {
+            "logits": self.logits,
+            "loss": self.loss,
+            "loss_chunks": self.loss_chunks,
+            "ac": ac,
+            "ac_every": 1 if ac != "none" else 0,
+            "compile": False,
+            "offload_activations": False,
+            "optimizer_in_backward": False,
+            "recipe": self.recipe,
+        }
 
     def loop_source(self) -> str:
         return f"{self.package} {_version(self.package)} {self.source}"
 
 
-LOOPS = {loop.name: loop for loop in (
-    Loop(name="hf-trainer", recipe="hf-trainer", logits="freed", package="transformers",
-         source="Trainer.training_step"),
-    Loop(name="plain-kept", recipe="plain", logits="kept", package="transformers",
-         source="PreTrainedModel forward: out = model(input_ids, labels); out.loss.backward()"),
-    Loop(name="plain-freed", recipe="plain", logits="freed", package="transformers",
-         source="PreTrainedModel forward: model(input_ids, labels).loss.backward()"),
-    Loop(name="accelerate", recipe="accelerate", logits="kept", package="accelerate",
-         source="Accelerator.backward on outputs = model(**batch); loss = outputs.loss"),
-    Loop(name="torchtune", recipe="torchtune", logits="freed", loss="chunked-ce", loss_chunks=TORCHTUNE_CHUNKS,
-         package="torchtune",
-         source="modules/loss/ce_chunked_output_loss.py CEWithChunkedOutputLoss (the module file loaded alone: "
-                "the torchtune package does not import with torchao 0.18), chunked output as "
-                "TransformerDecoder.chunked_output, del logits"),
-    Loop(name="torchtitan", recipe="torchtitan", logits="freed", package="torchtitan",
-         source="components/loss.py cross_entropy_loss, Trainer._forward_backward_body (del pred); "
-                "AC distributed/activation_checkpoint.py SelectiveAC / FullAC"),
-)}
+LOOPS = {
+    loop.name: loop
+    for loop in (
+        Loop(
+            name="hf-trainer",
+            recipe="hf-trainer",
+            logits="freed",
+            package="transformers",
+            source="Trainer.training_step",
+        ),
+        Loop(
+            name="plain-kept",
+            recipe="plain",
+            logits="kept",
+            package="transformers",
+            source="PreTrainedModel forward: out = model(input_ids, labels); out.loss.backward()",
+        ),
+        Loop(
+            name="plain-freed",
+            recipe="plain",
+            logits="freed",
+            package="transformers",
+            source="PreTrainedModel forward: model(input_ids, labels).loss.backward()",
+        ),
+        Loop(
+            name="accelerate",
+            recipe="accelerate",
+            logits="kept",
+            package="accelerate",
+            source="Accelerator.backward on outputs = model(**batch); loss = outputs.loss",
+        ),
+        Loop(
+            name="torchtune",
+            recipe="torchtune",
+            logits="freed",
+            loss="chunked-ce",
+            loss_chunks=TORCHTUNE_CHUNKS,
+            package="torchtune",
+            source="modules/loss/ce_chunked_output_loss.py CEWithChunkedOutputLoss (the module file loaded alone: "
+            "the torchtune package does not import with torchao 0.18), chunked output as "
+            "TransformerDecoder.chunked_output, del logits",
+        ),
+        Loop(
+            name="torchtitan",
+            recipe="torchtitan",
+            logits="freed",
+            package="torchtitan",
+            source="components/loss.py cross_entropy_loss, Trainer._forward_backward_body (del pred); "
+            "AC distributed/activation_checkpoint.py SelectiveAC / FullAC",
+        ),
+    )
+}
 
 
 def _torchtune_loss_class():
@@ -115,10 +167,18 @@ def _hf_config(spec: ModelSpec, hf_type: str, *, attention: str):
         return hf_config(spec, attention=attention)
     # qwen2 and mistral are llama-arch blocks (qwen2: q/k/v biases); memplan describes them as arch llama
     config = AutoConfig.for_model(
-        hf_type, vocab_size=spec.vocab_size, tie_word_embeddings=spec.tied_embeddings,
-        num_hidden_layers=spec.num_layers, hidden_size=spec.hidden, num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads, intermediate_size=spec.ffn_hidden, attention_dropout=spec.dropout,
-        sliding_window=None, use_sliding_window=False)
+        hf_type,
+        vocab_size=spec.vocab_size,
+        tie_word_embeddings=spec.tied_embeddings,
+        num_hidden_layers=spec.num_layers,
+        hidden_size=spec.hidden,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        intermediate_size=spec.ffn_hidden,
+        attention_dropout=spec.dropout,
+        sliding_window=None,
+        use_sliding_window=False,
+    )
     config._attn_implementation = attention
     return config
 
@@ -184,16 +244,23 @@ def make_step(loop: Loop, model: nn.Module, hf_model: nn.Module, micro_batch: in
 
         from transformers import Trainer, TrainingArguments
 
-        args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="heldout-trainer-"), use_cpu=True,
-                                 report_to=[], per_device_train_batch_size=micro_batch, save_strategy="no")
+        args = TrainingArguments(
+            output_dir=tempfile.mkdtemp(prefix="heldout-trainer-"),
+            use_cpu=True,
+            report_to=[],
+            per_device_train_batch_size=micro_batch,
+            save_strategy="no",
+        )
         trainer = Trainer(model=hf_model, args=args)
         trainer.current_gradient_accumulation_steps = 1  # set per step by Trainer._inner_training_loop
         return lambda ids: trainer.training_step(model, {"input_ids": ids, "labels": ids})
     if loop.name == "plain-kept":
+
         def kept(ids):
             out = model(input_ids=ids, labels=ids)
             loss = out.loss
             loss.backward()
+
         return kept
     if loop.name == "plain-freed":
         return lambda ids: model(input_ids=ids, labels=ids).loss.backward()
@@ -206,6 +273,7 @@ def make_step(loop: Loop, model: nn.Module, hf_model: nn.Module, micro_batch: in
             outputs = model(input_ids=ids, labels=ids)
             loss = outputs.loss
             accelerator.backward(loss)
+
         return accelerate_step
     if loop.name == "torchtune":
         loss_fn = _torchtune_loss_class()(num_output_chunks=loop.loss_chunks)
@@ -216,6 +284,7 @@ def make_step(loop: Loop, model: nn.Module, hf_model: nn.Module, micro_batch: in
             loss = loss_fn(logits, labels)
             del logits
             loss.backward()
+
         return torchtune_step
     if loop.name == "torchtitan":
         from torchtitan.components.loss import cross_entropy_loss
@@ -226,6 +295,7 @@ def make_step(loop: Loop, model: nn.Module, hf_model: nn.Module, micro_batch: in
             loss = cross_entropy_loss(pred, labels) / labels.numel()
             del pred
             loss.backward()
+
         return torchtitan_step
     raise ValueError(f"loop {loop.name!r} is not one of: {', '.join(LOOPS)}")
 
@@ -247,8 +317,7 @@ def _forward_ends_at_backward(meter, phase_peaks: dict):
         torch.Tensor.backward = original
 
 
-def run(job: Job, loop: Loop, *, hf_type: str, ac: str, emulated: bool, steps: int = 2,
-        warmup: int = 1) -> Measurement:
+def run(job: Job, loop: Loop, *, hf_type: str, ac: str, emulated: bool, steps: int = 2, warmup: int = 1) -> Measurement:
     """Build the HF model, wrap it as the job's strategy, and train ``steps`` steps with the
     loop's step; measure the last (MemTracker's peak of live tensors, by phase)."""
     if steps <= warmup:
@@ -261,8 +330,12 @@ def run(job: Job, loop: Loop, *, hf_type: str, ac: str, emulated: bool, steps: i
     phase_peaks: dict[str, int] = {}
     times = []
     with meter:
-        model = LoopLM(job.model, hf_type=hf_type, attention=train.attention,
-                       autocast_dtype=DTYPES[policy.compute_dtype] if policy.autocast else None)
+        model = LoopLM(
+            job.model,
+            hf_type=hf_type,
+            attention=train.attention,
+            autocast_dtype=DTYPES[policy.compute_dtype] if policy.autocast else None,
+        )
         apply_ac(model, ac, loop)
         hf_model = model.hf
         model = wrap(model, job, emulated)
@@ -288,8 +361,13 @@ def run(job: Job, loop: Loop, *, hf_type: str, ac: str, emulated: bool, steps: i
         categories = meter.categories()
     phase = next(p for p in ("forward", "backward", "optimizer") if phase_peaks[p] == peak)
     return Measurement(
-        peak_allocated_bytes=peak, phase=phase, categories=categories, step_time_s=times[-1],
-        tokens_per_s=train.tokens_per_micro_batch / times[-1], device="cpu",
-        world_size=dist.get_world_size() if dist.is_initialized() else 1, emulated=emulated,
+        peak_allocated_bytes=peak,
+        phase=phase,
+        categories=categories,
+        step_time_s=times[-1],
+        tokens_per_s=train.tokens_per_micro_batch / times[-1],
+        device="cpu",
+        world_size=dist.get_world_size() if dist.is_initialized() else 1,
+        emulated=emulated,
         phase_peaks=phase_peaks,
     )

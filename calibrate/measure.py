@@ -3,6 +3,7 @@
 The process group must already be initialised (``gloo``/``nccl`` for a real job,
 ``fake`` for an emulated rank of a larger one); see ``calibrate.launch``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -136,12 +137,14 @@ def run(job: Job, *, steps: int = 3, warmup: int = 2, emulated: bool = False, wo
     policy = POLICIES[train.precision]
     autocast = (
         torch.autocast(meter.device.type, dtype=DTYPES[policy.compute_dtype])
-        if policy.autocast else contextlib.nullcontext()
+        if policy.autocast
+        else contextlib.nullcontext()
     )
     with meter:
         with torch.device(meter.device):
-            model = build_model(job.model, attention=train.attention, ac=train.activation_checkpointing,
-                                workload=workload)
+            model = build_model(
+                job.model, attention=train.attention, ac=train.activation_checkpointing, workload=workload
+            )
         model = wrap(model, job, emulated)
         optimizer = _optimizer(model, job)
         phase_peaks: dict[str, int] = {}

@@ -28,6 +28,7 @@ Example usage::
     for record in read(["runs.jsonl"]):      # a corrupt line is warned about and skipped
         ...
 """
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,9 @@ MODES = ("local", "emulate", "cluster")
 STATUSES = ("ok", "oom", "timeout", "failed")
 WORKLOADS = ("native", "hf")
 _SPEC_TYPES = {"model": ModelSpec, "train": TrainSpec, "cluster": ClusterSpec, "plan": Plan}
-_LOOP_DEFAULTS = {f.name: f.default for f in fields(TrainSpec)
-                  if f.name in ("recipe", "ac_every", *(g.name for g in fields(Loop)))}
+_LOOP_DEFAULTS = {
+    f.name: f.default for f in fields(TrainSpec) if f.name in ("recipe", "ac_every", *(g.name for g in fields(Loop)))
+}
 
 
 def spec_dict(job: Job) -> dict:
@@ -96,8 +98,9 @@ class Run:
         if self.workload not in WORKLOADS:
             raise MemplanError(f"workload {self.workload!r} is not one of: {', '.join(WORKLOADS)}")
         if not 1 <= self.warmup < self.steps:
-            raise MemplanError(f"steps must exceed warmup and warmup be at least 1 "
-                               f"(got steps {self.steps}, warmup {self.warmup})")
+            raise MemplanError(
+                f"steps must exceed warmup and warmup be at least 1 (got steps {self.steps}, warmup {self.warmup})"
+            )
 
     @property
     def key(self) -> str:
@@ -110,14 +113,25 @@ class Run:
         return hashlib.sha1(self.key.encode()).hexdigest()[:10]
 
     def to_dict(self) -> dict:
-        return {"spec": spec_dict(self.job), "mode": self.mode, "steps": self.steps, "warmup": self.warmup,
-                "workload": self.workload, "layers_scaled": self.layers_scaled}
+        return {
+            "spec": spec_dict(self.job),
+            "mode": self.mode,
+            "steps": self.steps,
+            "warmup": self.warmup,
+            "workload": self.workload,
+            "layers_scaled": self.layers_scaled,
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> Run:
-        return cls(job=job_from_spec(data["spec"]), mode=data["mode"], steps=data["steps"],
-                   warmup=data["warmup"], workload=data["workload"],
-                   layers_scaled=data.get("layers_scaled", False))
+        return cls(
+            job=job_from_spec(data["spec"]),
+            mode=data["mode"],
+            steps=data["steps"],
+            warmup=data["warmup"],
+            workload=data["workload"],
+            layers_scaled=data.get("layers_scaled", False),
+        )
 
     def describe(self) -> str:
         name = describe(spec_dict(self.job), self.mode, self.workload)
@@ -128,12 +142,22 @@ def describe(spec: dict, mode: str, workload: str = "native") -> str:
     """A short human name of a run: strategy, precision, model shape (transformers' model of
     those shapes: "hf"), batch, world, mode."""
     m, t, c, p = spec["model"], spec["train"], spec["cluster"], spec["plan"]
-    extras = [t["activation_checkpointing"] != "none" and f"ac-{t['activation_checkpointing']}",
-              t["attention"] != "sdpa" and t["attention"], p["offload"] != "none" and f"offload-{p['offload']}",
-              t["grad_accum"] > 1 and f"ga{t['grad_accum']}"]
-    return " ".join([p["strategy"], t["precision"], *filter(None, extras),
-                     f"{m['arch']}{' (hf)' if workload == 'hf' else ''} {m['num_layers']}L h{m['hidden']}",
-                     f"b{t['micro_batch']}×s{t['seq_len']}", f"{mode}×{c['gpus']}"])
+    extras = [
+        t["activation_checkpointing"] != "none" and f"ac-{t['activation_checkpointing']}",
+        t["attention"] != "sdpa" and t["attention"],
+        p["offload"] != "none" and f"offload-{p['offload']}",
+        t["grad_accum"] > 1 and f"ga{t['grad_accum']}",
+    ]
+    return " ".join(
+        [
+            p["strategy"],
+            t["precision"],
+            *filter(None, extras),
+            f"{m['arch']}{' (hf)' if workload == 'hf' else ''} {m['num_layers']}L h{m['hidden']}",
+            f"b{t['micro_batch']}×s{t['seq_len']}",
+            f"{mode}×{c['gpus']}",
+        ]
+    )
 
 
 def estimate_summary(job: Job) -> dict:
@@ -141,8 +165,12 @@ def estimate_summary(job: Job) -> dict:
     from memplan.memory import estimate
 
     est = estimate(job)
-    return {"allocated_bytes": est.allocated_bytes, "total_bytes": est.total_bytes, "phase": est.phase,
-            "by_component": {c.value: b for c, b in est.by_component.items()}}
+    return {
+        "allocated_bytes": est.allocated_bytes,
+        "total_bytes": est.total_bytes,
+        "phase": est.phase,
+        "by_component": {c.value: b for c, b in est.by_component.items()},
+    }
 
 
 def torch_version() -> str | None:
@@ -168,8 +196,14 @@ def make_record(run: Run, *, status: str, measurement: dict | None, error: str |
         estimate, estimate_error = None, str(exc)
     measurement = measurement or None
     record = {
-        "schema": SCHEMA, "id": run.id, **run.to_dict(), "world_size": run.job.cluster.gpus,
-        "estimate": estimate, "status": status, "error": error, "measurement": measurement,
+        "schema": SCHEMA,
+        "id": run.id,
+        **run.to_dict(),
+        "world_size": run.job.cluster.gpus,
+        "estimate": estimate,
+        "status": status,
+        "error": error,
+        "measurement": measurement,
         "device": measurement["device"] if measurement else None,
         "torch_version": measurement["torch_version"] if measurement else torch_version(),
         "host": socket.gethostname(),
@@ -229,8 +263,9 @@ def read(paths, *, warn=_warn_stderr) -> list[dict]:
 
 
 def record_key(record: dict) -> str:
-    return run_key(record["spec"], record["mode"], record["steps"], record["workload"],
-                   record.get("layers_scaled", False))
+    return run_key(
+        record["spec"], record["mode"], record["steps"], record["workload"], record.get("layers_scaled", False)
+    )
 
 
 def recorded_keys(path, *, warn=_warn_stderr) -> set[str]:

@@ -6,6 +6,7 @@ live tensors on CPU, against memplan's ``allocated`` (the composition at the pea
 memplan estimates the spec now; the record keeps the estimate made when it ran, which is
 used only where today's memplan refuses the spec.
 """
+
 from __future__ import annotations
 
 import csv
@@ -17,8 +18,17 @@ from memplan.errors import MemplanError
 
 from .records import STATUSES, describe, estimate_summary, job_from_spec
 
-COLUMNS = ("id", "run", "status", "measured_bytes", "estimated_bytes", "error_pct", "measured_phase",
-           "estimated_phase", "error")
+COLUMNS = (
+    "id",
+    "run",
+    "status",
+    "measured_bytes",
+    "estimated_bytes",
+    "error_pct",
+    "measured_phase",
+    "estimated_phase",
+    "error",
+)
 
 
 def _current_estimate(record: dict, job_of) -> dict:
@@ -33,10 +43,14 @@ def _row(record: dict, job_of) -> dict:
     measured, estimated = measurement.get("peak_allocated_bytes"), est.get("allocated_bytes")
     error_pct = 100.0 * (estimated - measured) / measured if measured and estimated is not None else None
     return {
-        "id": record.get("id", ""), "status": record["status"],
+        "id": record.get("id", ""),
+        "status": record["status"],
         "run": describe(record["spec"], record["mode"], record.get("workload", "native")),
-        "measured_bytes": measured, "estimated_bytes": estimated, "error_pct": error_pct,
-        "measured_phase": measurement.get("phase"), "estimated_phase": est.get("phase"),
+        "measured_bytes": measured,
+        "estimated_bytes": estimated,
+        "error_pct": error_pct,
+        "measured_phase": measurement.get("phase"),
+        "estimated_phase": est.get("phase"),
         "error": (record.get("error") or "").split("\n")[0] or None,
     }
 
@@ -51,7 +65,9 @@ def summary(table: list[dict]) -> dict:
     errors = [abs(r["error_pct"]) for r in table if r["status"] == "ok" and r["error_pct"] is not None]
     counts = {s: sum(r["status"] == s for r in table) for s in STATUSES}
     return {
-        "runs": len(table), **counts, "not_ok": len(table) - counts["ok"],
+        "runs": len(table),
+        **counts,
+        "not_ok": len(table) - counts["ok"],
         "median_abs_error_pct": statistics.median(errors) if errors else None,
         "max_abs_error_pct": max(errors) if errors else None,
         "phase_agreement": sum(r["measured_phase"] == r["estimated_phase"] for r in table if r["status"] == "ok"),
@@ -83,24 +99,47 @@ def summary_lines(table: list[dict]) -> list[str]:
     counts = ", ".join(f"{s[k]} {k}" for k in STATUSES if s[k])
     lines = [f"{s['runs']} runs: {counts or 'none'}"]
     if s["median_abs_error_pct"] is not None:
-        lines.append(f"|error| over ok runs: median {s['median_abs_error_pct']:.2f} %, "
-                     f"max {s['max_abs_error_pct']:.2f} %; peak phase agrees in {s['phase_agreement']} of {s['ok']}")
+        lines.append(
+            f"|error| over ok runs: median {s['median_abs_error_pct']:.2f} %, "
+            f"max {s['max_abs_error_pct']:.2f} %; peak phase agrees in {s['phase_agreement']} of {s['ok']}"
+        )
     return lines
 
 
 def _short(text, width: int = 80) -> str:
-    return "" if not text else text if len(text) <= width else text[:width - 1] + "…"
+    return "" if not text else text if len(text) <= width else text[: width - 1] + "…"
 
 
 def render_table(table: list[dict]) -> str:
     from tabulate import tabulate  # here, not at the top: JSON and CSV never pay its import
 
     body = tabulate(
-        [[r["id"], r["run"], r["status"], _mib(r["measured_bytes"]), _mib(r["estimated_bytes"]), _pct(r["error_pct"]),
-          r["measured_phase"] or "", r["estimated_phase"] or "", _short(r["error"])] for r in table],
-        headers=["id", "run", "status", "measured MiB", "estimated MiB", "error %", "measured phase",
-                 "estimated phase", "error"],
-        tablefmt="github", disable_numparse=True,
+        [
+            [
+                r["id"],
+                r["run"],
+                r["status"],
+                _mib(r["measured_bytes"]),
+                _mib(r["estimated_bytes"]),
+                _pct(r["error_pct"]),
+                r["measured_phase"] or "",
+                r["estimated_phase"] or "",
+                _short(r["error"]),
+            ]
+            for r in table
+        ],
+        headers=[
+            "id",
+            "run",
+            "status",
+            "measured MiB",
+            "estimated MiB",
+            "error %",
+            "measured phase",
+            "estimated phase",
+            "error",
+        ],
+        tablefmt="github",
+        disable_numparse=True,
     )
     return "\n".join([body, "", *summary_lines(table)])
-

@@ -5,6 +5,7 @@ An outcome is ``{"status": ok | oom | failed, "measurement": dict | None, "error
 ``timeout`` is decided by whoever watches the clock (the sweep's parent, or Slurm's
 ``timeout`` in a cluster script).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,11 @@ def _ok(measurement: measure.Measurement) -> dict:
 
 
 def _failed(status: str, exc: BaseException) -> dict:
-    return {"status": status, "measurement": None,
-            "error": f"{type(exc).__name__}: {str(exc) or 'no message'}\n{traceback.format_exc(limit=3)}".strip()}
+    return {
+        "status": status,
+        "measurement": None,
+        "error": f"{type(exc).__name__}: {str(exc) or 'no message'}\n{traceback.format_exc(limit=3)}".strip(),
+    }
 
 
 def _check_device(run: Run) -> None:
@@ -62,8 +66,11 @@ def execute(run: Run, *, max_host_mem_bytes: int | None = None) -> dict:
         if max_host_mem_bytes:
             limit_host_memory(max_host_mem_bytes)
         if run.layers_scaled:
-            return {"status": "ok", "measurement": layerscale.scaled_measurement(run.job, measure=measure_here),
-                    "error": None}
+            return {
+                "status": "ok",
+                "measurement": layerscale.scaled_measurement(run.job, measure=measure_here),
+                "error": None,
+            }
         return _ok(measure_here(run.job))
     except launch.RankFailure as exc:
         return {"status": exc.status, "measurement": None, "error": str(exc)}
@@ -77,8 +84,9 @@ def execute_torchrun(run: Run) -> dict:
     try:
         _check_device(run)
         if world != run.job.cluster.gpus:
-            raise measure.Unsupported(f"the spec is for {run.job.cluster.gpus} GPUs but torchrun started "
-                                      f"{world} processes")
+            raise measure.Unsupported(
+                f"the spec is for {run.job.cluster.gpus} GPUs but torchrun started {world} processes"
+            )
         on_cuda = run.job.train.device == "cuda"
         if on_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

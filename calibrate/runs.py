@@ -10,6 +10,7 @@ Example usage::
     runs, skipped = plan([{"arch": "llama", "layers": 2, ..., "strategy": "all"}], mode="emulate")
     summary = sweep(runs, out="runs.jsonl", timeout_s=300, resume=True)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +50,10 @@ def load_grid(path) -> dict[str, list]:
     except (OSError, yaml.YAMLError) as exc:
         raise MemplanError(f"grid file {str(path)!r} cannot be read: {str(exc).splitlines()[0]}") from None
     if not isinstance(grid, dict) or not grid:
-        raise MemplanError(f"grid file {str(path)!r} must map flag names to lists of values, "
-                           "e.g. {strategy: [ddp, fsdp-full-shard], micro-batch: [1, 2]}")
+        raise MemplanError(
+            f"grid file {str(path)!r} must map flag names to lists of values, "
+            "e.g. {strategy: [ddp, fsdp-full-shard], micro-batch: [1, 2]}"
+        )
     for key, values in grid.items():
         if not isinstance(values, list) or not values:
             raise MemplanError(f"grid key {key!r} must map to a non-empty list, got {values!r}")
@@ -63,16 +66,25 @@ def grid_points(grid: dict[str, list]) -> list[dict]:
     return [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]
 
 
-def plan(flag_sets: list[dict], *, mode: str, steps: int = 3, warmup: int = 2, workload: str = "native",
-         layers_scaled: bool = False) -> tuple[list[Run], list[str]]:
+def plan(
+    flag_sets: list[dict],
+    *,
+    mode: str,
+    steps: int = 3,
+    warmup: int = 2,
+    workload: str = "native",
+    layers_scaled: bool = False,
+) -> tuple[list[Run], list[str]]:
     """The runs of a sweep (each distinct run once) and the strategies ``all`` left out."""
     runs: dict[str, Run] = {}
     skipped: set[str] = set()
     for flags in flag_sets:
         _, jobs = build_jobs(**flags)
         for job in jobs:
-            if flags.get("strategy", "all") == "all" and \
-                    STRATEGIES[job.plan.strategy].framework not in HARNESS_FRAMEWORKS:
+            if (
+                flags.get("strategy", "all") == "all"
+                and STRATEGIES[job.plan.strategy].framework not in HARNESS_FRAMEWORKS
+            ):
                 skipped.add(job.plan.strategy)
                 continue
             run = Run(job=job, mode=mode, steps=steps, warmup=warmup, workload=workload, layers_scaled=layers_scaled)
@@ -102,25 +114,31 @@ def execute(run: Run, *, timeout_s: float, max_host_mem_bytes: int | None = None
     with tempfile.TemporaryDirectory(prefix="calibrate-") as tmp:
         runs_path, result, log = Path(tmp, "run.jsonl"), Path(tmp, "result.json"), Path(tmp, "log.txt")
         records.write_runs(runs_path, [run])
-        command = [sys.executable, "-m", "calibrate", "--runs", str(runs_path), "--index", "0",
-                   "--result", str(result)]
+        command = [sys.executable, "-m", "calibrate", "--runs", str(runs_path), "--index", "0", "--result", str(result)]
         if max_host_mem_bytes:
             command += ["--max-host-mem", str(max_host_mem_bytes)]
         with open(log, "wb") as log_file:
-            proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=_child_env(),
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                command, stdout=log_file, stderr=subprocess.STDOUT, env=_child_env(), start_new_session=True
+            )
             try:
                 exit_code = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                return {"status": "timeout", "measurement": None,
-                        "error": f"no result after {timeout_s:g} s; the run's processes were killed"}
+                return {
+                    "status": "timeout",
+                    "measurement": None,
+                    "error": f"no result after {timeout_s:g} s; the run's processes were killed",
+                }
             finally:
                 if proc.poll() is None:
                     _kill_group(proc)
         if result.exists():
             return json.loads(result.read_text(encoding="utf-8"))
-        return {"status": "failed", "measurement": None,
-                "error": f"the run's process exited with code {exit_code} without a result:\n{_tail(log)}"}
+        return {
+            "status": "failed",
+            "measurement": None,
+            "error": f"the run's process exited with code {exit_code} without a result:\n{_tail(log)}",
+        }
 
 
 @dataclass
@@ -135,8 +153,16 @@ class SweepSummary:
         return f"{sum(self.statuses.values())} of {self.num_planned} runs recorded in {out}: {done}{skipped}"
 
 
-def sweep(runs: list[Run], *, out, timeout_s: float, resume: bool = False, max_host_mem_bytes: int | None = None,
-          on_start=lambda run: None, on_end=lambda run, record: None) -> SweepSummary:
+def sweep(
+    runs: list[Run],
+    *,
+    out,
+    timeout_s: float,
+    resume: bool = False,
+    max_host_mem_bytes: int | None = None,
+    on_start=lambda run: None,
+    on_end=lambda run, record: None,
+) -> SweepSummary:
     """Execute every run in turn, appending its record to ``out`` as it ends."""
     summary = SweepSummary(num_planned=len(runs))
     done = records.recorded_keys(out) if resume else set()

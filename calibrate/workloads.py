@@ -1,6 +1,7 @@
 """Real torch models built from memplan's ModelSpec, written like the Hugging Face
 reference implementations (modeling_llama.py, modeling_gpt2.py) so that their saved
 tensors are the ones memplan's activation model counts."""
+
 from __future__ import annotations
 
 import math
@@ -64,8 +65,9 @@ class Attention(nn.Module):
     def core(self, q, k, v):
         p = self.spec.dropout if self.training else 0.0
         if self.attention == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                                  enable_gqa=k.shape[1] != q.shape[1])
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=p, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
+            )
         groups = q.shape[1] // k.shape[1]
         if groups > 1:  # repeat_kv of modeling_llama.py
             k = k.repeat_interleave(groups, dim=1)
@@ -218,13 +220,25 @@ def hf_config(spec: ModelSpec, *, attention: str):
         raise ValueError(f"no Hugging Face workload for arch {spec.arch}")
     common = dict(vocab_size=spec.vocab_size, tie_word_embeddings=spec.tied_embeddings)
     if spec.arch == "gpt2":
-        shape = dict(n_layer=spec.num_layers, n_embd=spec.hidden, n_head=spec.num_heads, n_inner=spec.ffn_hidden,
-                     activation_function=spec.activation,
-                     n_positions=spec.max_positions, resid_pdrop=spec.dropout, embd_pdrop=spec.dropout,
-                     attn_pdrop=spec.dropout)
+        shape = dict(
+            n_layer=spec.num_layers,
+            n_embd=spec.hidden,
+            n_head=spec.num_heads,
+            n_inner=spec.ffn_hidden,
+            activation_function=spec.activation,
+            n_positions=spec.max_positions,
+            resid_pdrop=spec.dropout,
+            embd_pdrop=spec.dropout,
+            attn_pdrop=spec.dropout,
+        )
     else:
-        shape = dict(num_hidden_layers=spec.num_layers, hidden_size=spec.hidden, num_attention_heads=spec.num_heads,
-                     intermediate_size=spec.ffn_hidden, attention_dropout=spec.dropout)
+        shape = dict(
+            num_hidden_layers=spec.num_layers,
+            hidden_size=spec.hidden,
+            num_attention_heads=spec.num_heads,
+            intermediate_size=spec.ffn_hidden,
+            attention_dropout=spec.dropout,
+        )
         if spec.arch == "llama":
             shape.update(num_key_value_heads=spec.num_kv_heads, attention_bias=spec.qkv_bias)
         else:
@@ -237,11 +251,19 @@ def hf_config(spec: ModelSpec, *, attention: str):
 def _hf_vit_config(spec: ModelSpec, *, attention: str):
     from transformers import ViTConfig
 
-    config = ViTConfig(hidden_size=spec.hidden, num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-                       intermediate_size=spec.ffn_hidden, hidden_act=spec.activation, image_size=image_side(spec),
-                       patch_size=spec.patch_size, num_channels=spec.image_channels,
-                       num_labels=spec.vocab_size,  # type: ignore[call-arg]  # a PretrainedConfig keyword, not in the stub
-                       hidden_dropout_prob=spec.dropout, attention_probs_dropout_prob=spec.dropout)
+    config = ViTConfig(
+        hidden_size=spec.hidden,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        intermediate_size=spec.ffn_hidden,
+        hidden_act=spec.activation,
+        image_size=image_side(spec),
+        patch_size=spec.patch_size,
+        num_channels=spec.image_channels,
+        num_labels=spec.vocab_size,  # type: ignore[call-arg]  # a PretrainedConfig keyword, not in the stub
+        hidden_dropout_prob=spec.dropout,
+        attention_probs_dropout_prob=spec.dropout,
+    )
     config._attn_implementation = attention
     return config
 

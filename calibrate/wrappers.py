@@ -1,6 +1,7 @@
 """How the harness wraps a model with each framework, keyed by the framework ids of
 ``memplan.frameworks`` (memplan itself never imports torch). A framework with no entry here
 (DeepSpeed) is not driven by the harness."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -78,8 +79,9 @@ def wrap(model: nn.Module, job: Job, emulated: bool) -> nn.Module:
     """The model under the job's framework and precision, as memplan estimates it."""
     strategy, policy = STRATEGIES[job.plan.strategy], POLICIES[job.train.precision]
     if strategy.framework not in WRAPPERS:
-        raise Unsupported(f"{strategy.id} needs {FRAMEWORKS[strategy.framework].label}, "
-                          "which this harness does not drive")
+        raise Unsupported(
+            f"{strategy.id} needs {FRAMEWORKS[strategy.framework].label}, which this harness does not drive"
+        )
     if not strategy.runs_natively(policy.id):
         raise Unsupported(f"{policy.id} under {strategy.id} has no native torch implementation")
     if policy.low_precision_params and not policy.master:

@@ -10,6 +10,7 @@
 
 Each takes a ``Request`` and/or its inputs as keywords (see memplan.request).
 """
+
 from .api import Result, estimate, from_module, min_gpus, recommend
 from .errors import InputError, MemplanError, UnknownKeywordError
 from .request import ClusterRequest, ModelRequest, Request, StrategyRequest, TrainingRequest
@@ -17,8 +18,12 @@ from .specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 from .strategies import STRATEGIES
 
 # numpy, pandas and matplotlib load only when these are used
-_LAZY = {"sweep": ("grid", "sweep"), "plot_breakdown": ("plot", "plot_breakdown"),
-         "plot_fits": ("plot", "plot_fits"), "plot_calibration": ("plot", "plot_calibration")}
+_LAZY = {
+    "sweep": ("grid", "sweep"),
+    "plot_breakdown": ("plot", "plot_breakdown"),
+    "plot_fits": ("plot", "plot_fits"),
+    "plot_calibration": ("plot", "plot_calibration"),
+}
 
 
 def __getattr__(name):
@@ -30,7 +35,28 @@ def __getattr__(name):
     return getattr(importlib.import_module(f".{module}", __name__), attr)
 
 
-__all__ = ["estimate", "recommend", "min_gpus", "sweep", "from_module", "plot_breakdown", "plot_fits",
-           "plot_calibration", "Result", "Request", "ModelRequest", "TrainingRequest", "ClusterRequest",
-           "StrategyRequest", "MemplanError", "InputError", "UnknownKeywordError", "ClusterSpec", "Job", "ModelSpec",
-           "Plan", "TrainSpec", "STRATEGIES"]
+__all__ = [
+    "STRATEGIES",
+    "ClusterRequest",
+    "ClusterSpec",
+    "InputError",
+    "Job",
+    "MemplanError",
+    "ModelRequest",
+    "ModelSpec",
+    "Plan",
+    "Request",
+    "Result",
+    "StrategyRequest",
+    "TrainSpec",
+    "TrainingRequest",
+    "UnknownKeywordError",
+    "estimate",
+    "from_module",
+    "min_gpus",
+    "plot_breakdown",
+    "plot_calibration",
+    "plot_fits",
+    "recommend",
+    "sweep",
+]

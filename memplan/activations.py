@@ -10,6 +10,7 @@ a heads, d head dim, f ffn width, V vocabulary (a ViT's classes), C·H·W an ima
 c compute bytes, r residual-stream bytes, m dropout-mask bytes (CUDA's fused dropout keeps a
 1-byte mask, CPU's composite dropout a mask in the input dtype).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,9 +64,20 @@ def shapes(model: ModelSpec, train: TrainSpec) -> Shapes:
     # ViTEmbeddings: one token per patch plus the class token, whatever seq-len says
     s = model.max_positions if model.arch == "vit" else train.seq_len
     return Shapes(
-        b=train.micro_batch, s=s, h=model.hidden, kv=model.kv_hidden, a=model.num_heads,
-        d=model.head_dim, f=model.ffn_hidden, V=model.vocab_size, c=c, r=policy.stream_bytes,
-        m=c if on_cpu else 1, p=model.dropout, autocast=policy.autocast, attention=attention,
+        b=train.micro_batch,
+        s=s,
+        h=model.hidden,
+        kv=model.kv_hidden,
+        a=model.num_heads,
+        d=model.head_dim,
+        f=model.ffn_hidden,
+        V=model.vocab_size,
+        c=c,
+        r=policy.stream_bytes,
+        m=c if on_cpu else 1,
+        p=model.dropout,
+        autocast=policy.autocast,
+        attention=attention,
     )
 
 
@@ -73,9 +85,11 @@ def _norm(model: ModelSpec, x: Shapes, label: str) -> list[Saved]:
     t = x.tokens
     if model.arch == "llama":
         # LlamaRMSNorm: x.to(fp32) kept by pow/mul, rsqrt kept, normalised x.to(dtype) kept by weight*
-        return [Saved(f"{label}: fp32 input", "4·b·s·h", 4 * t * x.h),
-                Saved(f"{label}: normalised", "r·b·s·h", x.r * t * x.h),
-                Saved(f"{label}: rstd", "4·b·s", 4 * t)]
+        return [
+            Saved(f"{label}: fp32 input", "4·b·s·h", 4 * t * x.h),
+            Saved(f"{label}: normalised", "r·b·s·h", x.r * t * x.h),
+            Saved(f"{label}: rstd", "4·b·s", 4 * t),
+        ]
     # LayerNorm keeps its input plus mean and rstd per token (fp32 on CUDA; the input
     # dtype on CPU, measured)
     stat = x.r if x.m == x.c else 4
@@ -109,8 +123,10 @@ def _qkv_out(model: ModelSpec, x: Shapes) -> list[Saved]:
     t = x.tokens
     kv = x.h if x.attention != "flash" else x.kv  # repeat_kv materialises k, v outside sdpa's GQA
     c = 4 if x.attention == "math-fp32" else x.c
-    saved = [Saved("q, k, v", "c·b·s·(h + 2·kv)", c * t * (x.h + 2 * kv)),
-             Saved("attention output", "c·b·s·h", x.c * t * x.h)]
+    saved = [
+        Saved("q, k, v", "c·b·s·(h + 2·kv)", c * t * (x.h + 2 * kv)),
+        Saved("attention output", "c·b·s·h", x.c * t * x.h),
+    ]
     if model.arch == "neox" and x.attention == "flash":
         # rotary makes new q, k while sdpa keeps v: a view that pins the whole fused qkv output
         saved.append(Saved("fused qkv output pinned by v", "c·b·s·(h + kv)", x.c * t * (x.h + x.kv)))
@@ -220,8 +236,7 @@ def model_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[S
     else:
         post.append(Saved("final norm output (head input)", "r·b·s·h", x.r * t * x.h))
     logits_bytes = x.c
-    post.append(Saved("logits (held by the caller)", f"{logits_bytes}·b·s·V", logits_bytes * t * x.V,
-                      "logits"))
+    post.append(Saved("logits (held by the caller)", f"{logits_bytes}·b·s·V", logits_bytes * t * x.V, "logits"))
     return pre, post
 
 

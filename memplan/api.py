@@ -5,6 +5,7 @@ the request): ``memplan.estimate(params=13e9, gpus=8, gpu_mem=80)``. The input k
 fields of ``ModelRequest``, ``TrainingRequest``, ``ClusterRequest`` and ``StrategyRequest``, with
 their defaults; ``help(memplan.estimate)`` shows each function's whole signature.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,8 +39,11 @@ def takes_inputs(function=None, *, without: tuple[str, ...] = ()):
     own = inspect.signature(function)
     params = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     taken = {p.name for p in params} | set(without)
-    params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=default(k), annotation=f.type)
-               for k, (_, f) in FIELDS.items() if k not in taken]
+    params += [
+        inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=default(k), annotation=f.type)
+        for k, (_, f) in FIELDS.items()
+        if k not in taken
+    ]
     signature = own.replace(parameters=params)
 
     @functools.wraps(function)
@@ -105,25 +109,44 @@ def _recommend(request: Request, decision: Decision) -> tuple[ModelChoice, Recom
     from .decide import recommend_job
 
     values = {**request.inputs(), "ac": request.training.spec().activation_checkpointing}
-    fixed = {a: values.get(a) for a in (*[a for a in FIXABLE if a in decision.fixed],
-                                        *[a for a in decision.fixed if a not in FIXABLE])}
+    fixed = {
+        a: values.get(a)
+        for a in (*[a for a in FIXABLE if a in decision.fixed], *[a for a in decision.fixed if a not in FIXABLE])
+    }
     if fixed.get("strategy") == "all":
         del fixed["strategy"]
     micro_batch_max = fixed.get("micro_batch") == "max"
     if micro_batch_max:
         del fixed["micro_batch"]
     choice, jobs = build_jobs(request, micro_batch=1)
-    rec = recommend_job(jobs[0], fixed=fixed, priority=decision.priority, interconnect=decision.interconnect,
-                        bw_gbs=decision.bw, micro_batch_max=micro_batch_max, calibration=decision.calibration,
-                        framework=decision.framework, strategies=decision.strategies)
+    rec = recommend_job(
+        jobs[0],
+        fixed=fixed,
+        priority=decision.priority,
+        interconnect=decision.interconnect,
+        bw_gbs=decision.bw,
+        micro_batch_max=micro_batch_max,
+        calibration=decision.calibration,
+        framework=decision.framework,
+        strategies=decision.strategies,
+    )
     return choice, rec
 
 
 @takes_inputs
-def recommend(request: Request | None = None, /, *, priority: str = "speed", interconnect: str | None = None,
-              bw: float | None = None, calibration: str | None = "auto", fixed: Collection[str] | None = None,
-              framework: str | None = None, strategies: Collection[str] | None = None,
-              **inputs) -> tuple[ModelChoice, Recommendation]:
+def recommend(
+    request: Request | None = None,
+    /,
+    *,
+    priority: str = "speed",
+    interconnect: str | None = None,
+    bw: float | None = None,
+    calibration: str | None = "auto",
+    fixed: Collection[str] | None = None,
+    framework: str | None = None,
+    strategies: Collection[str] | None = None,
+    **inputs,
+) -> tuple[ModelChoice, Recommendation]:
     """The best option that fits, by ``priority`` (speed | memory | simplicity), why, what was
     rejected, and which documented rules the arithmetic agrees with.
 
@@ -136,15 +159,22 @@ def recommend(request: Request | None = None, /, *, priority: str = "speed", int
     only that framework's strategies, ``strategies`` only those.
     """
     request = Request.of(request, **inputs)
-    decision = Decision(priority=priority, interconnect=interconnect, bw=bw, calibration=calibration,
-                        fixed=_fixed(request, inputs, fixed), framework=framework,
-                        strategies=tuple(strategies) if strategies is not None else None)
+    decision = Decision(
+        priority=priority,
+        interconnect=interconnect,
+        bw=bw,
+        calibration=calibration,
+        fixed=_fixed(request, inputs, fixed),
+        framework=framework,
+        strategies=tuple(strategies) if strategies is not None else None,
+    )
     return _recommend(request, decision)
 
 
 @takes_inputs(without=("gpus",))
-def min_gpus(request: Request | None = None, /, *, calibration: str | None = "auto",
-             **inputs) -> tuple[ModelChoice, MinGpus]:
+def min_gpus(
+    request: Request | None = None, /, *, calibration: str | None = "auto", **inputs
+) -> tuple[ModelChoice, MinGpus]:
     """Fewest GPUs (1-8, then whole nodes of ``gpus_per_node``) on which some strategy (or the one
     given) fits: ``memplan.search.MinGpus``; where a calibration applies (as for ``estimate``) its
     corrected totals decide. The request's own GPU count is not used."""
@@ -178,8 +208,9 @@ class Result:
         for est in self.estimates:
             if est.job.plan.strategy == strategy:
                 return est
-        raise KeyError(f"{strategy!r} was not estimated; these were: "
-                       + ", ".join(e.job.plan.strategy for e in self.estimates))
+        raise KeyError(
+            f"{strategy!r} was not estimated; these were: " + ", ".join(e.job.plan.strategy for e in self.estimates)
+        )
 
     @cached_property
     def relative_throughputs(self) -> tuple[float, ...]:
@@ -207,21 +238,44 @@ class Result:
         rows = []
         for i, est in enumerate(self.estimates):
             row = estimate_dict(est)
-            flat = {k: row[k] for k in ("strategy", "precision", "activation_checkpointing", "offload", "micro_batch",
-                                        "phase", "fits", "headroom_bytes")}
+            flat = {
+                k: row[k]
+                for k in (
+                    "strategy",
+                    "precision",
+                    "activation_checkpointing",
+                    "offload",
+                    "micro_batch",
+                    "phase",
+                    "fits",
+                    "headroom_bytes",
+                )
+            }
             flat.update({f"{k}_bytes": v for k, v in row["bytes"].items()})
             if self.applied:
                 corrected = self.applied.results[i]
-                flat.update(calibrated_total_bytes=corrected.total_bytes, calibrated_band_bytes=corrected.band_bytes,
-                            fits=corrected.fits, headroom_bytes=corrected.headroom_bytes)
+                flat.update(
+                    calibrated_total_bytes=corrected.total_bytes,
+                    calibrated_band_bytes=corrected.band_bytes,
+                    fits=corrected.fits,
+                    headroom_bytes=corrected.headroom_bytes,
+                )
             rows.append(flat)
         return pd.DataFrame(rows).set_index("strategy")
 
 
 @takes_inputs
-def estimate(request: Request | None = None, /, *, calibration: str | None = "auto", priority: str = "speed",
-             interconnect: str | None = None, bw: float | None = None, fixed: Collection[str] | None = None,
-             **inputs) -> Result:
+def estimate(
+    request: Request | None = None,
+    /,
+    *,
+    calibration: str | None = "auto",
+    priority: str = "speed",
+    interconnect: str | None = None,
+    bw: float | None = None,
+    fixed: Collection[str] | None = None,
+    **inputs,
+) -> Result:
     """Estimates for every strategy asked for (``strategy="all"``: each that runs on the GPUs), as
     ``memplan estimate`` prints them: ``memplan.estimate(params=13e9, gpus=8, gpu_mem=80)``.
 
@@ -237,16 +291,35 @@ def estimate(request: Request | None = None, /, *, calibration: str | None = "au
     request = Request.of(request, **inputs)
     choice, jobs = _jobs(request)
     estimates = tuple(estimate_job(job) for job in jobs)
-    decision = Decision(priority=priority, interconnect=interconnect, bw=bw, calibration=calibration,
-                        fixed=_fixed(request, inputs, fixed))
-    return Result(request=request, choice=choice, estimates=estimates,
-                  applied=apply_all(list(estimates), calibration), decision=decision)
+    decision = Decision(
+        priority=priority,
+        interconnect=interconnect,
+        bw=bw,
+        calibration=calibration,
+        fixed=_fixed(request, inputs, fixed),
+    )
+    return Result(
+        request=request,
+        choice=choice,
+        estimates=estimates,
+        applied=apply_all(list(estimates), calibration),
+        decision=decision,
+    )
 
 
 @takes_inputs(without=MODEL_INPUTS)
-def from_module(module, request: Request | None = None, /, *, num_heads: int | None = None, arch: str | None = None,
-                dropout: float | None = None, name: str | None = None, calibration: str | None = "auto",
-                **inputs) -> Result:
+def from_module(
+    module,
+    request: Request | None = None,
+    /,
+    *,
+    num_heads: int | None = None,
+    arch: str | None = None,
+    dropout: float | None = None,
+    name: str | None = None,
+    calibration: str | None = "auto",
+    **inputs,
+) -> Result:
     """``estimate`` for a model object (an ``nn.Module`` or anything with ``named_parameters()``),
     without importing torch: its exact parameter shapes, or its Hugging Face ``config``.
     ``num_heads``, ``arch``, ``dropout`` and ``name`` complete what the shapes do not tell."""

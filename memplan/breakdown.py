@@ -1,11 +1,12 @@
 """The one result shape every estimate returns: integer bytes by component at the
 peak moment, with the terms that add up to them."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from functools import cached_property
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:

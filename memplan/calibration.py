@@ -14,6 +14,7 @@ barely exercise keeps memplan's own arithmetic. The residual spread of the fit b
 the error band of a corrected estimate. Where records carry the device's used memory
 (CUDA), the runtime overhead (used − allocated) is fitted as a + b · allocated.
 """
+
 from __future__ import annotations
 
 import json
@@ -100,11 +101,16 @@ class Correction:
             return fits.get(strategy)
         n = sum(t.num_records for t in fits.values())
         with_mfu = [(t.mfu, t.num_records) for t in fits.values() if t.mfu is not None]
-        mfu = (sum(m * records for m, records in with_mfu) / sum(records for _, records in with_mfu)
-               if with_mfu else None)
-        return ThroughputFit(strategy="mean of the measured strategies", num_records=n,
-                             achieved_flops=sum(t.achieved_flops * t.num_records for t in fits.values()) / n,
-                             mfu=mfu, exposed_comm_fraction=None)
+        mfu = (
+            sum(m * records for m, records in with_mfu) / sum(records for _, records in with_mfu) if with_mfu else None
+        )
+        return ThroughputFit(
+            strategy="mean of the measured strategies",
+            num_records=n,
+            achieved_flops=sum(t.achieved_flops * t.num_records for t in fits.values()) / n,
+            mfu=mfu,
+            exposed_comm_fraction=None,
+        )
 
 
 def group_bytes(by_component: dict) -> dict[str, int]:
@@ -147,15 +153,26 @@ def load(path: str | Path) -> Calibration:
         data = json.loads(Path(path).read_text())
         corrections = tuple(
             Correction(**{**c, "throughput": tuple(ThroughputFit(**t) for t in c.get("throughput", ()))})
-            for c in data["corrections"])
+            for c in data["corrections"]
+        )
     except FileNotFoundError:
-        raise InputError(lambda n: f"{n('calibration')} {str(path)!r}: no such file", field="calibration",
-                         value=str(path), accepted="auto, none or a corrections file") from None
+        raise InputError(
+            lambda n: f"{n('calibration')} {str(path)!r}: no such file",
+            field="calibration",
+            value=str(path),
+            accepted="auto, none or a corrections file",
+        ) from None
     except (ValueError, KeyError, TypeError) as exc:
         detail = str(exc)  # exc is unbound after the except block; the message is rendered later
-        raise InputError(lambda n: f"{n('calibration')} {str(path)!r} is not a corrections file written by "
-                                   f"`memplan calibrate fit` ({detail})", field="calibration", value=str(path),
-                         accepted="auto, none or a corrections file") from None
+        raise InputError(
+            lambda n: (
+                f"{n('calibration')} {str(path)!r} is not a corrections file written by "
+                f"`memplan calibrate fit` ({detail})"
+            ),
+            field="calibration",
+            value=str(path),
+            accepted="auto, none or a corrections file",
+        ) from None
     return Calibration(corrections=corrections, sources=tuple(data.get("sources", ())), path=str(path))
 
 
@@ -194,9 +211,16 @@ def apply(est: Estimate, correction: Correction, *, device_matches: bool) -> Cor
     overhead = correction.overhead_bytes(allocated)
     if overhead is None:
         overhead = est.overhead_bytes
-    return Corrected(estimate=est, correction=correction, device_matches=device_matches, allocated_bytes=allocated,
-                     band_bytes=math.ceil(allocated * correction.residual_pct / 100), overhead_bytes=overhead,
-                     phase=phase, moment_bytes=tuple(b for b, _ in peaks))
+    return Corrected(
+        estimate=est,
+        correction=correction,
+        device_matches=device_matches,
+        allocated_bytes=allocated,
+        band_bytes=math.ceil(allocated * correction.residual_pct / 100),
+        overhead_bytes=overhead,
+        phase=phase,
+        moment_bytes=tuple(b for b, _ in peaks),
+    )
 
 
 SHIPPED_DIR = "calibration"
@@ -223,8 +247,10 @@ class Applied:
     def describe(self) -> str:
         c = self.correction
         where = "fitted on this device" if self.device_matches else "fitted on another device: treat with care"
-        return (f"calibration {self.calibration.path}: {c.device}, torch {c.torch_version}, {c.num_records} records, "
-                f"band ±{c.residual_pct:.2f} % ({where})")
+        return (
+            f"calibration {self.calibration.path}: {c.device}, torch {c.torch_version}, {c.num_records} records, "
+            f"band ±{c.residual_pct:.2f} % ({where})"
+        )
 
 
 def _device_key(job) -> str | None:
@@ -260,5 +286,9 @@ def apply_all(estimates: list[Estimate], calibration: str | None = "auto") -> Ap
     if found is None:
         return None
     loaded, correction, same = found
-    return Applied(calibration=loaded, correction=correction, device_matches=same,
-                   results=tuple(apply(e, correction, device_matches=same) for e in estimates))
+    return Applied(
+        calibration=loaded,
+        correction=correction,
+        device_matches=same,
+        results=tuple(apply(e, correction, device_matches=same) for e in estimates),
+    )

@@ -1,5 +1,6 @@
 """The data tables shipped in ``tables/``: model presets, GPU datasheets, DeepSpeed defaults,
 runtime overheads and decision settings, each row with its source."""
+
 from __future__ import annotations
 
 import csv
@@ -49,32 +50,48 @@ class GpuSpec:
         compute = POLICIES[precision].compute_dtype
         peak = {"fp32": self.peak_fp32_flops, "bf16": self.peak_bf16_flops, "fp16": self.peak_fp16_flops}[compute]
         if peak is None:
-            raise InputError(lambda n: f"{self.name} has no bf16 support; use {n('precision')} fp32, amp-fp16 "
-                                       "or mixed-fp16", field="precision", value=precision,
-                             accepted="fp32, amp-fp16 or mixed-fp16")
+            raise InputError(
+                lambda n: f"{self.name} has no bf16 support; use {n('precision')} fp32, amp-fp16 or mixed-fp16",
+                field="precision",
+                value=precision,
+                accepted="fp32, amp-fp16 or mixed-fp16",
+            )
         return peak
 
 
 def _gpu_row(row: dict[str, str]) -> GpuSpec:
     return GpuSpec(
-        name=row["name"], aliases=tuple(a for a in row["aliases"].split("|") if a),
+        name=row["name"],
+        aliases=tuple(a for a in row["aliases"].split("|") if a),
         memory_bytes=int(row["memory_mib"]) * _MIB,
         peak_bf16_flops=float(row["peak_bf16_tflops"]) * _TFLOPS if row["peak_bf16_tflops"] else None,
         peak_fp16_flops=float(row["peak_fp16_tflops"]) * _TFLOPS,
         peak_fp32_flops=float(row["peak_fp32_tflops"]) * _TFLOPS,
-        memory_bw_bytes_s=float(row["memory_bw_gbs"]) * _GBS, interconnect=row["interconnect"],
+        memory_bw_bytes_s=float(row["memory_bw_gbs"]) * _GBS,
+        interconnect=row["interconnect"],
         intra_node_bw_bytes_s=float(row["intra_node_bw_gbs"]) * _GBS,
-        host_link_bw_bytes_s=float(row["host_link_bw_gbs"]) * _GBS, source=row["source"],
+        host_link_bw_bytes_s=float(row["host_link_bw_gbs"]) * _GBS,
+        source=row["source"],
     )
 
 
 def _model_row(row: dict[str, str]) -> ModelSpec:
     return ModelSpec(
-        name=row["name"], arch=row["arch"], num_layers=int(row["layers"]), hidden=int(row["hidden"]),
-        num_heads=int(row["heads"]), num_kv_heads=int(row["kv_heads"]), ffn_hidden=int(row["ffn"]),
-        vocab_size=int(row["vocab"]), tied_embeddings=row["tied"] == "1", qkv_bias=row["qkv_bias"] == "1",
-        linear_bias=row["linear_bias"] == "1", max_positions=int(row["max_positions"]),
-        dropout=float(row["dropout"]), activation=row["activation"], patch_size=int(row["patch_size"]) or 16,
+        name=row["name"],
+        arch=row["arch"],
+        num_layers=int(row["layers"]),
+        hidden=int(row["hidden"]),
+        num_heads=int(row["heads"]),
+        num_kv_heads=int(row["kv_heads"]),
+        ffn_hidden=int(row["ffn"]),
+        vocab_size=int(row["vocab"]),
+        tied_embeddings=row["tied"] == "1",
+        qkv_bias=row["qkv_bias"] == "1",
+        linear_bias=row["linear_bias"] == "1",
+        max_positions=int(row["max_positions"]),
+        dropout=float(row["dropout"]),
+        activation=row["activation"],
+        patch_size=int(row["patch_size"]) or 16,
     )
 
 
@@ -99,8 +116,12 @@ def _lookup(table: dict, name: str, what: str, keyword: str, aliases=lambda v: (
     for canonical, value in table.items():
         if key == canonical or key in aliases(value):
             return value
-    raise InputError(lambda n: f"{n(keyword)} {name!r} is not a known {what}; known: {', '.join(table)}",
-                     field=keyword, value=name, accepted=", ".join(table))
+    raise InputError(
+        lambda n: f"{n(keyword)} {name!r} is not a known {what}; known: {', '.join(table)}",
+        field=keyword,
+        value=name,
+        accepted=", ".join(table),
+    )
 
 
 def gpu(name: str) -> GpuSpec:

@@ -16,6 +16,7 @@ saved (they are in torchtitan's list), which CPU cannot show. ``compile`` is mea
 two llama shapes only. Offloading is modelled from torchtune's source (it needs CUDA
 streams), not measured.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -35,14 +36,20 @@ _MM, _ALWAYS, _NEVER = "mm", "saved", "recomputed"
 def _attention_ops(x: Shapes, device: str) -> list[tuple[str, Saved]]:
     t = x.tokens
     if x.attention == "math-fp32":
-        raise MemplanError("ac op is not modelled for sdpa's math path (dropout on CPU); use eager attention or no dropout")
+        raise MemplanError(
+            "ac op is not modelled for sdpa's math path (dropout on CPU); use eager attention or no dropout"
+        )
     if x.attention == "eager":
         # matmul(q, kᵀ) and matmul(probs, v) run as aten.bmm
-        return [(_ALWAYS, Saved("attention scores (bmm output)", "c·b·a·s²", x.c * t * x.a * x.s)),
-                (_ALWAYS, Saved("attention output (bmm output)", "c·b·s·h", x.c * t * x.h))]
+        return [
+            (_ALWAYS, Saved("attention scores (bmm output)", "c·b·a·s²", x.c * t * x.a * x.s)),
+            (_ALWAYS, Saved("attention output (bmm output)", "c·b·s·h", x.c * t * x.h)),
+        ]
     kind = _ALWAYS if device == "cuda" else _NEVER
-    return [(kind, Saved("attention output (sdpa)", "c·b·s·h", x.c * t * x.h)),
-            (kind, Saved("sdpa logsumexp", "4·b·a·s", 4 * x.b * x.a * x.s))]
+    return [
+        (kind, Saved("attention output (sdpa)", "c·b·s·h", x.c * t * x.h)),
+        (kind, Saved("sdpa logsumexp", "4·b·a·s", 4 * x.b * x.a * x.s)),
+    ]
 
 
 def _forward_ops(model: ModelSpec, train: TrainSpec) -> list[tuple[str, Saved]]:
@@ -59,8 +66,13 @@ def _forward_ops(model: ModelSpec, train: TrainSpec) -> list[tuple[str, Saved]]:
     else:
         qkv = [(linear, out("fused qkv", "(h + 2·kv)", x.h + 2 * x.kv))]
     mlp_in = [(linear, out("gate", "f", x.f))] if model.gated_mlp else []
-    return (qkv + _attention_ops(x, train.device) + [(linear, out("o", "h", x.h))] + mlp_in +
-            [(linear, out("up", "f", x.f)), (linear, out("down", "h", x.h))])
+    return (
+        qkv
+        + _attention_ops(x, train.device)
+        + [(linear, out("o", "h", x.h))]
+        + mlp_in
+        + [(linear, out("up", "f", x.f)), (linear, out("down", "h", x.h))]
+    )
 
 
 def op_sac_kept(model: ModelSpec, train: TrainSpec) -> list[Saved]:
@@ -99,8 +111,9 @@ def _under(train: TrainSpec, policy: str) -> TrainSpec:
     return replace(train, activation_checkpointing=policy, ac_every=1)
 
 
-def block_kept_under(model: ModelSpec, train: TrainSpec, loop: Loop, index: int, *,
-                     inputs_cast: bool = False) -> list[Saved]:
+def block_kept_under(
+    model: ModelSpec, train: TrainSpec, loop: Loop, index: int, *, inputs_cast: bool = False
+) -> list[Saved]:
     """What block ``index`` keeps from its forward to its backward under the loop's AC
     policy and ``ac_every``; an uncheckpointed block of a compiled loop keeps what
     inductor's partitioner saves. ``inputs_cast`` as in ``activations.block_saved``."""
@@ -112,8 +125,9 @@ def block_kept_under(model: ModelSpec, train: TrainSpec, loop: Loop, index: int,
     return block_kept(model, _under(train, policy), inputs_cast=inputs_cast)
 
 
-def block_transient_under(model: ModelSpec, train: TrainSpec, loop: Loop, index: int, *,
-                          inputs_cast: bool = False) -> list[Saved]:
+def block_transient_under(
+    model: ModelSpec, train: TrainSpec, loop: Loop, index: int, *, inputs_cast: bool = False
+) -> list[Saved]:
     """Extra bytes while block ``index`` runs its backward, beyond what it kept. An op-SAC
     block peaks there exactly where a full-AC one does (measured on CPU against
     torchtitan's SelectiveAC): the recompute rebuilds the whole saved set, taking the SAC
@@ -124,8 +138,14 @@ def block_transient_under(model: ModelSpec, train: TrainSpec, loop: Loop, index:
         return full
     temporaries, *recomputed = full  # block_backward_transient lists the gradient temporaries first
     cache = sum(s.bytes for s in op_sac_kept(model, train)[1:])
-    return [temporaries, Saved("recomputed activations beyond the SAC cache", "block saved − SAC cache",
-                               sum(s.bytes for s in recomputed) - cache)]
+    return [
+        temporaries,
+        Saved(
+            "recomputed activations beyond the SAC cache",
+            "block saved − SAC cache",
+            sum(s.bytes for s in recomputed) - cache,
+        ),
+    ]
 
 
 # torchtune 0.6.1 training/_activation_offloading.py OffloadActivations: saved tensors of at
@@ -165,8 +185,10 @@ def compiled_block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: boo
     MixedPrecisionPolicy) cos/sin arrive cast: modelled as no cast of the block's own."""
     x = shapes(model, train)
     if model.arch != "llama" or x.attention != "flash" or x.autocast:
-        raise MemplanError(f"compile is modelled for llama blocks with sdpa and no autocast, "
-                           f"not {model.arch} with {x.attention} attention{' under autocast' if x.autocast else ''}")
+        raise MemplanError(
+            f"compile is modelled for llama blocks with sdpa and no autocast, "
+            f"not {model.arch} with {x.attention} attention{' under autocast' if x.autocast else ''}"
+        )
     t = x.tokens
     # the cos/sin casts to the compute dtype, shared by q and k (eager casts them for each)
     rotary = [Saved("rotary cos/sin casts", "2·c·s·d", 2 * x.c * x.s * x.d)] if x.c < 4 and not inputs_cast else []

@@ -1,9 +1,11 @@
 """The `memplan` command: parse flags, call the library, render. Nothing else."""
+
 from __future__ import annotations
 
 import functools
 import importlib
 import importlib.util
+from typing import ClassVar
 
 import click
 
@@ -42,47 +44,82 @@ MODEL_OPTIONS = [
     click.option("--model", "model", help="A preset from tables/models.csv (e.g. llama-2-13b)."),
     click.option("--config", type=click.Path(dir_okay=False), help="A Hugging Face config.json."),
     click.option("--arch", type=_choice(specs.ARCHS), help="Explicit architecture family (with the shape flags)."),
-    click.option("--layers", type=int), click.option("--hidden", type=int), click.option("--heads", type=int),
-    click.option("--kv-heads", type=int), click.option("--ffn", type=int), click.option("--vocab", type=int),
+    click.option("--layers", type=int),
+    click.option("--hidden", type=int),
+    click.option("--heads", type=int),
+    click.option("--kv-heads", type=int),
+    click.option("--ffn", type=int),
+    click.option("--vocab", type=int),
 ]
 TRAIN_OPTIONS = [
     click.option("--seq-len", type=int, default=default("seq_len"), show_default=True),
-    click.option("--micro-batch", type=MicroBatch(), default=default("micro_batch"), show_default=True,
-                 help="Sequences per GPU per forward, or max: the largest that fits."),
+    click.option(
+        "--micro-batch",
+        type=MicroBatch(),
+        default=default("micro_batch"),
+        show_default=True,
+        help="Sequences per GPU per forward, or max: the largest that fits.",
+    ),
     click.option("--grad-accum", type=int, default=default("grad_accum"), show_default=True),
     click.option("--precision", type=_choice(specs.PRECISIONS), default=default("precision"), show_default=True),
     click.option("--reduce-dtype", type=_choice(specs.REDUCE_DTYPES), help="Gradient reduction dtype."),
     click.option("--optimizer", type=_choice(specs.OPTIMIZERS), default=default("optimizer"), show_default=True),
-    click.option("--optimizer-impl", type=_choice(specs.OPTIMIZER_IMPLS),
-                 help="foreach | fused | single [default: foreach on cuda, single on cpu, as torch]"),
-    click.option("--recipe", type=_choice(loop.RECIPES), default=default("recipe"), show_default=True,
-                 help="The training loop's conventions as that framework sets them (tables/recipes.csv); "
-                      "the loop flags below win."),
-    click.option("--ac", type=_choice(loop.AC_POLICIES),
-                 help="Activation checkpointing: selective is the attention core, op torchtitan's per-op SAC "
-                      "[default: the recipe's; plain: none]."),
+    click.option(
+        "--optimizer-impl",
+        type=_choice(specs.OPTIMIZER_IMPLS),
+        help="foreach | fused | single [default: foreach on cuda, single on cpu, as torch]",
+    ),
+    click.option(
+        "--recipe",
+        type=_choice(loop.RECIPES),
+        default=default("recipe"),
+        show_default=True,
+        help="The training loop's conventions as that framework sets them (tables/recipes.csv); "
+        "the loop flags below win.",
+    ),
+    click.option(
+        "--ac",
+        type=_choice(loop.AC_POLICIES),
+        help="Activation checkpointing: selective is the attention core, op torchtitan's per-op SAC "
+        "[default: the recipe's; plain: none].",
+    ),
     click.option("--ac-every", type=int, help="Checkpoint every N-th block only [default: the recipe's; plain: 1]."),
-    click.option("--logits", type=_choice(loop.LOGITS),
-                 help="Whether the caller holds the logits when backward starts [default: the recipe's; plain: kept]."),
+    click.option(
+        "--logits",
+        type=_choice(loop.LOGITS),
+        help="Whether the caller holds the logits when backward starts [default: the recipe's; plain: kept].",
+    ),
     click.option("--loss", type=_choice(loop.LOSSES), help="[default: the recipe's; plain: ce]"),
     click.option("--loss-chunks", type=int, help="Chunks of chunked-ce [default: the recipe's; plain: 8]."),
     click.option("--compile/--no-compile", default=None, help="torch.compile of each block and the loss."),
     click.option("--float8/--no-float8", default=None, help="torchao float8 training of the linear layers."),
-    click.option("--offload-activations/--no-offload-activations", default=None,
-                 help="torchtune's activation offloading to host memory."),
-    click.option("--optimizer-in-backward/--no-optimizer-in-backward", default=None,
-                 help="The optimizer steps each parameter inside backward."),
+    click.option(
+        "--offload-activations/--no-offload-activations",
+        default=None,
+        help="torchtune's activation offloading to host memory.",
+    ),
+    click.option(
+        "--optimizer-in-backward/--no-optimizer-in-backward",
+        default=None,
+        help="The optimizer steps each parameter inside backward.",
+    ),
     click.option("--attention", type=_choice(specs.ATTENTIONS), default=default("attention"), show_default=True),
-    click.option("--device", type=_choice(specs.DEVICES), default=default("device"), show_default=True,
-                 help="cpu estimates what the same job allocates on CPU (no CUDA-side overhead)."),
+    click.option(
+        "--device",
+        type=_choice(specs.DEVICES),
+        default=default("device"),
+        show_default=True,
+        help="cpu estimates what the same job allocates on CPU (no CUDA-side overhead).",
+    ),
 ]
 CLUSTER_OPTIONS = [
     click.option("--gpus", type=int, default=default("gpus"), show_default=True),
     click.option("--gpus-per-node", type=int, default=default("gpus_per_node"), help="[default: min(gpus, 8)]"),
     click.option("--gpu-mem", help="GPU memory: GiB (80) or with a unit (80GB, 81559MiB)."),
     click.option("--gpu", help="A GPU from tables/gpus.csv (h100-sxm, a100-80gb, ...)."),
-    click.option("--headroom", type=float, default=default("headroom"), show_default=True,
-                 help="Fraction of memory kept free."),
+    click.option(
+        "--headroom", type=float, default=default("headroom"), show_default=True, help="Fraction of memory kept free."
+    ),
 ]
 PLAN_OPTIONS = [
     click.option("--strategy", type=_choice(("all", *STRATEGIES)), default=default("strategy"), show_default=True),
@@ -95,21 +132,37 @@ def _apply(options):
         for option in reversed(options):
             f = option(f)
         return f
+
     return decorate
 
 
 DECISION_OPTIONS = [
-    click.option("--priority", type=_choice(("speed", "memory", "simplicity")), default="speed", show_default=True,
-                 help="What the recommendation optimizes among the options that fit."),
-    click.option("--interconnect", type=_choice(("nvlink", "infiniband", "ethernet", "pcie")),
-                 help="Link between nodes (on one node: between GPUs) [default: infiniband across nodes, "
-                      "the GPU's own link within one]."),
-    click.option("--bw", type=click.FloatRange(min=0, min_open=True),
-                 help="Bandwidth of that link in GB/s per direction (overrides --interconnect's table value)."),
-    click.option("--calibration", default="auto", show_default=True,
-                 help="Corrections from `memplan calibrate fit` (FILE); auto: those shipped for --gpu NAME "
-                      "(or --device cpu) if any; none: the analytic model alone. They move what fits and, "
-                      "with measured step times, the predicted speed."),
+    click.option(
+        "--priority",
+        type=_choice(("speed", "memory", "simplicity")),
+        default="speed",
+        show_default=True,
+        help="What the recommendation optimizes among the options that fit.",
+    ),
+    click.option(
+        "--interconnect",
+        type=_choice(("nvlink", "infiniband", "ethernet", "pcie")),
+        help="Link between nodes (on one node: between GPUs) [default: infiniband across nodes, "
+        "the GPU's own link within one].",
+    ),
+    click.option(
+        "--bw",
+        type=click.FloatRange(min=0, min_open=True),
+        help="Bandwidth of that link in GB/s per direction (overrides --interconnect's table value).",
+    ),
+    click.option(
+        "--calibration",
+        default="auto",
+        show_default=True,
+        help="Corrections from `memplan calibrate fit` (FILE); auto: those shipped for --gpu NAME "
+        "(or --device cpu) if any; none: the analytic model alone. They move what fits and, "
+        "with measured step times, the predicted speed.",
+    ),
 ]
 
 
@@ -135,18 +188,21 @@ def _fixed() -> tuple[str, ...]:
     from .api import FIXABLE
 
     ctx = click.get_current_context()
-    return tuple(a for a in FIXABLE
-                 if ctx.get_parameter_source(a) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP))
+    return tuple(
+        a for a in FIXABLE if ctx.get_parameter_source(a) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+    )
 
 
 def user_errors(f):
     """Turn the library's MemplanError into a one-line click error naming the flags."""
+
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         try:
             return f(*args, **kwargs)
         except MemplanError as exc:
             raise OneLineError(exc.render(FLAGS)) from None
+
     return wrapper
 
 
@@ -154,7 +210,7 @@ class _OneLineErrors(click.Group):
     """Every user error, click's own included, as one line on stderr (no usage dump); the
     `calibrate` commands (package calibrate, torch behind them) load only when used."""
 
-    LAZY = {"calibrate": "calibrate.cli"}
+    LAZY: ClassVar[dict[str, str]] = {"calibrate": "calibrate.cli"}
 
     def list_commands(self, ctx):
         found = [name for name, module in self.LAZY.items() if importlib.util.find_spec(module.split(".")[0])]
@@ -194,8 +250,12 @@ def main():
 @job_options
 @decision_options
 @click.option("--format", "fmt", type=_choice(("table", "json", "csv")), default="table", show_default=True)
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
-              help="Also write stacked bars of GiB per component per strategy (PNG; needs memplan[plot]).")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    help="Also write stacked bars of GiB per component per strategy (PNG; needs memplan[plot]).",
+)
 @user_errors
 def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
     """Peak per-GPU memory of a training step under each strategy, the predicted throughput
@@ -205,8 +265,9 @@ def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
     """
     from . import api, report
 
-    result = api.estimate(_request(flags), calibration=calibration, priority=priority, interconnect=interconnect,
-                          bw=bw, fixed=_fixed())
+    result = api.estimate(
+        _request(flags), calibration=calibration, priority=priority, interconnect=interconnect, bw=bw, fixed=_fixed()
+    )
     if plot_path:
         from .plot import plot_breakdown
 
@@ -216,19 +277,26 @@ def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
         click.echo(report.render_csv(estimates, result.applied), nl=False)
         return
     render = report.render_json if fmt == "json" else report.render_table
-    click.echo(render(result.choice, estimates, result.applied, list(result.relative_throughputs),
-                      result.recommendation))
+    click.echo(
+        render(result.choice, estimates, result.applied, list(result.relative_throughputs), result.recommendation)
+    )
 
 
 @main.command()
 @job_options
 @decision_options
-@click.option("--emit", type=_choice(("fsdp2", "fsdp1", "accelerate", "deepspeed", "torchrun")),
-              help="Print the launch configuration of the recommendation in this form (fsdp2, fsdp1 and "
-                   "deepspeed search only the strategies they write).")
-@click.option("--framework", type=_choice(("single", "ddp", "fsdp", "deepspeed")),  # = decide.FRAMEWORKS
-              help="Search only this framework's strategies [default: all; with --emit fsdp2|fsdp1|deepspeed, "
-                   "the ones it writes].")
+@click.option(
+    "--emit",
+    type=_choice(("fsdp2", "fsdp1", "accelerate", "deepspeed", "torchrun")),
+    help="Print the launch configuration of the recommendation in this form (fsdp2, fsdp1 and "
+    "deepspeed search only the strategies they write).",
+)
+@click.option(
+    "--framework",
+    type=_choice(("single", "ddp", "fsdp", "deepspeed")),  # = decide.FRAMEWORKS
+    help="Search only this framework's strategies [default: all; with --emit fsdp2|fsdp1|deepspeed, "
+    "the ones it writes].",
+)
 @click.option("--format", "fmt", type=_choice(("table", "json")), default="table", show_default=True)
 @user_errors
 def recommend(priority, interconnect, bw, calibration, emit, framework, fmt, **flags):
@@ -247,12 +315,22 @@ def recommend(priority, interconnect, bw, calibration, emit, framework, fmt, **f
 
     writes = WRITES.get(emit)  # --emit fsdp2 | fsdp1 | deepspeed: search only what it writes
     source = ", ".join([f"--framework {framework}"] * bool(framework) + [f"--emit {emit}"] * bool(writes)) or None
-    choice, rec = api.recommend(_request(flags), priority=priority, interconnect=interconnect, bw=bw,
-                                calibration=calibration, fixed=_fixed(), framework=framework, strategies=writes)
+    choice, rec = api.recommend(
+        _request(flags),
+        priority=priority,
+        interconnect=interconnect,
+        bw=bw,
+        calibration=calibration,
+        fixed=_fixed(),
+        framework=framework,
+        strategies=writes,
+    )
     launch = emit_text(rec.best.job, emit) if emit and rec.best else None
     if emit and rec.best is None:
-        raise MemplanError("nothing fits, so there is nothing to --emit; apply one of the changes listed "
-                           "(run without --emit to see them)")
+        raise MemplanError(
+            "nothing fits, so there is nothing to --emit; apply one of the changes listed "
+            "(run without --emit to see them)"
+        )
     if fmt == "json":
         click.echo(json.dumps({**report.recommendation_dict(rec, source), "launch": launch}, indent=2))
     else:
@@ -262,8 +340,12 @@ def recommend(priority, interconnect, bw, calibration, emit, framework, fmt, **f
 @main.command("min-gpus")
 @job_options
 @click.option("--format", "fmt", type=_choice(("table", "json")), default="table", show_default=True)
-@click.option("--calibration", default="auto", show_default=True,
-              help="Corrections from `memplan calibrate fit` (FILE), auto or none, as for estimate.")
+@click.option(
+    "--calibration",
+    default="auto",
+    show_default=True,
+    help="Corrections from `memplan calibrate fit` (FILE), auto or none, as for estimate.",
+)
 @user_errors
 def min_gpus(fmt, gpus, gpus_per_node, calibration, **flags):
     """The fewest GPUs (1-8, then whole nodes of --gpus-per-node) on which some strategy fits.

@@ -4,6 +4,7 @@ here imports torch. Each framework's own kinds are written by its adapter
 (``memplan.frameworks``); bucket sizes come from tables/deepspeed.csv, the same numbers the
 memory model charges.
 """
+
 from __future__ import annotations
 
 import yaml
@@ -18,8 +19,11 @@ from .strategies import STRATEGIES
 
 KINDS = ("fsdp2", "fsdp1", "accelerate", "deepspeed", "torchrun")
 _OWN_KINDS = {kind: write for f in FRAMEWORKS.values() for kind, write in f.emitters.items()}
-WRITES = {"fsdp2": _fsdp.FSDP2_STRATEGIES, "fsdp1": tuple(_fsdp.FSDP1_SHARDING),
-          "deepspeed": tuple(_deepspeed.ZERO_STAGE)}
+WRITES = {
+    "fsdp2": _fsdp.FSDP2_STRATEGIES,
+    "fsdp1": tuple(_fsdp.FSDP1_SHARDING),
+    "deepspeed": tuple(_deepspeed.ZERO_STAGE),
+}
 """The strategies each framework's own form writes (accelerate and torchrun launch any)."""
 
 
@@ -41,10 +45,17 @@ def deepspeed_config(job: Job) -> dict:
 def accelerate_config(job: Job) -> dict:
     """``accelerate launch --config_file`` contents (accelerate's own key names)."""
     c, s = job.cluster, STRATEGIES[job.plan.strategy]
-    config = {"compute_environment": "LOCAL_MACHINE", "machine_rank": 0, "main_training_function": "main",
-              "mixed_precision": s.adapter.accelerate_mixed_precision(job),
-              "num_machines": c.num_nodes, "num_processes": c.gpus, "rdzv_backend": "static",
-              "same_network": True, "use_cpu": False}
+    config = {
+        "compute_environment": "LOCAL_MACHINE",
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "mixed_precision": s.adapter.accelerate_mixed_precision(job),
+        "num_machines": c.num_nodes,
+        "num_processes": c.gpus,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+    }
     return {**config, **s.adapter.accelerate(job, s)}
 
 
@@ -56,11 +67,13 @@ def launch_command(job: Job, script: str = "train.py") -> str:
         return f"# {header(job)}\npython {args}\n"
     if c.num_nodes == 1:
         return f"# {header(job)}\ntorchrun --standalone --nproc_per_node={c.gpus_per_node} {args}\n"
-    return (f"# {header(job)}\n"
-            "export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)\n"
-            f"srun --nodes={c.num_nodes} --ntasks-per-node=1 --gpus-per-node={c.gpus_per_node} \\\n"
-            f"  torchrun --nnodes={c.num_nodes} --nproc_per_node={c.gpus_per_node} --rdzv_id=$SLURM_JOB_ID \\\n"
-            f"  --rdzv_backend=c10d --rdzv_endpoint=$MASTER_ADDR:29500 {args}\n")
+    return (
+        f"# {header(job)}\n"
+        'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
+        f"srun --nodes={c.num_nodes} --ntasks-per-node=1 --gpus-per-node={c.gpus_per_node} \\\n"
+        f"  torchrun --nnodes={c.num_nodes} --nproc_per_node={c.gpus_per_node} --rdzv_id=$SLURM_JOB_ID \\\n"
+        f"  --rdzv_backend=c10d --rdzv_endpoint=$MASTER_ADDR:29500 {args}\n"
+    )
 
 
 def emit(job: Job, kind: str) -> str:

@@ -1,5 +1,6 @@
 """memplan's exceptions. A message names the inputs it is about through ``Names``, so the same
 error reads ``micro_batch`` from Python and ``--micro-batch`` (or ``micro-batch``) from the command."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

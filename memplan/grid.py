@@ -11,10 +11,10 @@ bases are checked, not assumed: the first group is re-estimated at a fifth point
 family's last group at that point too (else each group is solved on its own), and a test
 compares random grids with the scalar path byte for byte.
 """
+
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 import numpy as np
 
@@ -49,8 +49,10 @@ def _coefficients(job: Job) -> np.ndarray:
     check = _moment_bytes(job, *_CHECK)
     predicted = np.rint(coef @ _basis(np.array(_CHECK[0]), np.array(_CHECK[1])))
     if list(predicted.astype(np.int64)) != check:
-        raise MemplanError(f"the sweep's polynomial basis does not hold for {job.plan.strategy} "
-                           f"{job.train.precision}: use the scalar estimate")
+        raise MemplanError(
+            f"the sweep's polynomial basis does not hold for {job.plan.strategy} "
+            f"{job.train.precision}: use the scalar estimate"
+        )
     return coef.astype(np.int64)
 
 
@@ -65,8 +67,10 @@ def _family_coefficients(jobs: list[Job]) -> list[tuple[np.ndarray, np.ndarray]]
     phases = [np.array([m.phase for m in moments]) for moments in base]  # the same at every (b, s)
     first = _coefficients(jobs[0])
     tokens = first[:, 1:]  # c1..c3: the same on every GPU count
-    out = [first] + [np.column_stack([np.array([m.allocated_bytes for m in moments]) - tokens.sum(axis=1), tokens])
-                     for moments in base[1:]]
+    out = [first] + [
+        np.column_stack([np.array([m.allocated_bytes for m in moments]) - tokens.sum(axis=1), tokens])
+        for moments in base[1:]
+    ]
     check = _basis(np.array(_CHECK[0]), np.array(_CHECK[1])).astype(np.int64) @ out[-1].T
     if list(check) != _moment_bytes(jobs[-1], *_CHECK):
         out = [_coefficients(job) for job in jobs]
@@ -82,13 +86,29 @@ def _group_rows(job: Job, coef: np.ndarray, phases: np.ndarray, basis: np.ndarra
     overhead = fixed + (allocated * slack_fraction(job)).astype(np.int64)
     total = allocated + overhead
     headroom = job.cluster.usable_bytes - total
-    return {"allocated_bytes": allocated, "overhead_bytes": overhead, "total_bytes": total,
-            "headroom_bytes": headroom, "fits": headroom >= 0, "phase": phases[peak]}
+    return {
+        "allocated_bytes": allocated,
+        "overhead_bytes": overhead,
+        "total_bytes": total,
+        "headroom_bytes": headroom,
+        "fits": headroom >= 0,
+        "phase": phases[peak],
+    }
 
 
 @takes_inputs(without=MODEL_INPUTS)
-def sweep(*, params=None, model=None, gpus=8, strategy="all", precision="mixed-bf16", ac="none",
-          micro_batch=1, seq_len=2048, **fixed):
+def sweep(
+    *,
+    params=None,
+    model=None,
+    gpus=8,
+    strategy="all",
+    precision="mixed-bf16",
+    ac="none",
+    micro_batch=1,
+    seq_len=2048,
+    **fixed,
+):
     """One row per configuration of the grid (pandas DataFrame).
 
     Lists are swept, scalars held: ``sweep(params=[7e9, 70e9], gpus=[8, 64], micro_batch=[1, 4],
@@ -102,8 +122,9 @@ def sweep(*, params=None, model=None, gpus=8, strategy="all", precision="mixed-b
     check_keywords(fixed)
     if (params is None) == (model is None):
         raise MemplanError("sweep needs params=[...] or model=[...] (one of them)")
-    sources = [("params", p) for p in _listify(params)] if params is not None else \
-        [("model", m) for m in _listify(model)]
+    sources = (
+        [("params", p) for p in _listify(params)] if params is not None else [("model", m) for m in _listify(model)]
+    )
     b_grid, s_grid = np.meshgrid(np.array(_listify(micro_batch)), np.array(_listify(seq_len)), indexing="ij")
     b, s = b_grid.ravel().astype(np.int64), s_grid.ravel().astype(np.int64)
     if (b <= 0).any() or (s <= 0).any():
@@ -112,16 +133,38 @@ def sweep(*, params=None, model=None, gpus=8, strategy="all", precision="mixed-b
     for (key, source), n, prec, mode in itertools.product(sources, _listify(gpus), _listify(precision), _listify(ac)):
         choice, jobs = build_jobs(**{key: source}, gpus=n, precision=prec, ac=mode, strategy="all", **fixed)
         wanted = set(_listify(strategy)) if strategy != "all" else None
-        groups += [({"model": choice.spec.name, "params": choice.spec.num_params, "gpus": n,
-                     "strategy": job.plan.strategy, "precision": prec, "activation_checkpointing": mode}, job)
-                   for job in jobs if wanted is None or job.plan.strategy in wanted]
+        groups += [
+            (
+                {
+                    "model": choice.spec.name,
+                    "params": choice.spec.num_params,
+                    "gpus": n,
+                    "strategy": job.plan.strategy,
+                    "precision": prec,
+                    "activation_checkpointing": mode,
+                },
+                job,
+            )
+            for job in jobs
+            if wanted is None or job.plan.strategy in wanted
+        ]
     if not groups:
-        raise MemplanError(f"no strategy in {strategy!r} runs on gpus={gpus!r} with offload "
-                           f"{fixed.get('offload', 'none')!r}; those that do: {', '.join(j.plan.strategy for j in jobs)}")
+        raise MemplanError(
+            f"no strategy in {strategy!r} runs on gpus={gpus!r} with offload "
+            f"{fixed.get('offload', 'none')!r}; those that do: {', '.join(j.plan.strategy for j in jobs)}"
+        )
     families: dict[tuple, list[Job]] = {}
     for labels, job in groups:
-        families.setdefault((labels["model"], labels["params"], labels["strategy"], labels["precision"],
-                             labels["activation_checkpointing"]), []).append(job)
+        families.setdefault(
+            (
+                labels["model"],
+                labels["params"],
+                labels["strategy"],
+                labels["precision"],
+                labels["activation_checkpointing"],
+            ),
+            [],
+        ).append(job)
     solved = {id(job): c for family in families.values() for job, c in zip(family, _family_coefficients(family))}
     basis = _basis(b, s).astype(np.int64)
     parts = [_group_rows(job, *solved[id(job)], basis) for _, job in groups]

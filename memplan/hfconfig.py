@@ -4,6 +4,7 @@ Each supported ``model_type`` maps onto one ModelSpec family; the shapes are rea
 through a table of key aliases (GPT-2 spells them ``n_layer``/``n_embd``/...), and
 every flag that is absent takes the default of the transformers config class.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,7 @@ SHAPE_KEYS = {
 }
 ACTIVATION_KEYS = ("hidden_act", "activation_function")
 # transformers' ACT2FN name -> ModelSpec activation ("gelu_pytorch_tanh" is one fused kernel).
-ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu",
-               "gelu_new": "gelu_new"}
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu_new"}
 _MISSING = object()
 
 
@@ -82,16 +82,21 @@ FAMILIES = {
     "mistral": Family("llama", False, {"attention_dropout": 0.0}),
     # Qwen2Attention: q/k/v always have a bias, o_proj and the MLP never (modeling_qwen2.py).
     "qwen2": Family("llama", False, {"attention_dropout": 0.0}, lambda cfg: (True, False)),
-    "gpt2": Family("gpt2", True, {"attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1},
-                   lambda cfg: (False, True), _gpt2_extra),
+    "gpt2": Family(
+        "gpt2", True, {"attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1}, lambda cfg: (False, True), _gpt2_extra
+    ),
     # GPTNeoXAttention's attention_bias=False (rare) drops the q/k/v/dense biases, which ModelSpec
     # cannot express: they are still counted (4 * hidden per layer). use_parallel_residual=False
     # changes no parameter; ModelSpec's neox family always assumes the parallel residual.
-    "gpt_neox": Family("neox", False, {"attention_dropout": 0.0, "hidden_dropout": 0.0},
-                       lambda cfg: (False, True)),
+    "gpt_neox": Family("neox", False, {"attention_dropout": 0.0, "hidden_dropout": 0.0}, lambda cfg: (False, True)),
     # ViTLayer: qkv_bias=False drops only the q/k/v biases; likewise still counted (3 * hidden).
-    "vit": Family("vit", False, {"attention_probs_dropout_prob": 0.0, "hidden_dropout_prob": 0.0},
-                  lambda cfg: (False, True), _vit_extra),
+    "vit": Family(
+        "vit",
+        False,
+        {"attention_probs_dropout_prob": 0.0, "hidden_dropout_prob": 0.0},
+        lambda cfg: (False, True),
+        _vit_extra,
+    ),
 }
 
 
@@ -127,18 +132,22 @@ def load_config(source: str | Path | dict) -> tuple[dict, Path | None]:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise MemplanError(f"config file {str(path)!r} does not exist; pass a Hugging Face config.json "
-                           "or the folder holding one") from None
+        raise MemplanError(
+            f"config file {str(path)!r} does not exist; pass a Hugging Face config.json or the folder holding one"
+        ) from None
     except (OSError, UnicodeDecodeError) as err:
         raise MemplanError(f"cannot read config file {str(path)!r}: {err}") from None
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as err:
-        raise MemplanError(f"{str(path)!r} is not valid JSON: {err.msg} at line {err.lineno} "
-                           f"column {err.colno}") from None
+        raise MemplanError(
+            f"{str(path)!r} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
+        ) from None
     if not isinstance(cfg, dict):
-        raise MemplanError(f"{str(path)!r} holds a JSON {type(cfg).__name__}, not an object; "
-                           'a config.json is an object like {"model_type": "llama", ...}')
+        raise MemplanError(
+            f"{str(path)!r} holds a JSON {type(cfg).__name__}, not an object; "
+            'a config.json is an object like {"model_type": "llama", ...}'
+        )
     return cfg, path
 
 
@@ -152,8 +161,7 @@ def model_from_hf_config(source: str | Path | dict, *, name: str | None = None) 
     model_type = read(cfg, ("model_type",), str)
     family = FAMILIES.get(model_type)
     if family is None:
-        raise MemplanError(f"model_type {model_type!r} is not supported; supported: "
-                           + ", ".join(sorted(FAMILIES)))
+        raise MemplanError(f"model_type {model_type!r} is not supported; supported: " + ", ".join(sorted(FAMILIES)))
     fields = family.extra(cfg)
     for spec_field, keys in SHAPE_KEYS.items():
         if spec_field not in fields:
@@ -163,12 +171,13 @@ def model_from_hf_config(source: str | Path | dict, *, name: str | None = None) 
     head_dim = read(cfg, ("head_dim",), int, fields["hidden"] // heads)
     if head_dim * heads != fields["hidden"]:
         # Llama 3.2 / Qwen3 / Mistral-Nemo decouple head_dim from hidden; ModelSpec cannot yet.
-        raise MemplanError(f"config.json head_dim {head_dim} differs from hidden_size/num_attention_heads "
-                           f"= {fields['hidden']}/{heads}; only head_dim == hidden/heads is supported yet")
+        raise MemplanError(
+            f"config.json head_dim {head_dim} differs from hidden_size/num_attention_heads "
+            f"= {fields['hidden']}/{heads}; only head_dim == hidden/heads is supported yet"
+        )
     act = read(cfg, ACTIVATION_KEYS, str, "")
     if act and act not in ACTIVATIONS:
-        raise MemplanError(f"config.json activation {act!r} is not supported; supported: "
-                           + ", ".join(ACTIVATIONS))
+        raise MemplanError(f"config.json activation {act!r} is not supported; supported: " + ", ".join(ACTIVATIONS))
     qkv_bias, linear_bias = family.biases(cfg)
     return ModelSpec(
         name=name or _default_name(cfg, path, model_type),

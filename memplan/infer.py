@@ -4,6 +4,7 @@ The hidden size follows the Llama family's scaling (interpolated in log-log betw
 configs); the per-layer shapes follow Meta's reference code; the number of layers is
 then the one that brings the total closest to the request.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -23,7 +24,7 @@ _HIDDEN_ANCHORS = ((1e9, 2048), (7e9, 4096), (13e9, 5120), (34e9, 8192), (70e9, 
 # the published (hidden, layers) rather than the closest count.
 _LLAMA2 = {7 * 10**9: (4096, 32), 13 * 10**9: (5120, 40), 70 * 10**9: (8192, 80)}
 _TOLERANCE = 0.01  # a candidate width this close to the request ends the search
-_CANDIDATES = 24   # widths tried, nearest to the scaling law first
+_CANDIDATES = 24  # widths tried, nearest to the scaling law first
 
 
 def ffn_hidden(hidden: int) -> int:
@@ -43,9 +44,15 @@ def ffn_hidden(hidden: int) -> int:
 def llama_style(hidden: int, num_layers: int, name: str = "llama-style") -> ModelSpec:
     head_dim = 128 if hidden >= 2048 else 64  # Llama-3.2-1B (2048) and below use 64
     return ModelSpec(
-        name=name, arch="llama", num_layers=num_layers, hidden=hidden,
-        num_heads=hidden // head_dim, num_kv_heads=8 if hidden >= GQA_FROM else 0,
-        ffn_hidden=ffn_hidden(hidden), vocab_size=VOCAB, tied_embeddings=False,
+        name=name,
+        arch="llama",
+        num_layers=num_layers,
+        hidden=hidden,
+        num_heads=hidden // head_dim,
+        num_kv_heads=8 if hidden >= GQA_FROM else 0,
+        ffn_hidden=ffn_hidden(hidden),
+        vocab_size=VOCAB,
+        tied_embeddings=False,
     )
 
 
@@ -79,10 +86,14 @@ def model_for_params(num_params: int) -> ModelSpec:
     7e9, 13e9 and 70e9 give Llama-2-7B/13B/70B exactly. Below ~1e8 the 32000-token
     embeddings dominate and the result may exceed the request.
     """
-    if (isinstance(num_params, bool) or not isinstance(num_params, (int, float))
-            or not MIN_PARAMS <= num_params <= MAX_PARAMS):
-        raise MemplanError(f"parameter count {num_params!r} is out of range; "
-                           f"accepted: {MIN_PARAMS:.0e} to {MAX_PARAMS:.0e}")
+    if (
+        isinstance(num_params, bool)
+        or not isinstance(num_params, (int, float))
+        or not MIN_PARAMS <= num_params <= MAX_PARAMS
+    ):
+        raise MemplanError(
+            f"parameter count {num_params!r} is out of range; accepted: {MIN_PARAMS:.0e} to {MAX_PARAMS:.0e}"
+        )
     num_params = int(num_params)
     best: ModelSpec | None
     if num_params in _LLAMA2:

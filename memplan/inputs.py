@@ -1,4 +1,5 @@
 """Turn a ``Request`` (what a user gives, as flags or keywords) into the four specs of a Job."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,15 +43,23 @@ def _explicit_model(request: ModelRequest) -> ModelSpec:
     shape = {k: getattr(request, k) for k in SHAPES}  # ModelRequest checked that all but kv_heads are given
     gpt2 = arch == "gpt2"
     return ModelSpec(
-        name=f"{arch}-custom", arch=arch, num_layers=shape["layers"], hidden=shape["hidden"],
-        num_heads=shape["heads"], num_kv_heads=shape["kv_heads"] or 0, ffn_hidden=shape["ffn"],
-        vocab_size=shape["vocab"], tied_embeddings=gpt2, linear_bias=arch != "llama",
+        name=f"{arch}-custom",
+        arch=arch,
+        num_layers=shape["layers"],
+        hidden=shape["hidden"],
+        num_heads=shape["heads"],
+        num_kv_heads=shape["kv_heads"] or 0,
+        ffn_hidden=shape["ffn"],
+        vocab_size=shape["vocab"],
+        tied_embeddings=gpt2,
+        linear_bias=arch != "llama",
         max_positions=1024 if gpt2 else 0,
     )
 
 
-def resolve_cluster(*, gpus=1, gpus_per_node=0, gpu_mem=None, gpu=None, headroom=0.05,
-                    precision="mixed-bf16") -> ClusterSpec:
+def resolve_cluster(
+    *, gpus=1, gpus_per_node=0, gpu_mem=None, gpu=None, headroom=0.05, precision="mixed-bf16"
+) -> ClusterSpec:
     """The GPUs a ``ClusterRequest`` names, for a step at ``precision``."""
     name, mem = "custom", 80 * 2**30
     if gpu is not None:
@@ -59,8 +68,7 @@ def resolve_cluster(*, gpus=1, gpus_per_node=0, gpu_mem=None, gpu=None, headroom
         name, mem = spec.name, spec.memory_bytes
     elif gpu_mem is not None:
         mem = parse_bytes(gpu_mem, what="gpu_mem")
-    return ClusterSpec(gpus=gpus, gpus_per_node=gpus_per_node or 0, gpu_mem_bytes=mem, gpu_name=name,
-                       headroom=headroom)
+    return ClusterSpec(gpus=gpus, gpus_per_node=gpus_per_node or 0, gpu_mem_bytes=mem, gpu_name=name, headroom=headroom)
 
 
 def strategies_for(strategy: str, offload: str, gpus: int) -> list[str]:
@@ -77,11 +85,22 @@ def build_jobs(request: Request | None = None, /, **inputs) -> tuple[ModelChoice
     choice = resolve_model(request.model)
     train = request.training.spec()
     c, plan = request.cluster, request.plan
-    cluster = resolve_cluster(gpus=c.gpus, gpus_per_node=c.gpus_per_node, gpu_mem=c.gpu_mem, gpu=c.gpu,
-                              headroom=c.headroom, precision=train.precision)
+    cluster = resolve_cluster(
+        gpus=c.gpus,
+        gpus_per_node=c.gpus_per_node,
+        gpu_mem=c.gpu_mem,
+        gpu=c.gpu,
+        headroom=c.headroom,
+        precision=train.precision,
+    )
     ids = strategies_for(plan.strategy, plan.offload, cluster.gpus)
     if not ids:
-        raise InputError(f"no strategy supports offload {plan.offload!r}", field="offload", value=plan.offload,
-                         accepted="an offload some strategy supports on these GPUs")
-    return choice, [Job(model=choice.spec, train=train, cluster=cluster, plan=Plan(strategy=s, offload=plan.offload))
-                    for s in ids]
+        raise InputError(
+            f"no strategy supports offload {plan.offload!r}",
+            field="offload",
+            value=plan.offload,
+            accepted="an offload some strategy supports on these GPUs",
+        )
+    return choice, [
+        Job(model=choice.spec, train=train, cluster=cluster, plan=Plan(strategy=s, offload=plan.offload)) for s in ids
+    ]

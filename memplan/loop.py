@@ -6,6 +6,7 @@ them as a framework does by default (``tables/recipes.csv``, each row citing the
 framework's source); ``resolve`` applies a recipe with the explicitly given flags winning
 and says where each convention came from.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
@@ -63,8 +64,12 @@ class Loop:
         for name in _FLAGS:
             value = getattr(self, name)
             if not isinstance(value, bool):
-                raise InputError(lambda n, name=name, value=value: f"{n.word(name)} must be true or false, got {value!r}",
-                                 field=name, value=value, accepted="true or false")
+                raise InputError(
+                    lambda n, name=name, value=value: f"{n.word(name)} must be true or false, got {value!r}",
+                    field=name,
+                    value=value,
+                    accepted="true or false",
+                )
         if self.ac == "none" and self.ac_every != 1:
             raise MemplanError(f"ac-every {self.ac_every} needs an AC policy: one of {', '.join(AC_POLICIES[1:])}")
 
@@ -141,8 +146,11 @@ def resolve(recipe: str = "plain", **explicit) -> Resolved:
             text, source = table[setting]
             values[setting], origin = _parse(setting, text), f"recipe {recipe}"
         conventions.append(Convention(setting=setting, value=_show(values[setting]), origin=origin, source=source))
-    elsewhere = tuple(Convention(setting=s, value=v, origin=f"recipe {recipe}", source=src)
-                      for s, (v, src) in table.items() if s not in _SETTINGS)
+    elsewhere = tuple(
+        Convention(setting=s, value=v, origin=f"recipe {recipe}", source=src)
+        for s, (v, src) in table.items()
+        if s not in _SETTINGS
+    )
     return Resolved(loop=Loop(recipe=recipe, **values), conventions=tuple(conventions), elsewhere=elsewhere)
 
 
@@ -153,6 +161,10 @@ def in_force(train: TrainSpec) -> Resolved:
     explicit = {s: getattr(loop, s) for s in _SETTINGS if getattr(loop, s) != _parse(s, table[s][0])}
     resolved = resolve(train.recipe, **explicit)
     # a recipe setting the step also carries (the optimizer implementation) is explicit where it differs
-    elsewhere = tuple(Convention(setting=c.setting, value=str(getattr(train, c.setting)), origin="explicit", source="")
-                      if getattr(train, c.setting, c.value) != c.value else c for c in resolved.elsewhere)
+    elsewhere = tuple(
+        Convention(setting=c.setting, value=str(getattr(train, c.setting)), origin="explicit", source="")
+        if getattr(train, c.setting, c.value) != c.value
+        else c
+        for c in resolved.elsewhere
+    )
     return replace(resolved, elsewhere=elsewhere)

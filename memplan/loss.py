@@ -11,6 +11,7 @@ Triton kernels do not run on CPU, so it is modelled, not measured. cut-cross-ent
 backward) is not modelled. ``chunked-ce`` and ``ce`` are modelled eager, and compiled
 when the loop compiles (the compiled loss's backward is modelled, its saved list measured).
 """
+
 from __future__ import annotations
 
 import math
@@ -60,8 +61,11 @@ def _chunked_ce(model: ModelSpec, train: TrainSpec, loop: Loop) -> tuple[list[Sa
     label_bytes = 8 * x.b if x.b > 1 else 0
 
     def labels(k: int, through: int) -> list[Saved]:
-        return [Saved(f"label chunks 1..{k} (int64 copies, saved by nll_loss)", "8·b·s",
-                      label_bytes * through)] if label_bytes and through else []
+        return (
+            [Saved(f"label chunks 1..{k} (int64 copies, saved by nll_loss)", "8·b·s", label_bytes * through)]
+            if label_bytes and through
+            else []
+        )
 
     i = max(range(len(rows)), key=lambda j: 4 * done[j] + copy * rows[j])
     forward = [Saved(f"log_softmax outputs of chunks 1..{i + 1} (fp32)", "4·b·s·V", 4 * bv * done[i])]
@@ -78,11 +82,18 @@ def _chunked_ce(model: ModelSpec, train: TrainSpec, loop: Loop) -> tuple[list[Sa
         return 4 * bv * done[k] + label_bytes * (done[k] - rows[k]) + 8 * bv * rows[k] + x.c * bv * (x.s - done[k])
 
     k = max(range(len(rows)), key=live)
-    backward = [Saved(f"log_softmax outputs of chunks 1..{k + 1} (fp32)", "4·b·s·V", 4 * bv * done[k]),
-                Saved(f"loss gradients of chunk {k + 1} (nll, log_softmax)", "2·4·b·⌈s/n⌉·V", 8 * bv * rows[k])]
+    backward = [
+        Saved(f"log_softmax outputs of chunks 1..{k + 1} (fp32)", "4·b·s·V", 4 * bv * done[k]),
+        Saved(f"loss gradients of chunk {k + 1} (nll, log_softmax)", "2·4·b·⌈s/n⌉·V", 8 * bv * rows[k]),
+    ]
     if k < len(rows) - 1:
-        backward.append(Saved(f"logit gradients of chunks {k + 2}..{len(rows)} (wait for the head)",
-                              "c·b·(s - done)·V", x.c * bv * (x.s - done[k])))
+        backward.append(
+            Saved(
+                f"logit gradients of chunks {k + 2}..{len(rows)} (wait for the head)",
+                "c·b·(s - done)·V",
+                x.c * bv * (x.s - done[k]),
+            )
+        )
     return forward, backward + labels(k, done[k] - rows[k])
 
 
@@ -113,10 +124,14 @@ def _fused_linear_ce(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], l
     head_bytes = 4 if x.autocast else x.c  # the head weight's dtype: fp32 under autocast
     # chunk_size = next_power_of_2(⌈BT / ⌈V / H⌉⌉), at most BT (chunk_mem_const 1)
     rows = min(2 ** math.ceil(math.log2(math.ceil(t / math.ceil(V / h)))), t)
-    grads = [Saved("head input gradient (computed in forward)", "r·b·s·h", x.r * t * h),
-             Saved("head weight gradient (computed in forward)", f"{head_bytes}·V·h", head_bytes * V * h)]
-    forward = grads + [Saved("logits chunk (gradient written in place)", "c·chunk·V", x.c * rows * V),
-                       Saved("per-token loss (fp32)", "4·b·s", 4 * t)]
+    grads = [
+        Saved("head input gradient (computed in forward)", "r·b·s·h", x.r * t * h),
+        Saved("head weight gradient (computed in forward)", f"{head_bytes}·V·h", head_bytes * V * h),
+    ]
+    forward = grads + [
+        Saved("logits chunk (gradient written in place)", "c·chunk·V", x.c * rows * V),
+        Saved("per-token loss (fp32)", "4·b·s", 4 * t),
+    ]
     if head_bytes == 4 and not x.autocast:
         # fp32: grad_weight += torch.mm(grad_logits_chunk.t(), input_chunk).float(), a V×h temporary
         forward.append(Saved("head weight gradient of one chunk (fp32 temporary)", "4·V·h", 4 * V * h))
@@ -139,6 +154,8 @@ def by_moment(model: ModelSpec, train: TrainSpec, loop: Loop) -> dict[str, list[
     """The logits and loss bytes of each of the step's activation moments: ``forward`` (end
     of forward), ``loss`` (start of backward) and ``block`` (the blocks' backward)."""
     forward, backward = loss_saved(model, train, loop)
-    return {"forward": logits_live(model, train, loop, instant="forward") + forward,
-            "loss": logits_live(model, train, loop, instant="loss") + backward,
-            "block": logits_live(model, train, loop, instant="block")}
+    return {
+        "forward": logits_live(model, train, loop, instant="forward") + forward,
+        "loss": logits_live(model, train, loop, instant="loss") + backward,
+        "block": logits_live(model, train, loop, instant="block"),
+    }

@@ -9,6 +9,7 @@ checked against real DDP / FSDP2 steps (``calibrate/matrix.py``, README).
 Which terms live at each instant is declared as data (``MOMENTS``): a moment lists groups
 of terms by key; each framework adapter (``memplan.frameworks``) fills the groups it owns.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,8 +19,14 @@ from functools import lru_cache
 from . import loss
 from .activations import Saved, model_saved
 from .breakdown import Component, Estimate, Moment, Term
-from .checkpointing import (block_kept_under, block_transient_under, checkpointed, num_checkpointed, offload_stash_blocks,
-                            offloaded)
+from .checkpointing import (
+    block_kept_under,
+    block_transient_under,
+    checkpointed,
+    num_checkpointed,
+    offload_stash_blocks,
+    offloaded,
+)
 from .errors import MemplanError
 from .frameworks.base import term
 from .loop import recipe_rows
@@ -30,8 +37,13 @@ from .specs import Job
 from .strategies import STRATEGIES
 
 # one letter per component, as the paper's P/G/O notation (E741 dislikes the letter O)
-P, G, O, A, B = (Component.PARAMS, Component.GRADIENTS, Component.OPTIMIZER,  # noqa: E741
-                 Component.ACTIVATIONS, Component.BUFFERS)
+P, G, O, A, B = (  # noqa: E741
+    Component.PARAMS,
+    Component.GRADIENTS,
+    Component.OPTIMIZER,
+    Component.ACTIVATIONS,
+    Component.BUFFERS,
+)
 
 
 def _terms(component: Component, saved: list[Saved], key: str) -> list[Term]:
@@ -49,28 +61,77 @@ class MomentSpec:
 
 
 MOMENTS = (
-    MomentSpec(phase="forward", label="end of forward (cross-entropy)",
-               groups=("states", "grads.carried", "activations.blocks", "activations.outside", "logits.forward",
-                       "gathered.forward", "loss.forward")),
-    MomentSpec(phase="backward", label="start of backward (loss gradient)",
-               groups=("states", "grads.carried", "activations.blocks", "activations.outside", "logits.loss",
-                       "gathered.loss", "loss.backward")),
-    MomentSpec(phase="backward", label="backward of the last block",
-               groups=("states", "grads.last_block", "activations.last_block", "logits.block", "gathered.block",
-                       "block.backward.last")),
-    MomentSpec(phase="backward", label="backward of the first block",
-               groups=("states", "grads.first_block", "activations.first_block", "logits.block", "gathered.block",
-                       "block.backward.first")),
+    MomentSpec(
+        phase="forward",
+        label="end of forward (cross-entropy)",
+        groups=(
+            "states",
+            "grads.carried",
+            "activations.blocks",
+            "activations.outside",
+            "logits.forward",
+            "gathered.forward",
+            "loss.forward",
+        ),
+    ),
+    MomentSpec(
+        phase="backward",
+        label="start of backward (loss gradient)",
+        groups=(
+            "states",
+            "grads.carried",
+            "activations.blocks",
+            "activations.outside",
+            "logits.loss",
+            "gathered.loss",
+            "loss.backward",
+        ),
+    ),
+    MomentSpec(
+        phase="backward",
+        label="backward of the last block",
+        groups=(
+            "states",
+            "grads.last_block",
+            "activations.last_block",
+            "logits.block",
+            "gathered.block",
+            "block.backward.last",
+        ),
+    ),
+    MomentSpec(
+        phase="backward",
+        label="backward of the first block",
+        groups=(
+            "states",
+            "grads.first_block",
+            "activations.first_block",
+            "logits.block",
+            "gathered.block",
+            "block.backward.first",
+        ),
+    ),
     MomentSpec(phase="optimizer", label="optimizer step", groups=("states", "grads", "optimizer.step")),
 )
 LAST_CHECKPOINTED = MomentSpec(
-    phase="backward", label="backward of the last checkpointed block",
-    groups=("states", "grads.last_checkpointed", "activations.last_checkpointed", "logits.block", "gathered.block",
-            "block.backward.last_checkpointed"))
+    phase="backward",
+    label="backward of the last checkpointed block",
+    groups=(
+        "states",
+        "grads.last_checkpointed",
+        "activations.last_checkpointed",
+        "logits.block",
+        "gathered.block",
+        "block.backward.last_checkpointed",
+    ),
+)
 """With ``ac_every`` N > 1 and the last block not checkpointed, the backward of block
 ⌊L/N⌋·N − 1 (the last checkpointed one) recomputes its forward with blocks 0..it still kept."""
-ROOT_BACKWARD = MomentSpec(phase="backward", label="backward of the input embedding (root unit gradients)",
-                           groups=("states", "grads.blocks", "logits.block", "gathered.root", "grads.root_unsharded"))
+ROOT_BACKWARD = MomentSpec(
+    phase="backward",
+    label="backward of the input embedding (root unit gradients)",
+    groups=("states", "grads.blocks", "logits.block", "gathered.root", "grads.root_unsharded"),
+)
 """FSDP2: the root unit's gradients stay unsharded until its
 post-backward reduce-scatter, after the input embedding's backward, while its parameters are
 still gathered (measured: the held-out matrix's large-vocabulary FSDP cases, whose peak holds
@@ -130,8 +191,9 @@ class Step:
         if self.grads_on_host:
             return [term(G, "grads", "gradients (in host RAM)", "offloaded", 0)]
         nbytes = 4 if self.shard_master else self.policy.grad_bytes
-        return [term(G, "grads", "gradients", f"{nbytes}·P{self.div(sharded)}",
-                     nbytes * self.local(self.params, sharded))]
+        return [
+            term(G, "grads", "gradients", f"{nbytes}·P{self.div(sharded)}", nbytes * self.local(self.params, sharded))
+        ]
 
     def optimizer_terms(self) -> list[Term]:
         train, pol, sharded = self.job.train, self.policy, self.strategy.shards_optimizer
@@ -140,12 +202,26 @@ class Step:
         count, div = self.local(self.params, sharded), self.div(sharded)
         terms = []
         if train.optimizer == "adam8bit":
-            terms.append(term(O, "optimizer.states", "8-bit Adam states", f"2·(1 + 4/256)·P{div}",
-                              ADAM8BIT_BYTES_PER_PARAM * count))
+            terms.append(
+                term(
+                    O,
+                    "optimizer.states",
+                    "8-bit Adam states",
+                    f"2·(1 + 4/256)·P{div}",
+                    ADAM8BIT_BYTES_PER_PARAM * count,
+                )
+            )
         elif OPTIMIZER_STATES[train.optimizer]:
             k = OPTIMIZER_STATES[train.optimizer]
-            terms.append(term(O, "optimizer.states", f"{train.optimizer} states", f"{k:g}·{pol.state_bytes}·P{div}",
-                              k * pol.state_bytes * count))
+            terms.append(
+                term(
+                    O,
+                    "optimizer.states",
+                    f"{train.optimizer} states",
+                    f"{k:g}·{pol.state_bytes}·P{div}",
+                    k * pol.state_bytes * count,
+                )
+            )
         if pol.master and not self.shard_master:
             terms.append(term(O, "optimizer.master", "fp32 master weights", f"4·P{div}", 4 * count))
         return terms
@@ -162,13 +238,27 @@ class Step:
             return []
         if train.optimizer_impl == "foreach":
             # _multi_tensor_adam: exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs) over the whole group
-            return [term(B, "optimizer.sqrt_temporaries", "foreach sqrt(v) temporaries", f"{pol.state_bytes}·P_local",
-                         pol.state_bytes * self.local(self.params, sharded))]
+            return [
+                term(
+                    B,
+                    "optimizer.sqrt_temporaries",
+                    "foreach sqrt(v) temporaries",
+                    f"{pol.state_bytes}·P_local",
+                    pol.state_bytes * self.local(self.params, sharded),
+                )
+            ]
         if train.optimizer_impl == "single":
             # _single_tensor_adam: exp_avg_sq.sqrt() / bias_correction2_sqrt, two copies of one tensor
             largest = self.local(self.largest_param(), sharded)
-            return [term(B, "optimizer.sqrt_temporaries", "single-tensor sqrt(v) temporaries",
-                         f"2·{pol.state_bytes}·largest tensor", 2 * pol.state_bytes * largest)]
+            return [
+                term(
+                    B,
+                    "optimizer.sqrt_temporaries",
+                    "single-tensor sqrt(v) temporaries",
+                    f"2·{pol.state_bytes}·largest tensor",
+                    2 * pol.state_bytes * largest,
+                )
+            ]
         return []
 
     def largest_param(self) -> int:
@@ -180,8 +270,13 @@ class Step:
     def groups(self) -> dict[str, list[Term]]:
         states = self.param_terms() + self.optimizer_terms() + self.framework.persistent_buffers(self)
         gathered = {f"gathered.{i}": self.framework.gathered(self, i) for i in ("forward", "loss", "block")}
-        groups = {"states": states, **self.grad_groups(), **self.activation_groups(), **gathered,
-                  "optimizer.step": self.step_transient()}
+        groups = {
+            "states": states,
+            **self.grad_groups(),
+            **self.activation_groups(),
+            **gathered,
+            "optimizer.step": self.step_transient(),
+        }
         if self.job.train.optimizer_in_backward:
             groups.update(self.in_backward_groups())
         if self.holds_root_grads():
@@ -198,14 +293,18 @@ class Step:
         pending = model.embedding_params() - (model.vocab_size * model.hidden if model.tied_embeddings else 0)
         own = self.block_params if self.framework.block_grads_after_reduce else 0
         what = "params (all but the input embedding" + (" and the first block)" if own else ")")
-        groups = {"grads": grads, "grads.carried": [],
-                  "grads.last_block": self.grad_share(self.root_params, "embedding/head params"),
-                  "grads.first_block": self.grad_share(self.params - pending - own, what)}
+        groups = {
+            "grads": grads,
+            "grads.carried": [],
+            "grads.last_block": self.grad_share(self.root_params, "embedding/head params"),
+            "grads.first_block": self.grad_share(self.params - pending - own, what),
+        }
         j = self.last_checkpointed()
         if j is not None:
             after = model.num_layers - 1 - j
-            groups["grads.last_checkpointed"] = self.grad_share(self.root_params + after * self.block_params,
-                                                                f"embedding/head params and {after} blocks")
+            groups["grads.last_checkpointed"] = self.grad_share(
+                self.root_params + after * self.block_params, f"embedding/head params and {after} blocks"
+            )
         return groups
 
     def holds_root_grads(self) -> bool:
@@ -220,41 +319,87 @@ class Step:
         model, L = self.job.model, self.job.model.num_layers
         tied = 2 * model.vocab_size * model.hidden if model.tied_embeddings else 0
         count = self.root_params + tied
-        blocks = self.grad_terms() if self.job.train.grad_accum > 1 else self.grad_share(L * self.block_params,
-                                                                                          f"{L} blocks' params")
-        return {"grads.blocks": blocks,
-                "gathered.root": [term(B, "fsdp.root_unit", "unsharded root unit (embeddings, head)",
-                                       f"{self.gather_bytes}·{self.root_params:,}", self.gather_bytes * self.root_params)],
-                "grads.root_unsharded": [term(G, "fsdp.root_grads", "unsharded root unit gradients (before its "
-                                              "reduce-scatter)" + (", the tied embedding's three times" if tied else ""),
-                                              f"{self.gather_bytes}·{count:,}", self.gather_bytes * count)]}
+        blocks = (
+            self.grad_terms()
+            if self.job.train.grad_accum > 1
+            else self.grad_share(L * self.block_params, f"{L} blocks' params")
+        )
+        return {
+            "grads.blocks": blocks,
+            "gathered.root": [
+                term(
+                    B,
+                    "fsdp.root_unit",
+                    "unsharded root unit (embeddings, head)",
+                    f"{self.gather_bytes}·{self.root_params:,}",
+                    self.gather_bytes * self.root_params,
+                )
+            ],
+            "grads.root_unsharded": [
+                term(
+                    G,
+                    "fsdp.root_grads",
+                    "unsharded root unit gradients (before its "
+                    "reduce-scatter)" + (", the tied embedding's three times" if tied else ""),
+                    f"{self.gather_bytes}·{count:,}",
+                    self.gather_bytes * count,
+                )
+            ],
+        }
 
     def in_backward_groups(self) -> dict[str, list[Term]]:
         """optimizer_in_backward (torchtune's optimizer_in_bwd): each parameter steps in its
         gradient's post-accumulate hook and frees it, so at most one gradient exists (measured on
         CPU: the peak gradients are one largest parameter's, tests/test_loop.py)."""
         if self.job.train.grad_accum > 1:
-            raise MemplanError(f"optimizer-in-backward steps inside backward: grad-accum {self.job.train.grad_accum} "
-                               "is refused, as torchtune refuses it; use grad-accum 1")
+            raise MemplanError(
+                f"optimizer-in-backward steps inside backward: grad-accum {self.job.train.grad_accum} "
+                "is refused, as torchtune refuses it; use grad-accum 1"
+            )
         pol, largest = self.policy, self.local(self.largest_param(), self.strategy.shards_grads)
         nbytes = 4 if self.shard_master else pol.grad_bytes
-        one = [term(G, "grads", "gradient of the largest parameter (stepped in backward)",
-                    f"{nbytes}·largest tensor{self.div(self.strategy.shards_grads)}", nbytes * largest)]
+        one = [
+            term(
+                G,
+                "grads",
+                "gradient of the largest parameter (stepped in backward)",
+                f"{nbytes}·largest tensor{self.div(self.strategy.shards_grads)}",
+                nbytes * largest,
+            )
+        ]
         # one optimizer per parameter (torchtune's OptimizerInBackwardWrapper): a foreach step's
         # sqrt(v) temporary covers that parameter alone, a single-tensor step's two copies of it
         copies = {"foreach": 1, "single": 2}.get(self.job.train.optimizer_impl, 0)
-        step = [term(B, "optimizer.sqrt_temporaries", "sqrt(v) temporaries of the largest parameter",
-                     f"{copies}·{pol.state_bytes}·largest tensor", copies * pol.state_bytes * largest)
-                ] if copies and self.job.train.optimizer in ("adamw", "adam") else []
-        return {"grads": one, "grads.carried": [], "grads.last_block": one, "grads.first_block": one,
-                "grads.last_checkpointed": one, "optimizer.step": step}
+        step = (
+            [
+                term(
+                    B,
+                    "optimizer.sqrt_temporaries",
+                    "sqrt(v) temporaries of the largest parameter",
+                    f"{copies}·{pol.state_bytes}·largest tensor",
+                    copies * pol.state_bytes * largest,
+                )
+            ]
+            if copies and self.job.train.optimizer in ("adamw", "adam")
+            else []
+        )
+        return {
+            "grads": one,
+            "grads.carried": [],
+            "grads.last_block": one,
+            "grads.first_block": one,
+            "grads.last_checkpointed": one,
+            "optimizer.step": step,
+        }
 
     def activation_groups(self) -> dict[str, list[Term]]:
         model, train, L = self.job.model, self.job.train, self.job.model.num_layers
         loop = train.loop
         if model.arch == "vit" and loop.loss != "ce":
-            raise MemplanError(f"loss {loop.loss} is modelled for decoders' b·s·V logits, not for a vit classifier's "
-                               "b·V ones; use loss ce")
+            raise MemplanError(
+                f"loss {loop.loss} is modelled for decoders' b·s·V logits, not for a vit classifier's "
+                "b·V ones; use loss ce"
+            )
         pre, post = model_saved(model, train)
         if loop.loss == "fused-linear-ce":
             post = [t for t in post if t.name not in FUSED_DROPS and t.key != "logits"]
@@ -292,10 +437,24 @@ class Step:
         L, kept = self.job.model.num_layers, self.kept(0)
         stash = offload_stash_blocks(L)
         formula = " + ".join(s.formula for s in kept)
-        on_gpu = [term(A, "activations.blocks.stash", f"kept activations of {stash} blocks (offload stash)",
-                       f"{stash} × ({formula})", stash * sum(s.bytes for s in kept))]
-        one = [term(A, "activations.blocks.one", "kept activations of one block (brought back)", formula,
-                    sum(s.bytes for s in kept))]
+        on_gpu = [
+            term(
+                A,
+                "activations.blocks.stash",
+                f"kept activations of {stash} blocks (offload stash)",
+                f"{stash} × ({formula})",
+                stash * sum(s.bytes for s in kept),
+            )
+        ]
+        one = [
+            term(
+                A,
+                "activations.blocks.one",
+                "kept activations of one block (brought back)",
+                formula,
+                sum(s.bytes for s in kept),
+            )
+        ]
         return {"activations.blocks": on_gpu, "activations.last_block": one}
 
     def offloaded_activation_terms(self) -> list[Term]:
@@ -303,15 +462,23 @@ class Step:
         if not self.job.train.offload_activations:
             return []
         L, moved = self.job.model.num_layers, offloaded(self.kept(0))[1]
-        return [term(A, "activations.offloaded", f"offloaded activations of {L} blocks (host RAM)",
-                     f"{L} × ({' + '.join(s.formula for s in moved)})", L * sum(s.bytes for s in moved))]
+        return [
+            term(
+                A,
+                "activations.offloaded",
+                f"offloaded activations of {L} blocks (host RAM)",
+                f"{L} × ({' + '.join(s.formula for s in moved)})",
+                L * sum(s.bytes for s in moved),
+            )
+        ]
 
     def kept(self, index: int) -> list[Saved]:
         """What block ``index`` keeps: it depends on the index only through whether it is checkpointed."""
         policy = checkpointed(index, self.job.train.loop.ac_every)
         if policy not in self._kept:
-            self._kept[policy] = block_kept_under(self.job.model, self.job.train, self.job.train.loop, index,
-                                                  inputs_cast=self.casts_block_inputs)
+            self._kept[policy] = block_kept_under(
+                self.job.model, self.job.train, self.job.train.loop, index, inputs_cast=self.casts_block_inputs
+            )
         return self._kept[policy]
 
     def block_terms(self, indices: range, *, first: bool = False) -> list[Term]:
@@ -330,18 +497,26 @@ class Step:
         for is_checkpointed, members in sorted(by_policy.items(), reverse=True):
             kept, n = self.kept(members[0]), len(members)
             what = f"AC {loop.ac}, every {loop.ac_every}th" if is_checkpointed else "not checkpointed"
-            terms.append(term(A, f"activations.blocks.{'checkpointed' if is_checkpointed else 'plain'}",
-                              f"kept activations of {n} blocks ({what})",
-                              f"{n} × ({' + '.join(s.formula for s in kept)})", n * sum(s.bytes for s in kept)))
+            terms.append(
+                term(
+                    A,
+                    f"activations.blocks.{'checkpointed' if is_checkpointed else 'plain'}",
+                    f"kept activations of {n} blocks ({what})",
+                    f"{n} × ({' + '.join(s.formula for s in kept)})",
+                    n * sum(s.bytes for s in kept),
+                )
+            )
         return terms
 
     def transient_terms(self, index: int) -> list[Term]:
         """Block ``index``'s backward transient: like ``kept``, one per policy."""
         job, policy = self.job, checkpointed(index, self.job.train.loop.ac_every)
         if policy not in self._transient:
-            self._transient[policy] = _terms(A, block_transient_under(job.model, job.train, job.train.loop, index,
-                                                                      inputs_cast=self.casts_block_inputs),
-                                             "block.backward")
+            self._transient[policy] = _terms(
+                A,
+                block_transient_under(job.model, job.train, job.train.loop, index, inputs_cast=self.casts_block_inputs),
+                "block.backward",
+            )
         return self._transient[policy]
 
     def last_checkpointed(self) -> int | None:
@@ -362,8 +537,15 @@ class Step:
 
     def grad_share(self, count: int, what: str) -> list[Term]:
         full = self.grad_terms()[0]
-        return [term(G, "grads", f"gradients of {count:,} {what}", f"{full.formula} × share",
-                     full.bytes * count // max(self.params, 1))]
+        return [
+            term(
+                G,
+                "grads",
+                f"gradients of {count:,} {what}",
+                f"{full.formula} × share",
+                full.bytes * count // max(self.params, 1),
+            )
+        ]
 
     def host_terms(self) -> list[Term]:
         """Host RAM per GPU for what is offloaded."""
@@ -388,15 +570,24 @@ def model_states(job: Job, policy: Policy | None = None) -> dict[Component, int]
 
 # what the loop's conventions add that is modelled from the framework's source but not measured
 _UNMEASURED = (
-    (lambda t: t.loss == "fused-linear-ce",
-     "fused-linear-ce (Liger's) is modelled from its source, not measured (its Triton kernels do not run on CPU)"),
-    (lambda t: t.offload_activations,
-     "activation offloading is modelled from torchtune's source, not measured (it needs CUDA streams)"),
-    (lambda t: t.activation_checkpointing == "op" and t.attention == "sdpa" and t.device == "cuda",
-     "op SAC saving the CUDA sdpa kernels' outputs is modelled, not measured (CPU's flash kernel is recomputed)"),
+    (
+        lambda t: t.loss == "fused-linear-ce",
+        "fused-linear-ce (Liger's) is modelled from its source, not measured (its Triton kernels do not run on CPU)",
+    ),
+    (
+        lambda t: t.offload_activations,
+        "activation offloading is modelled from torchtune's source, not measured (it needs CUDA streams)",
+    ),
+    (
+        lambda t: t.activation_checkpointing == "op" and t.attention == "sdpa" and t.device == "cuda",
+        "op SAC saving the CUDA sdpa kernels' outputs is modelled, not measured (CPU's flash kernel is recomputed)",
+    ),
     (lambda t: t.compile, "the compiled loss's backward is modelled, its saved tensors measured"),
-    (lambda t: t.float8,
-     "float8 keeps what bf16 keeps (measured on CPU, torchao Float8Linear); its fp8 casts are transient, not modelled"),
+    (
+        lambda t: t.float8,
+        "float8 keeps what bf16 keeps (measured on CPU, torchao Float8Linear); "
+        "its fp8 casts are transient, not modelled",
+    ),
 )
 
 
@@ -412,5 +603,11 @@ def estimate(job: Job) -> Estimate:
     moments = step.moments()
     peak = max(moments, key=lambda m: m.allocated_bytes)
     host = sum(t.bytes for t in step.host_terms())
-    return Estimate(job=job, peak=peak, moments=tuple(moments), overhead=tuple(overhead_terms(job, peak)),
-                    host_bytes=host, notes=loop_notes(job))
+    return Estimate(
+        job=job,
+        peak=peak,
+        moments=tuple(moments),
+        overhead=tuple(overhead_terms(job, peak)),
+        host_bytes=host,
+        notes=loop_notes(job),
+    )

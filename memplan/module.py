@@ -6,6 +6,7 @@ shapes: the token embedding gives vocabulary and width, the numbered blocks the 
 the remaining choices (family, ffn width, kv heads, biases, tied head, learned positions) are
 those whose parameter count equals the module's, block by block and in total, exactly.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -37,8 +38,10 @@ def _from_config(module, total: int) -> ModelSpec | None:
 
     spec = model_from_hf_config(config.to_dict())
     if spec.num_params != total:
-        raise MemplanError(f"{type(module).__name__}'s config describes {spec.num_params:,} parameters but the "
-                           f"module holds {total:,}: a layer its config does not describe (adapters, extra heads?)")
+        raise MemplanError(
+            f"{type(module).__name__}'s config describes {spec.num_params:,} parameters but the "
+            f"module holds {total:,}: a layer its config does not describe (adapters, extra heads?)"
+        )
     return spec
 
 
@@ -48,20 +51,37 @@ def _candidates(h: int, vocab: int, layers: int, heads: int, block: list, root: 
     archs = [arch] if arch else ["llama", "gpt2", "neox"]
     kv_heads = [k for k in range(1, heads + 1) if heads % k == 0]
     for family, ffn, kv, pos, tied, bias, qkv_bias in itertools.product(
-            archs, dims or [4 * h], kv_heads, positions, (True, False), (False, True), (False, True)):
+        archs, dims or [4 * h], kv_heads, positions, (True, False), (False, True), (False, True)
+    ):
         if (family == "llama") == bias or (family == "gpt2") != (pos > 0):
             continue
         try:
-            yield ModelSpec(name="module", arch=family, num_layers=layers, hidden=h, num_heads=heads,
-                            num_kv_heads=kv if family == "llama" else heads, ffn_hidden=ffn, vocab_size=vocab,
-                            tied_embeddings=tied, linear_bias=bias, qkv_bias=qkv_bias and not bias,
-                            max_positions=pos)
+            yield ModelSpec(
+                name="module",
+                arch=family,
+                num_layers=layers,
+                hidden=h,
+                num_heads=heads,
+                num_kv_heads=kv if family == "llama" else heads,
+                ffn_hidden=ffn,
+                vocab_size=vocab,
+                tied_embeddings=tied,
+                linear_bias=bias,
+                qkv_bias=qkv_bias and not bias,
+                max_positions=pos,
+            )
         except MemplanError:
             continue
 
 
-def spec_from_module(module, *, num_heads: int | None = None, arch: str | None = None,
-                     name: str | None = None, dropout: float | None = None) -> ModelSpec:
+def spec_from_module(
+    module,
+    *,
+    num_heads: int | None = None,
+    arch: str | None = None,
+    name: str | None = None,
+    dropout: float | None = None,
+) -> ModelSpec:
     """The ModelSpec whose parameters are exactly the module's (an error says what is not
     understood). Shapes cannot tell dropout: give ``dropout=`` for a module without a config."""
     shapes = _shapes(module)
@@ -81,8 +101,10 @@ def _from_shapes(shapes, total: int, *, num_heads: int | None, arch: str | None)
         (blocks.setdefault(int(match.group(1)), []) if match else root).append((param_name, shape))
     matrices = [(n, s) for n, s in root if len(s) == 2]
     if not blocks or not matrices:
-        raise MemplanError("the module has no numbered blocks (layers.0., h.0., ...) and an embedding matrix: "
-                           "not a transformer memplan can read from its shapes; pass its config or a ModelSpec")
+        raise MemplanError(
+            "the module has no numbered blocks (layers.0., h.0., ...) and an embedding matrix: "
+            "not a transformer memplan can read from its shapes; pass its config or a ModelSpec"
+        )
     if num_heads is None:
         raise MemplanError("from a module without a config, give num_heads= (shapes do not tell the head count)")
     vocab, h = max((s for _, s in matrices), key=lambda s: s[0])
@@ -92,5 +114,7 @@ def _from_shapes(shapes, total: int, *, num_heads: int | None, arch: str | None)
         if spec.block_params() == block_total and spec.num_params == total:
             return spec
     listed = ", ".join(f"{n} {list(s)}" for n, s in block)
-    raise MemplanError(f"no llama/gpt2/neox block of width {h} with {num_heads} heads has these {block_total:,} "
-                       f"parameters per block ({listed}) and {total:,} in all; pass arch= or a ModelSpec")
+    raise MemplanError(
+        f"no llama/gpt2/neox block of width {h} with {num_heads} heads has these {block_total:,} "
+        f"parameters per block ({listed}) and {total:,} in all; pass arch= or a ModelSpec"
+    )

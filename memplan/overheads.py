@@ -3,6 +3,7 @@
 Defaults until calibration replaces them (tables/overheads.csv, with their sources). CPU jobs
 have none of these.
 """
+
 from __future__ import annotations
 
 from . import catalog
@@ -36,6 +37,12 @@ def slack_fraction(job: Job) -> float:
 def overhead_terms(job: Job, peak: Moment) -> list[Term]:
     terms, fraction = fixed_terms(job), slack_fraction(job)
     if fraction:
-        terms.append(Term(Component.BUFFERS, "caching-allocator slack", f"{fraction:.0%} of allocated",
-                          int(peak.allocated_bytes * fraction)))
+        terms.append(
+            Term(
+                Component.BUFFERS,
+                "caching-allocator slack",
+                f"{fraction:.0%} of allocated",
+                int(peak.allocated_bytes * fraction),
+            )
+        )
     return terms

@@ -7,6 +7,7 @@
 Each returns the Figure and, given ``path``, also writes it there (PNG, or any format
 matplotlib infers from the suffix). Bytes are plotted in GiB.
 """
+
 from __future__ import annotations
 
 from .breakdown import Component
@@ -15,8 +16,14 @@ from .units import GIB
 
 # one colour per stacked layer, in stacking order; overhead sits on top of allocated
 LAYERS = [c.value for c in Component] + ["overhead"]
-COLOURS = {"params": "#4c72b0", "gradients": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
-           "buffers": "#8172b3", "overhead": "#b3b3b3"}
+COLOURS = {
+    "params": "#4c72b0",
+    "gradients": "#dd8452",
+    "optimizer": "#55a868",
+    "activations": "#c44e52",
+    "buffers": "#8172b3",
+    "overhead": "#b3b3b3",
+}
 
 
 def _pyplot():
@@ -55,16 +62,29 @@ def plot_breakdown(result, path=None):
         ax.bar(labels, layers[name], bottom=bottom, color=COLOURS[name], label=name, width=0.7)
         bottom = [b + v for b, v in zip(bottom, layers[name])]
     cluster = estimates[0].job.cluster
-    ax.axhline(cluster.gpu_mem_bytes / GIB, color="black", linestyle="--", linewidth=1.2,
-               label=f"{cluster.gpu_name} capacity {cluster.gpu_mem_bytes / GIB:.0f} GiB")
-    ax.axhline(cluster.usable_bytes / GIB, color="black", linestyle=":", linewidth=1.0,
-               label=f"usable ({cluster.headroom:.0%} headroom)")
+    ax.axhline(
+        cluster.gpu_mem_bytes / GIB,
+        color="black",
+        linestyle="--",
+        linewidth=1.2,
+        label=f"{cluster.gpu_name} capacity {cluster.gpu_mem_bytes / GIB:.0f} GiB",
+    )
+    ax.axhline(
+        cluster.usable_bytes / GIB,
+        color="black",
+        linestyle=":",
+        linewidth=1.0,
+        label=f"usable ({cluster.headroom:.0%} headroom)",
+    )
     ax.set_ylim(0, 1.08 * max(max(bottom), cluster.gpu_mem_bytes / GIB))
     ax.set_ylabel("per-GPU memory at the peak (GiB)")
     job = estimates[0].job
-    ax.set_title(f"{job.model.name}: {job.cluster.gpus} GPUs, {job.train.precision}, "
-                 f"AC {job.train.activation_checkpointing}, micro-batch {job.train.micro_batch}, "
-                 f"seq {job.train.seq_len}", fontsize=10)
+    ax.set_title(
+        f"{job.model.name}: {job.cluster.gpus} GPUs, {job.train.precision}, "
+        f"AC {job.train.activation_checkpointing}, micro-batch {job.train.micro_batch}, "
+        f"seq {job.train.seq_len}",
+        fontsize=10,
+    )
     ax.tick_params(axis="x", labelsize=8)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     return _save(fig, path)
@@ -85,8 +105,9 @@ def plot_fits(*, params, gpus, path=None, **sweep_kwargs):
 
     from .grid import sweep
 
-    swept = [k for k, v in sweep_kwargs.items()
-             if isinstance(v, (list, tuple, range)) and len(v) != 1 and k != "strategy"]
+    swept = [
+        k for k, v in sweep_kwargs.items() if isinstance(v, (list, tuple, range)) and len(v) != 1 and k != "strategy"
+    ]
     if swept:
         raise MemplanError(f"plot_fits sweeps params and gpus only; give one value for: {', '.join(swept)}")
     params, gpus = _values(params), _values(gpus)
@@ -95,15 +116,22 @@ def plot_fits(*, params, gpus, path=None, **sweep_kwargs):
     strategies = [s for s in dict.fromkeys(grid.strategy) if grid[grid.strategy == s].gpus.nunique() == len(gpus)]
     cols = min(4, len(strategies))
     rows = -(-len(strategies) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols + 0.6, 2.9 * rows + 0.8), squeeze=False,
-                             layout="constrained")
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(3.2 * cols + 0.6, 2.9 * rows + 0.8), squeeze=False, layout="constrained"
+    )
     size_labels = [f"{p / 1e9:.3g}B" for p in sorted(grid.params.unique())]
     for ax, strategy in zip(axes.flat, strategies):
         part = grid[grid.strategy == strategy]
         fits = part.pivot_table(index="params", columns="gpus", values="fits", aggfunc="first").sort_index()
         total = part.pivot_table(index="params", columns="gpus", values="total_bytes", aggfunc="first").sort_index()
-        ax.imshow(fits.to_numpy(dtype=float), cmap=ListedColormap(["#e8a0a0", "#9fd49f"]), vmin=0, vmax=1,
-                  origin="lower", aspect="auto")
+        ax.imshow(
+            fits.to_numpy(dtype=float),
+            cmap=ListedColormap(["#e8a0a0", "#9fd49f"]),
+            vmin=0,
+            vmax=1,
+            origin="lower",
+            aspect="auto",
+        )
         for i, row in enumerate(total.to_numpy()):
             for j, num_bytes in enumerate(row):
                 ax.text(j, i, f"{num_bytes / GIB:.0f}", ha="center", va="center", fontsize=7)
@@ -112,12 +140,15 @@ def plot_fits(*, params, gpus, path=None, **sweep_kwargs):
         ax.set_yticks(range(len(fits.index)), size_labels, fontsize=7)
         ax.set_xlabel("GPUs", fontsize=8)
         ax.set_ylabel("model parameters", fontsize=8)
-    for ax in list(axes.flat)[len(strategies):]:
+    for ax in list(axes.flat)[len(strategies) :]:
         ax.set_visible(False)
     first = grid.iloc[0]
-    fig.suptitle(f"fits in {_usable_gib(grid)}: per-GPU total (GiB) per cell, green fits — "
-                 f"{first.precision}, AC {first.activation_checkpointing}, micro-batch {first.micro_batch}, "
-                 f"seq {first.seq_len}", fontsize=9)
+    fig.suptitle(
+        f"fits in {_usable_gib(grid)}: per-GPU total (GiB) per cell, green fits — "
+        f"{first.precision}, AC {first.activation_checkpointing}, micro-batch {first.micro_batch}, "
+        f"seq {first.seq_len}",
+        fontsize=9,
+    )
     return _save(fig, path)
 
 
@@ -145,8 +176,13 @@ def plot_calibration(records, path=None):
     for record in points:
         groups.setdefault(str(record.get("label", "run")), []).append(record)
     for label, group in groups.items():
-        ax.scatter([r["estimated_bytes"] / GIB for r in group], [r["measured_bytes"] / GIB for r in group],
-                   label=label, s=28, alpha=0.85)
+        ax.scatter(
+            [r["estimated_bytes"] / GIB for r in group],
+            [r["measured_bytes"] / GIB for r in group],
+            label=label,
+            s=28,
+            alpha=0.85,
+        )
     top = 1.05 * max(max(r["measured_bytes"], r["estimated_bytes"]) for r in points) / GIB
     ax.plot([0, top], [0, top], color="grey", linestyle="--", linewidth=1.0, label="measured = estimated")
     ax.set_xlim(0, top)

@@ -1,4 +1,5 @@
 """Bytes per element of each tensor family under the six precision policies."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,18 +42,68 @@ class Policy:
 POLICIES = {
     p.id: p
     for p in (
-        Policy(id="fp32", compute_dtype="fp32", param_bytes=4, compute_bytes=4, stream_bytes=4, grad_bytes=4,
-               master_bytes=0, state_bytes=4),
-        Policy(id="amp-bf16", compute_dtype="bf16", param_bytes=4, compute_bytes=2, stream_bytes=4, grad_bytes=4,
-               master_bytes=0, state_bytes=4, autocast=True),
-        Policy(id="amp-fp16", compute_dtype="fp16", param_bytes=4, compute_bytes=2, stream_bytes=4, grad_bytes=4,
-               master_bytes=0, state_bytes=4, autocast=True),
-        Policy(id="mixed-bf16", compute_dtype="bf16", param_bytes=2, compute_bytes=2, stream_bytes=2, grad_bytes=2,
-               master_bytes=4, state_bytes=4),
-        Policy(id="mixed-fp16", compute_dtype="fp16", param_bytes=2, compute_bytes=2, stream_bytes=2, grad_bytes=2,
-               master_bytes=4, state_bytes=4),
-        Policy(id="bf16", compute_dtype="bf16", param_bytes=2, compute_bytes=2, stream_bytes=2, grad_bytes=2,
-               master_bytes=0, state_bytes=2),
+        Policy(
+            id="fp32",
+            compute_dtype="fp32",
+            param_bytes=4,
+            compute_bytes=4,
+            stream_bytes=4,
+            grad_bytes=4,
+            master_bytes=0,
+            state_bytes=4,
+        ),
+        Policy(
+            id="amp-bf16",
+            compute_dtype="bf16",
+            param_bytes=4,
+            compute_bytes=2,
+            stream_bytes=4,
+            grad_bytes=4,
+            master_bytes=0,
+            state_bytes=4,
+            autocast=True,
+        ),
+        Policy(
+            id="amp-fp16",
+            compute_dtype="fp16",
+            param_bytes=4,
+            compute_bytes=2,
+            stream_bytes=4,
+            grad_bytes=4,
+            master_bytes=0,
+            state_bytes=4,
+            autocast=True,
+        ),
+        Policy(
+            id="mixed-bf16",
+            compute_dtype="bf16",
+            param_bytes=2,
+            compute_bytes=2,
+            stream_bytes=2,
+            grad_bytes=2,
+            master_bytes=4,
+            state_bytes=4,
+        ),
+        Policy(
+            id="mixed-fp16",
+            compute_dtype="fp16",
+            param_bytes=2,
+            compute_bytes=2,
+            stream_bytes=2,
+            grad_bytes=2,
+            master_bytes=4,
+            state_bytes=4,
+        ),
+        Policy(
+            id="bf16",
+            compute_dtype="bf16",
+            param_bytes=2,
+            compute_bytes=2,
+            stream_bytes=2,
+            grad_bytes=2,
+            master_bytes=0,
+            state_bytes=2,
+        ),
     )
 }
 

@@ -1,5 +1,6 @@
 """Estimates as data (the JSON contract of DESIGN.md), then as a table, CSV or an
 explanation. Bytes stay integers until a human reads them."""
+
 from __future__ import annotations
 
 import csv
@@ -14,7 +15,6 @@ from .inputs import ModelChoice
 from .loop import in_force
 from .strategies import STRATEGIES
 from .units import gib
-
 
 COMPONENTS = [c.value for c in Component]
 
@@ -45,8 +45,12 @@ def estimate_dict(est: Estimate, relative_throughput: float | None = None) -> di
         "micro_batch": job.train.micro_batch,
         "phase": est.phase,
         "peak_moment": est.peak.label,
-        "bytes": {**{c.value: by[c] for c in Component}, "allocated": est.allocated_bytes,
-                  "overhead": est.overhead_bytes, "total": est.total_bytes},
+        "bytes": {
+            **{c.value: by[c] for c in Component},
+            "allocated": est.allocated_bytes,
+            "overhead": est.overhead_bytes,
+            "total": est.total_bytes,
+        },
         "host_bytes": est.host_bytes,
         "fits": est.fits,
         "headroom_bytes": est.headroom_bytes,
@@ -56,46 +60,84 @@ def estimate_dict(est: Estimate, relative_throughput: float | None = None) -> di
 
 
 def calibrated_dict(c: Corrected) -> dict:
-    return {"allocated": c.allocated_bytes, "overhead": c.overhead_bytes, "total": c.total_bytes,
-            "band": c.band_bytes, "phase": c.phase, "fits": c.fits, "headroom_bytes": c.headroom_bytes}
+    return {
+        "allocated": c.allocated_bytes,
+        "overhead": c.overhead_bytes,
+        "total": c.total_bytes,
+        "band": c.band_bytes,
+        "phase": c.phase,
+        "fits": c.fits,
+        "headroom_bytes": c.headroom_bytes,
+    }
 
 
 def calibration_dict(applied: Applied) -> dict:
     c = applied.correction
-    return {"path": applied.calibration.path, "device": c.device, "torch_version": c.torch_version,
-            "num_records": c.num_records, "band_pct": c.residual_pct, "device_matches": applied.device_matches}
+    return {
+        "path": applied.calibration.path,
+        "device": c.device,
+        "torch_version": c.torch_version,
+        "num_records": c.num_records,
+        "band_pct": c.residual_pct,
+        "device_matches": applied.device_matches,
+    }
 
 
-def to_dict(choice: ModelChoice, estimates: list[Estimate], applied: Applied | None = None,
-            relative: list[float] | None = None, rec: Recommendation | None = None) -> dict:
+def to_dict(
+    choice: ModelChoice,
+    estimates: list[Estimate],
+    applied: Applied | None = None,
+    relative: list[float] | None = None,
+    rec: Recommendation | None = None,
+) -> dict:
     rows = [estimate_dict(e, r) for e, r in zip(estimates, relative or [None] * len(estimates))]
     if rec:
         for row, est in zip(rows, estimates):
             row["documented_relative_throughput"] = [
                 {"rule": r.id, "min": r.claimed_rel_min, "max": r.claimed_rel_max, "source": r.source}
-                for r in documented_penalties(rec, est.job)]
+                for r in documented_penalties(rec, est.job)
+            ]
     if applied:
         for row, corrected in zip(rows, applied.results):
             row["calibrated"] = calibrated_dict(corrected)
-    return {"inputs": inputs_dict(choice, estimates[0]), "estimates": rows,
-            "calibration": calibration_dict(applied) if applied else None,
-            "recommendation": recommendation_dict(rec) if rec else None}
+    return {
+        "inputs": inputs_dict(choice, estimates[0]),
+        "estimates": rows,
+        "calibration": calibration_dict(applied) if applied else None,
+        "recommendation": recommendation_dict(rec) if rec else None,
+    }
 
 
-def render_json(choice: ModelChoice, estimates: list[Estimate], applied: Applied | None = None,
-                relative: list[float] | None = None, rec: Recommendation | None = None) -> str:
+def render_json(
+    choice: ModelChoice,
+    estimates: list[Estimate],
+    applied: Applied | None = None,
+    relative: list[float] | None = None,
+    rec: Recommendation | None = None,
+) -> str:
     return json.dumps(to_dict(choice, estimates, applied, relative, rec), indent=2)
 
 
-CALIBRATED_FIELDS = ["calibrated_allocated_bytes", "calibrated_total_bytes", "calibrated_band_bytes",
-                     "calibrated_fits"]
+CALIBRATED_FIELDS = ["calibrated_allocated_bytes", "calibrated_total_bytes", "calibrated_band_bytes", "calibrated_fits"]
 
 
 def render_csv(estimates: list[Estimate], applied: Applied | None = None) -> str:
     out = io.StringIO()
-    fields = ["strategy", "precision", "activation_checkpointing", "offload", "micro_batch", "phase",
-              *[f"{c}_bytes" for c in COMPONENTS], "allocated_bytes", "overhead_bytes", "total_bytes",
-              "host_bytes", "fits", "headroom_bytes"] + (CALIBRATED_FIELDS if applied else [])
+    fields = [
+        "strategy",
+        "precision",
+        "activation_checkpointing",
+        "offload",
+        "micro_batch",
+        "phase",
+        *[f"{c}_bytes" for c in COMPONENTS],
+        "allocated_bytes",
+        "overhead_bytes",
+        "total_bytes",
+        "host_bytes",
+        "fits",
+        "headroom_bytes",
+    ] + (CALIBRATED_FIELDS if applied else [])
     writer = csv.DictWriter(out, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
     for i, est in enumerate(estimates):
@@ -114,8 +156,13 @@ def _g(num_bytes: int) -> str:
     return f"{gib(num_bytes):.2f}"
 
 
-def render_table(choice: ModelChoice, estimates: list[Estimate], applied: Applied | None = None,
-                 relative: list[float] | None = None, rec: Recommendation | None = None) -> str:
+def render_table(
+    choice: ModelChoice,
+    estimates: list[Estimate],
+    applied: Applied | None = None,
+    relative: list[float] | None = None,
+    rec: Recommendation | None = None,
+) -> str:
     """One row per strategy; with a calibration, the corrected total decides what fits (its band shown beside it)."""
     job = estimates[0].job
     header = [_header(choice, job)] + ([applied.describe()] if applied else [])
@@ -123,9 +170,14 @@ def render_table(choice: ModelChoice, estimates: list[Estimate], applied: Applie
     rows = []
     for est, final in zip(estimates, finals):
         by = est.by_component
-        row = [est.job.plan.strategy + ("" if est.job.plan.offload == "none" else f" +{est.job.plan.offload}"),
-               est.phase, *(_g(by[c]) for c in Component), _g(est.allocated_bytes), _g(est.overhead_bytes),
-               _g(est.total_bytes)]
+        row = [
+            est.job.plan.strategy + ("" if est.job.plan.offload == "none" else f" +{est.job.plan.offload}"),
+            est.phase,
+            *(_g(by[c]) for c in Component),
+            _g(est.allocated_bytes),
+            _g(est.overhead_bytes),
+            _g(est.total_bytes),
+        ]
         if applied:
             row.append(f"{_g(final.total_bytes)} ± {_g(final.band_bytes)}")
         rows.append(row + ["yes" if final.fits else "NO", _g(final.headroom_bytes)])
@@ -136,16 +188,24 @@ def render_table(choice: ModelChoice, estimates: list[Estimate], applied: Applie
         rows = [row + [f"{r:.2f}"] for row, r in zip(rows, relative)]
         headers += ["vs DDP"]
     if rec:
-        rows = [row + [", ".join(_claim(r) for r in documented_penalties(rec, e.job)) or "-"]
-                for row, e in zip(rows, estimates)]
+        rows = [
+            row + [", ".join(_claim(r) for r in documented_penalties(rec, e.job)) or "-"]
+            for row, e in zip(rows, estimates)
+        ]
         headers += ["documented"]
     from tabulate import tabulate  # here, not at the top: JSON and --help never pay its import
 
     table = tabulate(rows, headers, tablefmt="simple", disable_numparse=True)
-    lines = header + ["", "GiB per GPU at the peak moment of a steady-state step"
-                      + ("; vs DDP: predicted tokens/s relative to DDP at the same settings" if relative else "")
-                      + ("; documented: the seeds' claim (tables/rules.csv)" if rec else ""),
-                      table, "", fits_line(estimates, finals), *native_note(estimates)]
+    lines = header + [
+        "",
+        "GiB per GPU at the peak moment of a steady-state step"
+        + ("; vs DDP: predicted tokens/s relative to DDP at the same settings" if relative else "")
+        + ("; documented: the seeds' claim (tables/rules.csv)" if rec else ""),
+        table,
+        "",
+        fits_line(estimates, finals),
+        *native_note(estimates),
+    ]
     if rec:
         lines += ["", *recommendation_summary(rec)]
     return "\n".join(lines)
@@ -154,22 +214,30 @@ def render_table(choice: ModelChoice, estimates: list[Estimate], applied: Applie
 def _header(choice: ModelChoice, job) -> str:
     c, t = job.cluster, job.train
     model = ("assumed " if choice.assumed else "") + job.model.describe()
-    return (f"model    {model}\n"
-            f"training seq {t.seq_len} × micro-batch {t.micro_batch} × accum {t.grad_accum}, {t.precision}, "
-            f"{t.optimizer} ({t.optimizer_impl}), AC {t.activation_checkpointing}, {t.attention} attention\n"
-            f"loop     {in_force(t).describe()}\n"
-            f"cluster  {c.gpus} × {c.gpu_name} {_g(c.gpu_mem_bytes)} GiB ({c.num_nodes} node(s) of "
-            f"{c.gpus_per_node}), headroom {c.headroom:.0%}: {_g(c.usable_bytes)} GiB usable")
+    return (
+        f"model    {model}\n"
+        f"training seq {t.seq_len} × micro-batch {t.micro_batch} × accum {t.grad_accum}, {t.precision}, "
+        f"{t.optimizer} ({t.optimizer_impl}), AC {t.activation_checkpointing}, {t.attention} attention\n"
+        f"loop     {in_force(t).describe()}\n"
+        f"cluster  {c.gpus} × {c.gpu_name} {_g(c.gpu_mem_bytes)} GiB ({c.num_nodes} node(s) of "
+        f"{c.gpus_per_node}), headroom {c.headroom:.0%}: {_g(c.usable_bytes)} GiB usable"
+    )
 
 
 def native_note(estimates: list[Estimate]) -> list[str]:
     """A line naming the rows whose framework has no built-in form of the precision asked for."""
-    odd = [e.job.plan.strategy for e in estimates if not STRATEGIES[e.job.plan.strategy].runs_natively(e.job.train.precision)]
+    odd = [
+        e.job.plan.strategy
+        for e in estimates
+        if not STRATEGIES[e.job.plan.strategy].runs_natively(e.job.train.precision)
+    ]
     if not odd:
         return []
     names = odd[0] if len(odd) == 1 else f"{', '.join(odd[:-1])} and {odd[-1]}"
-    return [f"{names} {'has' if len(odd) == 1 else 'have'} no built-in {estimates[0].job.train.precision}: "
-            "the row is what it would take; the recommendation searches only precisions each framework runs as is."]
+    return [
+        f"{names} {'has' if len(odd) == 1 else 'have'} no built-in {estimates[0].job.train.precision}: "
+        "the row is what it would take; the recommendation searches only precisions each framework runs as is."
+    ]
 
 
 def fits_line(estimates: list[Estimate], finals=None) -> str:
@@ -184,21 +252,29 @@ def fits_line(estimates: list[Estimate], finals=None) -> str:
 def render_explain(choice: ModelChoice, est: Estimate) -> str:
     """Every term of every candidate moment with its formula, so the arithmetic can be checked by hand."""
     job = est.job
-    lines = [_header(choice, job), f"strategy {job.plan.strategy}, offload {job.plan.offload}", "",
-             "Symbols: P parameters, b micro-batch, s sequence, h hidden, kv k/v width, a heads, d head dim,",
-             "f ffn width, V vocabulary, c compute bytes, r residual-stream bytes, m dropout-mask bytes.",
-             f"Here P={job.model.num_params:,}, b={job.train.micro_batch}, s={job.train.seq_len}, "
-             f"h={job.model.hidden}, kv={job.model.kv_hidden}, a={job.model.num_heads}, f={job.model.ffn_hidden}, "
-             f"V={job.model.vocab_size}."]
+    lines = [
+        _header(choice, job),
+        f"strategy {job.plan.strategy}, offload {job.plan.offload}",
+        "",
+        "Symbols: P parameters, b micro-batch, s sequence, h hidden, kv k/v width, a heads, d head dim,",
+        "f ffn width, V vocabulary, c compute bytes, r residual-stream bytes, m dropout-mask bytes.",
+        f"Here P={job.model.num_params:,}, b={job.train.micro_batch}, s={job.train.seq_len}, "
+        f"h={job.model.hidden}, kv={job.model.kv_hidden}, a={job.model.num_heads}, f={job.model.ffn_hidden}, "
+        f"V={job.model.vocab_size}.",
+    ]
     for moment in est.moments:
         mark = "  <- peak" if moment is est.peak else ""
         lines += ["", f"[{moment.phase}] {moment.label}: {_g(moment.allocated_bytes)} GiB{mark}"]
-        lines += [f"  {t.component.value:<12} {t.name:<48} {t.formula:<40} {t.bytes:>16,} B  {_g(t.bytes):>8} GiB"
-                  for t in moment.terms]
+        lines += [
+            f"  {t.component.value:<12} {t.name:<48} {t.formula:<40} {t.bytes:>16,} B  {_g(t.bytes):>8} GiB"
+            for t in moment.terms
+        ]
     lines += ["", f"allocated (peak) = {est.allocated_bytes:,} B = {_g(est.allocated_bytes)} GiB"]
     lines += [f"  + {t.name:<44} {t.formula:<28} {t.bytes:>16,} B" for t in est.overhead]
-    lines += [f"total = {est.total_bytes:,} B = {_g(est.total_bytes)} GiB; usable {_g(job.cluster.usable_bytes)} GiB"
-              f" -> {'fits' if est.fits else 'does NOT fit'} (headroom {_g(est.headroom_bytes)} GiB)"]
+    lines += [
+        f"total = {est.total_bytes:,} B = {_g(est.total_bytes)} GiB; usable {_g(job.cluster.usable_bytes)} GiB"
+        f" -> {'fits' if est.fits else 'does NOT fit'} (headroom {_g(est.headroom_bytes)} GiB)"
+    ]
     if est.host_bytes:
         lines.append(f"host RAM for offloaded states: {_g(est.host_bytes)} GiB per GPU")
     return "\n".join(lines)
@@ -206,10 +282,16 @@ def render_explain(choice: ModelChoice, est: Estimate) -> str:
 
 # ---------------------------------------------------------------------------- recommendation
 
+
 def documented_penalties(rec: Recommendation, job) -> list:
     """The matching penalty rules that speak about ``job``'s strategy and offload."""
-    return [v.rule for v in rec.rules if v.rule.kind == "penalty" and job.plan.strategy in v.rule.strategies
-            and (v.rule.offload or "none") == job.plan.offload]
+    return [
+        v.rule
+        for v in rec.rules
+        if v.rule.kind == "penalty"
+        and job.plan.strategy in v.rule.strategies
+        and (v.rule.offload or "none") == job.plan.offload
+    ]
 
 
 def _claim(rule) -> str:
@@ -227,19 +309,21 @@ def _tokens(option) -> str:
 
 # ---------------------------------------------------------------------------- decisions as sentences
 
+
 def rejected_reason(r: Rejected) -> str:
     """Why an option was not picked."""
     o = r.option
     if r.code == "does_not_fit":
         return f"does not fit by {_gib(r.over_by_bytes)} (total {_gib(o.total_bytes)} > {_gib(o.usable_bytes)} usable)"
     slower = r.slower_fraction
-    speed = (f"{slower:.0%} slower" if slower >= 0.01 else f"{slower:.1%} slower" if slower > 0.0005
-             else "as fast")
+    speed = f"{slower:.0%} slower" if slower >= 0.01 else f"{slower:.1%} slower" if slower > 0.0005 else "as fast"
     if r.code == "more_memory":
         return f"uses {_gib(r.extra_bytes)} more; {speed}"
     if r.code == "less_simple":
         j = o.job
-        return f"less simple ({j.plan.strategy}, offload {j.plan.offload}, AC {j.train.activation_checkpointing}); {speed}"
+        return (
+            f"less simple ({j.plan.strategy}, offload {j.plan.offload}, AC {j.train.activation_checkpointing}); {speed}"
+        )
     return f"{speed} ({_tokens(o)} vs {_tokens(r.best)} tokens/s per GPU)"
 
 
@@ -255,35 +339,51 @@ def verdict_detail(v: RuleVerdict) -> str:
     if v.code in ("within_claim", "outside_claim"):
         measured = f"{v.value:.2f}× by the model, {_claim(rule)}× claimed"
         if rule.kind == "ac-cost":
-            return (f"AC {rule.ac} throughput relative to none ({v.strategy}): {measured} (full recompute adds one "
-                    f"forward: 2·N + 4·L·h·s FLOPs per token on top of 6·N + 12·L·h·s)")
+            return (
+                f"AC {rule.ac} throughput relative to none ({v.strategy}): {measured} (full recompute adds one "
+                f"forward: 2·N + 4·L·h·s FLOPs per token on top of 6·N + 12·L·h·s)"
+            )
         st = v.step
-        return (f"{v.strategy} relative to DDP: {measured} (communication {st.comm_s:.3f} s, exposed "
-                f"{st.exposed_comm_s:.3f} s, offload {st.offload_s:.3f} s vs compute {st.compute_s:.3f} s per step "
-                f"over {v.interconnect})")
+        return (
+            f"{v.strategy} relative to DDP: {measured} (communication {st.comm_s:.3f} s, exposed "
+            f"{st.exposed_comm_s:.3f} s, offload {st.offload_s:.3f} s vs compute {st.compute_s:.3f} s per step "
+            f"over {v.interconnect})"
+        )
     if v.code == "does_not_fit":
-        return (f"{_rule_option(rule)} does not fit: its smallest option ({o.label()}) needs "
-                f"{_gib(o.total_bytes)} > {_gib(o.usable_bytes)} usable")
+        return (
+            f"{_rule_option(rule)} does not fit: its smallest option ({o.label()}) needs "
+            f"{_gib(o.total_bytes)} > {_gib(o.usable_bytes)} usable"
+        )
     rel = f"; {o.relative_throughput:.2f}× DDP by the model" + (
-        f", {v.claimed_low:.2f}× claimed" if v.claimed_low is not None else "")
+        f", {v.claimed_low:.2f}× claimed" if v.claimed_low is not None else ""
+    )
     if v.code == "best":
         return f"{o.label()} is the best option{rel}"
     best = v.versus
     if v.code == "more_memory":
-        return (f"{o.label()} fits but needs {v.value:.0%} more memory ({_gib(o.total_bytes)} vs "
-                f"{_gib(best.total_bytes)} for {best.job.plan.strategy}){rel}")
+        return (
+            f"{o.label()} fits but needs {v.value:.0%} more memory ({_gib(o.total_bytes)} vs "
+            f"{_gib(best.total_bytes)} for {best.job.plan.strategy}){rel}"
+        )
     slower = f"{v.value:.0%}" if v.value >= 0.01 else f"{v.value:.1%}"
-    return (f"{o.label()} fits ({_gib(o.headroom_bytes)} headroom) and is {slower} slower than "
-            f"{best.job.plan.strategy} ({_tokens(o)} vs {_tokens(best)} tokens/s per GPU){rel}")
+    return (
+        f"{o.label()} fits ({_gib(o.headroom_bytes)} headroom) and is {slower} slower than "
+        f"{best.job.plan.strategy} ({_tokens(o)} vs {_tokens(best)} tokens/s per GPU){rel}"
+    )
 
 
 def verdict_line(v: RuleVerdict) -> str:
     head = "agrees" if v.agrees else "contradicted by the arithmetic"
-    return f"[{v.rule.id}] {v.rule.source} ({v.rule.section}): \"{v.rule.quote}\" -> {head}: {verdict_detail(v)}"
+    return f'[{v.rule.id}] {v.rule.source} ({v.rule.section}): "{v.rule.quote}" -> {head}: {verdict_detail(v)}'
 
 
-_FIX_CHANGES = {"strategy": "another strategy", "ac": "activation checkpointing {}", "offload": "offload {}",
-                "micro_batch": "micro-batch {}", "precision": "lower precision: pure {} (no fp32 master copy)"}
+_FIX_CHANGES = {
+    "strategy": "another strategy",
+    "ac": "activation checkpointing {}",
+    "offload": "offload {}",
+    "micro_batch": "micro-batch {}",
+    "precision": "lower precision: pure {} (no fp32 master copy)",
+}
 
 
 def fix_change(f: Fix) -> str:
@@ -292,7 +392,9 @@ def fix_change(f: Fix) -> str:
         return f"more GPUs: {f.error}" if f.error else f"more GPUs: {f.value} (instead of {f.from_gpus})"
     change = _FIX_CHANGES[f.axis].format(f.value)
     if f.blocked_by:
-        return f"{change}: not available with strateg{'y' if len(f.blocked_by) == 1 else 'ies'} {', '.join(f.blocked_by)}"
+        return (
+            f"{change}: not available with strateg{'y' if len(f.blocked_by) == 1 else 'ies'} {', '.join(f.blocked_by)}"
+        )
     return change
 
 
@@ -309,8 +411,10 @@ def calibration_text(basis) -> str:
     c = basis.correction
     measured = ", ".join(t.strategy for t in c.throughput) or "none"
     where = "" if basis.device_matches else " (fitted on another device: treat with care)"
-    return (f"calibrated by {basis.calibration.path}: {c.device}, torch {c.torch_version}, memory band "
-            f"±{c.residual_pct:.2f} %; speed measured for: {measured}{where}")
+    return (
+        f"calibrated by {basis.calibration.path}: {c.device}, torch {c.torch_version}, memory band "
+        f"±{c.residual_pct:.2f} %; speed measured for: {measured}{where}"
+    )
 
 
 def _strategies_named(strategies: tuple[str, ...]) -> str:
@@ -336,63 +440,115 @@ def reason_text(r: Reason, restricted_by: str | None = None) -> str:
     if r.code == "ranked":
         return f"{r.num_fitting} of {r.num_options} options fit; ranked by {r.priority}"
     if r.code == "fits":
-        return (f"fits: {_gib(o.total_bytes)} of {_gib(o.usable_bytes)} usable ({_gib(o.headroom_bytes)} headroom), "
-                f"peak in {o.final.phase}")
+        return (
+            f"fits: {_gib(o.total_bytes)} of {_gib(o.usable_bytes)} usable ({_gib(o.headroom_bytes)} headroom), "
+            f"peak in {o.final.phase}"
+        )
     if r.code == "predicted":
         st = o.step
-        return (f"predicted {_tokens(o)} tokens/s per GPU ({o.relative_throughput:.2f}× DDP at the same settings): "
-                f"compute {st.compute_s:.3f} s, communication {st.comm_s:.3f} s of which {st.exposed_comm_s:.3f} s "
-                f"exposed over {r.basis.link.interconnect}, offload {st.offload_s:.3f} s per step")
+        return (
+            f"predicted {_tokens(o)} tokens/s per GPU ({o.relative_throughput:.2f}× DDP at the same settings): "
+            f"compute {st.compute_s:.3f} s, communication {st.comm_s:.3f} s of which {st.exposed_comm_s:.3f} s "
+            f"exposed over {r.basis.link.interconnect}, offload {st.offload_s:.3f} s per step"
+        )
     return f"runner-up: {r.rejected.option.label()} ({rejected_reason(r.rejected)})"
 
 
 # ---------------------------------------------------------------------------- decisions as data
 
+
 def _option_dict(option) -> dict:
     j = option.job
-    return {"strategy": j.plan.strategy, "precision": j.train.precision,
-            "activation_checkpointing": j.train.activation_checkpointing, "offload": j.plan.offload,
-            "micro_batch": j.train.micro_batch, "total_bytes": option.total_bytes, "fits": option.fits,
-            "headroom_bytes": option.headroom_bytes, "tokens_per_s_per_gpu": option.step.tokens_per_s,
-            "step_s": option.step.step_s, "relative_throughput": option.relative_throughput}
+    return {
+        "strategy": j.plan.strategy,
+        "precision": j.train.precision,
+        "activation_checkpointing": j.train.activation_checkpointing,
+        "offload": j.plan.offload,
+        "micro_batch": j.train.micro_batch,
+        "total_bytes": option.total_bytes,
+        "fits": option.fits,
+        "headroom_bytes": option.headroom_bytes,
+        "tokens_per_s_per_gpu": option.step.tokens_per_s,
+        "step_s": option.step.step_s,
+        "relative_throughput": option.relative_throughput,
+    }
 
 
 def _step_dict(st) -> dict:
-    return {"compute_s": st.compute_s, "comm_s": st.comm_s, "exposed_comm_s": st.exposed_comm_s,
-            "offload_s": st.offload_s, "step_s": st.step_s}
+    return {
+        "compute_s": st.compute_s,
+        "comm_s": st.comm_s,
+        "exposed_comm_s": st.exposed_comm_s,
+        "offload_s": st.offload_s,
+        "step_s": st.step_s,
+    }
 
 
 def _verdict_dict(v: RuleVerdict) -> dict:
-    return {"id": v.rule.id, "kind": v.rule.kind, "source": v.rule.source, "section": v.rule.section,
-            "quote": v.rule.quote, "verdict": "agrees" if v.agrees else "contradicted", "detail": verdict_detail(v),
-            "code": v.code, "metric": v.metric, "value": v.value, "unit": v.unit, "claimed_low": v.claimed_low,
-            "claimed_high": v.claimed_high, "tolerance": v.tolerance, "strategy": v.strategy,
-            "option": _option_dict(v.option) if v.option else None,
-            "versus": _option_dict(v.versus) if v.versus else None,
-            "step": _step_dict(v.step) if v.step else None, "interconnect": v.interconnect}
+    return {
+        "id": v.rule.id,
+        "kind": v.rule.kind,
+        "source": v.rule.source,
+        "section": v.rule.section,
+        "quote": v.rule.quote,
+        "verdict": "agrees" if v.agrees else "contradicted",
+        "detail": verdict_detail(v),
+        "code": v.code,
+        "metric": v.metric,
+        "value": v.value,
+        "unit": v.unit,
+        "claimed_low": v.claimed_low,
+        "claimed_high": v.claimed_high,
+        "tolerance": v.tolerance,
+        "strategy": v.strategy,
+        "option": _option_dict(v.option) if v.option else None,
+        "versus": _option_dict(v.versus) if v.versus else None,
+        "step": _step_dict(v.step) if v.step else None,
+        "interconnect": v.interconnect,
+    }
 
 
 def _rejected_dict(r: Rejected) -> dict:
-    return {**_option_dict(r.option), "reason": rejected_reason(r), "reason_code": r.code,
-            "over_by_bytes": r.over_by_bytes, "slower_fraction": r.slower_fraction, "extra_bytes": r.extra_bytes}
+    return {
+        **_option_dict(r.option),
+        "reason": rejected_reason(r),
+        "reason_code": r.code,
+        "over_by_bytes": r.over_by_bytes,
+        "slower_fraction": r.slower_fraction,
+        "extra_bytes": r.extra_bytes,
+    }
 
 
 def _fix_dict(f: Fix) -> dict:
-    return {"change": fix_change(f), "fits": f.fits, **({"option": _option_dict(f.option)} if f.option else {}),
-            "axis": f.axis, "value": f.value, "from_gpus": f.from_gpus, "blocked_by": f.blocked_by, "error": f.error}
+    return {
+        "change": fix_change(f),
+        "fits": f.fits,
+        **({"option": _option_dict(f.option)} if f.option else {}),
+        "axis": f.axis,
+        "value": f.value,
+        "from_gpus": f.from_gpus,
+        "blocked_by": f.blocked_by,
+        "error": f.error,
+    }
 
 
 def _reason_dict(r: Reason, restricted_by: str | None) -> dict:
     """A reason's code and numbers (its sentence is in ``reasons``, at the same index)."""
     out: dict = {"code": r.code}
     if r.code in ("assumed_gpu", "predicted"):
-        out.update(gpu=r.basis.link.gpu_name, interconnect=r.basis.link.interconnect,
-                   measured_compute=r.basis.measured_compute)
+        out.update(
+            gpu=r.basis.link.gpu_name, interconnect=r.basis.link.interconnect, measured_compute=r.basis.measured_compute
+        )
     if r.code == "calibrated":
         c = r.basis.correction
-        out.update(path=r.basis.calibration.path, device=c.device, torch_version=c.torch_version,
-                   band_pct=c.residual_pct, speed_measured_for=[t.strategy for t in c.throughput],
-                   device_matches=r.basis.device_matches)
+        out.update(
+            path=r.basis.calibration.path,
+            device=c.device,
+            torch_version=c.torch_version,
+            band_pct=c.residual_pct,
+            speed_measured_for=[t.strategy for t in c.throughput],
+            device_matches=r.basis.device_matches,
+        )
     if r.code == "kept_as_given":
         out["fixed"] = dict(r.fixed)
     if r.code == "restricted":
@@ -425,8 +581,13 @@ def recommendation_dict(rec: Recommendation, restricted_by: str | None = None) -
         "rules": [_verdict_dict(v) for v in rec.rules],
         "rejected": [_rejected_dict(r) for r in rec.rejected],
         "fixes": [_fix_dict(f) for f in rec.fixes],
-        "link": {"gpu": rec.link.gpu_name, "assumed_gpu": rec.link.assumed_gpu, "interconnect": rec.link.interconnect,
-                 "intra_node_bytes_s": rec.link.intra_node_bytes_s, "inter_node_bytes_s": rec.link.inter_node_bytes_s},
+        "link": {
+            "gpu": rec.link.gpu_name,
+            "assumed_gpu": rec.link.assumed_gpu,
+            "interconnect": rec.link.interconnect,
+            "intra_node_bytes_s": rec.link.intra_node_bytes_s,
+            "inter_node_bytes_s": rec.link.inter_node_bytes_s,
+        },
         "calibration": calibration_text(rec.basis) if rec.basis.correction else None,
         "searched_strategies": list(rec.searched) if rec.searched else None,
         "reason_details": [_reason_dict(r, restricted_by) for r in rec.reasons],
@@ -436,23 +597,33 @@ def recommendation_dict(rec: Recommendation, restricted_by: str | None = None) -
 def recommendation_summary(rec: Recommendation) -> list[str]:
     """A few lines: the pick, why, and how many documented rules the arithmetic contradicts."""
     contradicted = [v.rule.id for v in rec.contradicted]
-    rules = (f"Documented rules: {len(rec.rules) - len(contradicted)} agree, {len(contradicted)} contradicted by "
-             f"the arithmetic ({', '.join(contradicted)}); `memplan recommend` shows why." if rec.rules else
-             "No documented rule matches these inputs.")
+    rules = (
+        f"Documented rules: {len(rec.rules) - len(contradicted)} agree, {len(contradicted)} contradicted by "
+        f"the arithmetic ({', '.join(contradicted)}); `memplan recommend` shows why."
+        if rec.rules
+        else "No documented rule matches these inputs."
+    )
     if rec.best is None:
         fix = next((f for f in rec.fixes if f.fits), None)
         return ["Recommendation: nothing fits.", *([f"Smallest change: {fix_line(fix)}"] if fix else []), rules]
     st = rec.best.step
-    return [f"Recommendation ({rec.priority}): {rec.best.label()}",
-            f"  {_g(rec.best.total_bytes)} GiB per GPU, {st.tokens_per_s:,.0f} tokens/s per GPU predicted "
-            f"({rec.best.relative_throughput:.2f}× DDP), step {st.step_s:.3f} s"
-            + (f"; throughput as on {rec.link.gpu_name} (no --gpu given)"
-               if rec.link.assumed_gpu and not rec.basis.measured_compute else "")
-            + ("; calibrated" if rec.basis.correction else ""), rules]
+    return [
+        f"Recommendation ({rec.priority}): {rec.best.label()}",
+        f"  {_g(rec.best.total_bytes)} GiB per GPU, {st.tokens_per_s:,.0f} tokens/s per GPU predicted "
+        f"({rec.best.relative_throughput:.2f}× DDP), step {st.step_s:.3f} s"
+        + (
+            f"; throughput as on {rec.link.gpu_name} (no --gpu given)"
+            if rec.link.assumed_gpu and not rec.basis.measured_compute
+            else ""
+        )
+        + ("; calibrated" if rec.basis.correction else ""),
+        rules,
+    ]
 
 
-def render_recommendation(choice: ModelChoice, rec: Recommendation, launch: str | None = None,
-                          restricted_by: str | None = None) -> str:
+def render_recommendation(
+    choice: ModelChoice, rec: Recommendation, launch: str | None = None, restricted_by: str | None = None
+) -> str:
     """Everything: the pick and its reasons, every rejected option, every matching rule, fixes, launch config."""
     job = (rec.best or rec.options[0]).job
     lines = [_header(choice, job), "", *recommendation_summary(rec)[:2], "", "Reasons:"]
@@ -473,15 +644,26 @@ def render_min_gpus(choice: ModelChoice, result) -> str:
     final = result.corrected or result.estimate
     job = result.estimate.job
     calibrated = f"; calibrated: {result.corrected.correction.device}" if result.corrected else ""
-    lines = [_header(choice, job), "",
-             f"Fewest GPUs: {result.gpus} with {result.strategy} ({_g(final.total_bytes)} of "
-             f"{_g(job.cluster.usable_bytes)} GiB usable, peak in {final.phase}{calibrated})", "", "By strategy:"]
-    lines += [f"  {s:<20} {n if n is not None else 'nothing fits up to the limit'}"
-              for s, n in result.by_strategy.items()]
+    lines = [
+        _header(choice, job),
+        "",
+        f"Fewest GPUs: {result.gpus} with {result.strategy} ({_g(final.total_bytes)} of "
+        f"{_g(job.cluster.usable_bytes)} GiB usable, peak in {final.phase}{calibrated})",
+        "",
+        "By strategy:",
+    ]
+    lines += [
+        f"  {s:<20} {n if n is not None else 'nothing fits up to the limit'}" for s, n in result.by_strategy.items()
+    ]
     return "\n".join(lines)
 
 
 def min_gpus_dict(choice: ModelChoice, result) -> dict:
-    return {"inputs": inputs_dict(choice, result.estimate), "gpus": result.gpus, "strategy": result.strategy,
-            "estimate": estimate_dict(result.estimate), "by_strategy": result.by_strategy,
-            "calibrated_total_bytes": result.corrected.total_bytes if result.corrected else None}
+    return {
+        "inputs": inputs_dict(choice, result.estimate),
+        "gpus": result.gpus,
+        "strategy": result.strategy,
+        "estimate": estimate_dict(result.estimate),
+        "by_strategy": result.by_strategy,
+        "calibrated_total_bytes": result.corrected.total_bytes if result.corrected else None,
+    }

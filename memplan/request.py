@@ -5,6 +5,7 @@ its own fields once, here (or in the spec it becomes). Defaults are the specs' o
 A new input is one field in its part (with its docstring) plus its check; a training input is
 passed to the ``TrainSpec`` field of the same name.
 """
+
 from __future__ import annotations
 
 from dataclasses import Field, dataclass, field, fields, replace
@@ -46,18 +47,28 @@ class ModelRequest:
     def __post_init__(self):
         given = self.sources()
         if len(given) != 1:
-            raise InputError(lambda n: f"give exactly one model source: {n('params')} N, {n('model')} NAME, "
-                                       f"{n('config')} PATH or {n('arch')} with shapes"
-                                       + (f" (got {', '.join(n(k) for k in given)})" if given else ""),
-                             field="model", value=given, accepted="one of params, model, config, arch with shapes")
+            raise InputError(
+                lambda n: (
+                    f"give exactly one model source: {n('params')} N, {n('model')} NAME, "
+                    f"{n('config')} PATH or {n('arch')} with shapes"
+                    + (f" (got {', '.join(n(k) for k in given)})" if given else "")
+                ),
+                field="model",
+                value=given,
+                accepted="one of params, model, config, arch with shapes",
+            )
         if given == ["params"]:
             from .units import parse_count
 
             parse_count(self.params, what="params")
         missing = self.missing_shapes() if given == ["arch"] else []
         if missing:
-            raise InputError(lambda n: f"{n('arch')} {self.arch or 'llama'} needs {', '.join(n(k) for k in missing)}",
-                             field=missing[0], value=None, accepted="a positive integer")
+            raise InputError(
+                lambda n: f"{n('arch')} {self.arch or 'llama'} needs {', '.join(n(k) for k in missing)}",
+                field=missing[0],
+                value=None,
+                accepted="a positive integer",
+            )
 
     def sources(self) -> list[str]:
         """The ways the model was named: params, model, config, arch (shapes count as arch)."""
@@ -133,12 +144,23 @@ class TrainingRequest:
         if values["micro_batch"] == "max":
             values["micro_batch"] = 1
         if values["optimizer_impl"] is None:
-            values["optimizer_impl"] = next((c.value for c in resolved.elsewhere if c.setting == "optimizer_impl"), None)
+            values["optimizer_impl"] = next(
+                (c.value for c in resolved.elsewhere if c.setting == "optimizer_impl"), None
+            )
         return TrainSpec(**values, **loop)
 
 
-_LOOP = ("ac", "ac_every", "logits", "loss", "loss_chunks", "compile", "float8", "offload_activations",
-         "optimizer_in_backward")
+_LOOP = (
+    "ac",
+    "ac_every",
+    "logits",
+    "loss",
+    "loss_chunks",
+    "compile",
+    "float8",
+    "offload_activations",
+    "optimizer_in_backward",
+)
 """The TrainingRequest fields that are loop settings (``loop.Loop``), None where the recipe sets them."""
 
 
@@ -151,7 +173,8 @@ class ClusterRequest:
     gpus_per_node: int = ClusterSpec.gpus_per_node
     """0: min(gpus, 8)."""
     gpu_mem: float | str | None = None
-    """Memory per GPU: GiB (``80``) or with a unit (``"80GB"``, ``"81559MiB"``); 80 GiB where neither this nor ``gpu``."""
+    """Memory per GPU: GiB (``80``) or with a unit (``"80GB"``, ``"81559MiB"``); 80 GiB where neither
+    this nor ``gpu``."""
     gpu: str | None = None
     """A GPU of tables/gpus.csv (``"h100-sxm"``): its memory, speed and links."""
     headroom: float = ClusterSpec.headroom
@@ -159,8 +182,12 @@ class ClusterRequest:
 
     def __post_init__(self):
         if self.gpu is not None and self.gpu_mem is not None:
-            raise InputError(lambda n: f"give {n('gpu')} NAME or {n('gpu_mem')} SIZE, not both", field="gpu_mem",
-                             value=self.gpu_mem, accepted="gpu or gpu_mem, not both")
+            raise InputError(
+                lambda n: f"give {n('gpu')} NAME or {n('gpu_mem')} SIZE, not both",
+                field="gpu_mem",
+                value=self.gpu_mem,
+                accepted="gpu or gpu_mem, not both",
+            )
         ClusterSpec(gpus=self.gpus, gpus_per_node=self.gpus_per_node, headroom=self.headroom)
 
 
@@ -176,11 +203,17 @@ class StrategyRequest:
     def __post_init__(self):
         from .strategies import STRATEGIES
 
-        for name, value, accepted in (("strategy", self.strategy, ("all", *STRATEGIES)),
-                                      ("offload", self.offload, OFFLOADS)):
+        for name, value, accepted in (
+            ("strategy", self.strategy, ("all", *STRATEGIES)),
+            ("offload", self.offload, OFFLOADS),
+        ):
             if value not in accepted:
-                raise InputError(f"{name} {value!r} is not one of: {', '.join(accepted)}", field=name, value=value,
-                                 accepted=", ".join(accepted))
+                raise InputError(
+                    f"{name} {value!r} is not one of: {', '.join(accepted)}",
+                    field=name,
+                    value=value,
+                    accepted=", ".join(accepted),
+                )
 
 
 PARTS = {"model": ModelRequest, "training": TrainingRequest, "cluster": ClusterRequest, "plan": StrategyRequest}
@@ -205,8 +238,9 @@ def unknown_keyword(keyword: str, where: str, accepted: tuple[str, ...] = tuple(
 
     close = difflib.get_close_matches(keyword, accepted, n=1, cutoff=0.75)
     hint = f"did you mean {close[0]!r}?" if close else f"accepted: {', '.join(sorted(accepted))}"
-    return UnknownKeywordError(f"{where} got an unexpected keyword argument {keyword!r}; {hint}",
-                               keyword=keyword, accepted=accepted)
+    return UnknownKeywordError(
+        f"{where} got an unexpected keyword argument {keyword!r}; {hint}", keyword=keyword, accepted=accepted
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,8 +255,12 @@ class Request:
     def __post_init__(self):
         for name, cls in PARTS.items():
             if not isinstance(getattr(self, name), cls):
-                raise InputError(f"Request {name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}",
-                                 field=name, value=getattr(self, name), accepted=cls.__name__)
+                raise InputError(
+                    f"Request {name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}",
+                    field=name,
+                    value=getattr(self, name),
+                    accepted=cls.__name__,
+                )
 
     @classmethod
     def of(cls, base: Request | None = None, /, **inputs) -> Request:
@@ -232,8 +270,12 @@ class Request:
             if keyword not in FIELDS:
                 raise unknown_keyword(keyword, "Request.of()")
         if base is not None and not isinstance(base, Request):
-            raise InputError(f"request must be a Request, got {type(base).__name__}", field="request", value=base,
-                             accepted="a memplan.Request")
+            raise InputError(
+                f"request must be a Request, got {type(base).__name__}",
+                field="request",
+                value=base,
+                accepted="a memplan.Request",
+            )
         parts = {}
         for name, part in PARTS.items():
             mine = {k: v for k, v in inputs.items() if FIELDS[k][0] == name}

@@ -9,6 +9,7 @@ one node it is flat. The one exception is 1 → 2 GPUs (a second rank brings NCC
 1 GPU is tried on its own before the bracket (``_first_true`` tests index 0 first and never
 bisects across it). tests/test_search.py checks both against exhaustive scans.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -55,8 +56,9 @@ def _headrooms(job: Job) -> tuple[int, ...]:
     return estimate(job).moment_headrooms
 
 
-def max_micro_batch(job: Job, *, limit: int = MICRO_BATCH_LIMIT,
-                    headrooms: Callable[[Job], tuple[int, ...]] = _headrooms) -> int:
+def max_micro_batch(
+    job: Job, *, limit: int = MICRO_BATCH_LIMIT, headrooms: Callable[[Job], tuple[int, ...]] = _headrooms
+) -> int:
     """Largest micro-batch ≤ limit at which ``job`` fits (the least of ``headrooms`` ≥ 0: the
     analytic moments', or calibrated ones); 0 when not even 1 does.
 
@@ -65,6 +67,7 @@ def max_micro_batch(job: Job, *, limit: int = MICRO_BATCH_LIMIT,
     earliest of these is the answer, up to rounding and the overhead following the peak. That
     guess and the next are checked exactly, then an exponential search and bisection walk from
     the guess (up, or down when it does not fit) to the exact answer."""
+
     def room(b: int) -> int:
         return min(headrooms(job.with_(micro_batch=b)))
 
@@ -91,6 +94,7 @@ def gpu_counts(gpus_per_node: int = 0):
 
     def count(i: int) -> int:
         return i + 1 if i < node else node * (i - node + 2)
+
     return count, node
 
 
@@ -117,8 +121,9 @@ class MinGpus:
     """The estimate with a calibration applied (``memplan.calibration.Corrected``), where one was."""
 
 
-def min_gpus_for(job: Job, *, gpus_per_node: int = 0, limit: int = GPU_LIMIT,
-                 fits: Callable[[Job], bool] = _fits) -> int | None:
+def min_gpus_for(
+    job: Job, *, gpus_per_node: int = 0, limit: int = GPU_LIMIT, fits: Callable[[Job], bool] = _fits
+) -> int | None:
     """Fewest GPUs (1..node size, then whole nodes) on which ``job``'s own strategy fits."""
     count, node = gpu_counts(gpus_per_node)
     limit = min(limit, STRATEGIES[job.plan.strategy].max_gpus or limit)  # "single": one GPU at most
@@ -128,16 +133,24 @@ def min_gpus_for(job: Job, *, gpus_per_node: int = 0, limit: int = GPU_LIMIT,
     return None if i is None else count(i)
 
 
-def min_gpus(job: Job, strategies: list[str], *, gpus_per_node: int = 0, limit: int = GPU_LIMIT,
-             fits: Callable[[Job], bool] = _fits) -> MinGpus:
+def min_gpus(
+    job: Job,
+    strategies: list[str],
+    *,
+    gpus_per_node: int = 0,
+    limit: int = GPU_LIMIT,
+    fits: Callable[[Job], bool] = _fits,
+) -> MinGpus:
     """Fewest GPUs for which some strategy of ``strategies`` fits, and which (the first listed wins a tie)."""
     one = with_gpus(job, 1, gpus_per_node)  # every strategy runs on one GPU
-    by = {s: min_gpus_for(with_strategy(one, s), gpus_per_node=gpus_per_node, limit=limit, fits=fits)
-          for s in strategies}
+    by = {
+        s: min_gpus_for(with_strategy(one, s), gpus_per_node=gpus_per_node, limit=limit, fits=fits) for s in strategies
+    }
     found = [(n, s) for s, n in by.items() if n is not None]
     if not found:
-        raise MemplanError(f"nothing fits even on {limit} GPUs; "
-                           "try --ac full, --offload all or a smaller --micro-batch")
+        raise MemplanError(
+            f"nothing fits even on {limit} GPUs; try --ac full, --offload all or a smaller --micro-batch"
+        )
     gpus, strategy = min(found, key=lambda t: t[0])
     best = with_gpus(with_strategy(job, strategy), gpus, gpus_per_node)
     return MinGpus(gpus=gpus, strategy=strategy, estimate=estimate(best), by_strategy=by)

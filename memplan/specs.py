@@ -3,6 +3,7 @@
 Keyword-only frozen dataclasses, validated once in ``__post_init__``; everything
 downstream trusts them.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,12 @@ def _check_positive(obj, *names):
 
 
 def _not_positive(name: str, value) -> InputError:
-    return InputError(lambda n: f"{n.word(name)} must be a positive integer, got {value!r}", field=name, value=value,
-                      accepted="a positive integer")
+    return InputError(
+        lambda n: f"{n.word(name)} must be a positive integer, got {value!r}",
+        field=name,
+        value=value,
+        accepted="a positive integer",
+    )
 
 
 def _square_grid_plus_one(n: int) -> bool:
@@ -86,8 +91,10 @@ class ModelSpec:
             object.__setattr__(self, "activation", default)
         _check_choice(self.activation, ACTIVATIONS, "activation")
         if (self.activation == "silu") != (self.arch == "llama"):
-            raise MemplanError(f"activation {self.activation!r} does not fit arch {self.arch!r}: "
-                               "llama uses silu, the others gelu or gelu_new")
+            raise MemplanError(
+                f"activation {self.activation!r} does not fit arch {self.arch!r}: "
+                "llama uses silu, the others gelu or gelu_new"
+            )
         _check_positive(self, "num_layers", "hidden", "num_heads", "ffn_hidden", "vocab_size")
         if self.num_kv_heads == 0:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
@@ -95,11 +102,14 @@ class ModelSpec:
         if self.hidden % self.num_heads:
             raise MemplanError(f"hidden {self.hidden} is not divisible by heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
-            raise MemplanError(lambda n: f"heads {self.num_heads} is not divisible by {n.word('kv_heads')} "
-                                         f"{self.num_kv_heads}")
+            raise MemplanError(
+                lambda n: f"heads {self.num_heads} is not divisible by {n.word('kv_heads')} {self.num_kv_heads}"
+            )
         if self.arch == "vit" and not _square_grid_plus_one(self.max_positions):
-            raise MemplanError(f"vit max_positions must be its patch count + 1 over a square patch grid "
-                               f"(197 = 14² + 1 for 224-pixel images in 16-pixel patches), got {self.max_positions}")
+            raise MemplanError(
+                f"vit max_positions must be its patch count + 1 over a square patch grid "
+                f"(197 = 14² + 1 for 224-pixel images in 16-pixel patches), got {self.max_positions}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise MemplanError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.num_layers > 10_000 or self.hidden > 1_000_000 or self.vocab_size > 10_000_000:
@@ -177,9 +187,18 @@ def _loop(logits, loss, loss_chunks, ac, ac_every, compile, float8, offload_acti
     """A step's ``loop.Loop``, built once per distinct loop (the step's hot path reads it)."""
     from .loop import Loop
 
-    return Loop(logits=logits, loss=loss, loss_chunks=loss_chunks, ac=ac, ac_every=ac_every, compile=compile,
-                float8=float8, offload_activations=offload_activations, optimizer_in_backward=optimizer_in_backward,
-                recipe=recipe)
+    return Loop(
+        logits=logits,
+        loss=loss,
+        loss_chunks=loss_chunks,
+        ac=ac,
+        ac_every=ac_every,
+        compile=compile,
+        float8=float8,
+        offload_activations=offload_activations,
+        optimizer_in_backward=optimizer_in_backward,
+        recipe=recipe,
+    )
 
 
 @lru_cache(maxsize=1024)
@@ -235,14 +254,28 @@ class TrainSpec:
             object.__setattr__(self, "optimizer_impl", "foreach" if self.device == "cuda" else "single")
         _check_choice(self.optimizer_impl, OPTIMIZER_IMPLS, "optimizer implementation")
         if self.seq_len > 10_000_000 or self.micro_batch > 1_000_000:
-            raise MemplanError(lambda n: f"{n.word('seq_len')} {self.seq_len} or {n.word('micro_batch')} "
-                               f"{self.micro_batch} is absurd; {n.word('seq_len')} ≤ 1e7, {n.word('micro_batch')} ≤ 1e6")
+            raise MemplanError(
+                lambda n: (
+                    f"{n.word('seq_len')} {self.seq_len} or {n.word('micro_batch')} "
+                    f"{self.micro_batch} is absurd; {n.word('seq_len')} ≤ 1e7, {n.word('micro_batch')} ≤ 1e6"
+                )
+            )
 
     @property
     def loop(self):
         """The training loop's conventions as a ``loop.Loop``."""
-        return _loop(self.logits, self.loss, self.loss_chunks, self.activation_checkpointing, self.ac_every,
-                     self.compile, self.float8, self.offload_activations, self.optimizer_in_backward, self.recipe)
+        return _loop(
+            self.logits,
+            self.loss,
+            self.loss_chunks,
+            self.activation_checkpointing,
+            self.ac_every,
+            self.compile,
+            self.float8,
+            self.offload_activations,
+            self.optimizer_in_backward,
+            self.recipe,
+        )
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -269,8 +302,9 @@ class ClusterSpec:
             object.__setattr__(self, "gpus_per_node", min(self.gpus, 8))
         _check_positive(self, "gpus_per_node")
         if self.gpus % self.gpus_per_node:
-            raise MemplanError(lambda n: f"gpus {self.gpus} is not a multiple of {n.word('gpus_per_node')} "
-                                         f"{self.gpus_per_node}")
+            raise MemplanError(
+                lambda n: f"gpus {self.gpus} is not a multiple of {n.word('gpus_per_node')} {self.gpus_per_node}"
+            )
         if not (isinstance(self.headroom, (int, float)) and 0.0 <= self.headroom < 1.0) or math.isnan(self.headroom):
             raise MemplanError(f"headroom must be a fraction in [0, 1), got {self.headroom!r}")
 
@@ -309,9 +343,11 @@ def _vit_train(model: ModelSpec, train: TrainSpec) -> TrainSpec:
     if train.seq_len == tokens:
         return train
     if train.seq_len != TrainSpec.__dataclass_fields__["seq_len"].default:
-        raise MemplanError(f"seq-len {train.seq_len} does not apply to {model.name} (vit): its sequence is fixed by "
-                           f"the image size at {tokens} tokens ({tokens - 1} patches + the class token); leave seq-len "
-                           f"at its default or give {tokens}")
+        raise MemplanError(
+            f"seq-len {train.seq_len} does not apply to {model.name} (vit): its sequence is fixed by "
+            f"the image size at {tokens} tokens ({tokens - 1} patches + the class token); leave seq-len "
+            f"at its default or give {tokens}"
+        )
     return replace(train, seq_len=tokens)
 
 
@@ -331,10 +367,12 @@ class Job:
             object.__setattr__(self, "train", _vit_train(self.model, self.train))
         strategy = STRATEGIES[self.plan.strategy]
         if not strategy.allows_gpus(self.cluster.gpus):
-            raise MemplanError(f"strategy {strategy.id!r} ({strategy.label}) runs on at most {strategy.max_gpus} "
-                               f"GPU, got gpus={self.cluster.gpus}; use ddp or a sharded strategy")
+            raise MemplanError(
+                f"strategy {strategy.id!r} ({strategy.label}) runs on at most {strategy.max_gpus} "
+                f"GPU, got gpus={self.cluster.gpus}; use ddp or a sharded strategy"
+            )
 
-    def with_(self, **changes) -> "Job":
+    def with_(self, **changes) -> Job:
         """Copy with fields of the nested specs changed by name, e.g. ``with_(gpus=16, micro_batch=2)``."""
         parts = {"model": self.model, "train": self.train, "cluster": self.cluster, "plan": self.plan}
         by_part: dict[str, dict] = {}

@@ -1,5 +1,6 @@
 """Each distributed strategy written down once, as data: what it shards, over which
 group, and which framework's buffers it holds. Adding a strategy is adding a row."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,28 +51,87 @@ class Strategy:
 _ROWS = (
     # a plain training loop on one GPU: no wrapper, so no buckets or gather buffers (torchtune's
     # single-device recipes, a bare HF Trainer); DDP even at one GPU allocates its buckets (measured)
-    Strategy(id="single", framework="none", shards_params=False, shards_grads=False, shards_optimizer=False,
-             max_gpus=1, label="one GPU, no wrapper"),
-    Strategy(id="ddp", framework="ddp", shards_params=False, shards_grads=False,
-             shards_optimizer=False, label="DistributedDataParallel"),
-    Strategy(id="fsdp-no-shard", framework="fsdp", shards_params=False, shards_grads=False,
-             shards_optimizer=False, label="FSDP NO_SHARD"),
-    Strategy(id="fsdp-shard-grad-op", framework="fsdp", shards_params=True, shards_grads=True,
-             shards_optimizer=True, reshard_after_forward=False, offloads=("params", "all"),
-             label="FSDP SHARD_GRAD_OP / fully_shard(reshard_after_forward=False)"),
-    Strategy(id="fsdp-full-shard", framework="fsdp", shards_params=True, shards_grads=True,
-             shards_optimizer=True, offloads=("params", "all"),
-             label="FSDP FULL_SHARD / fully_shard"),
-    Strategy(id="fsdp-hybrid-shard", framework="fsdp", shards_params=True, shards_grads=True,
-             shards_optimizer=True, shard_group="node", offloads=("params", "all"),
-             label="FSDP HYBRID_SHARD / fully_shard on a 2-D mesh"),
-    Strategy(id="zero1", framework="deepspeed", shards_params=False, shards_grads=False,
-             shards_optimizer=True, offloads=("optimizer",), label="DeepSpeed ZeRO stage 1"),
-    Strategy(id="zero2", framework="deepspeed", shards_params=False, shards_grads=True,
-             shards_optimizer=True, offloads=("optimizer",), label="DeepSpeed ZeRO stage 2"),
-    Strategy(id="zero3", framework="deepspeed", shards_params=True, shards_grads=True,
-             shards_optimizer=True, offloads=("optimizer", "params", "all"),
-             label="DeepSpeed ZeRO stage 3"),
+    Strategy(
+        id="single",
+        framework="none",
+        shards_params=False,
+        shards_grads=False,
+        shards_optimizer=False,
+        max_gpus=1,
+        label="one GPU, no wrapper",
+    ),
+    Strategy(
+        id="ddp",
+        framework="ddp",
+        shards_params=False,
+        shards_grads=False,
+        shards_optimizer=False,
+        label="DistributedDataParallel",
+    ),
+    Strategy(
+        id="fsdp-no-shard",
+        framework="fsdp",
+        shards_params=False,
+        shards_grads=False,
+        shards_optimizer=False,
+        label="FSDP NO_SHARD",
+    ),
+    Strategy(
+        id="fsdp-shard-grad-op",
+        framework="fsdp",
+        shards_params=True,
+        shards_grads=True,
+        shards_optimizer=True,
+        reshard_after_forward=False,
+        offloads=("params", "all"),
+        label="FSDP SHARD_GRAD_OP / fully_shard(reshard_after_forward=False)",
+    ),
+    Strategy(
+        id="fsdp-full-shard",
+        framework="fsdp",
+        shards_params=True,
+        shards_grads=True,
+        shards_optimizer=True,
+        offloads=("params", "all"),
+        label="FSDP FULL_SHARD / fully_shard",
+    ),
+    Strategy(
+        id="fsdp-hybrid-shard",
+        framework="fsdp",
+        shards_params=True,
+        shards_grads=True,
+        shards_optimizer=True,
+        shard_group="node",
+        offloads=("params", "all"),
+        label="FSDP HYBRID_SHARD / fully_shard on a 2-D mesh",
+    ),
+    Strategy(
+        id="zero1",
+        framework="deepspeed",
+        shards_params=False,
+        shards_grads=False,
+        shards_optimizer=True,
+        offloads=("optimizer",),
+        label="DeepSpeed ZeRO stage 1",
+    ),
+    Strategy(
+        id="zero2",
+        framework="deepspeed",
+        shards_params=False,
+        shards_grads=True,
+        shards_optimizer=True,
+        offloads=("optimizer",),
+        label="DeepSpeed ZeRO stage 2",
+    ),
+    Strategy(
+        id="zero3",
+        framework="deepspeed",
+        shards_params=True,
+        shards_grads=True,
+        shards_optimizer=True,
+        offloads=("optimizer", "params", "all"),
+        label="DeepSpeed ZeRO stage 3",
+    ),
 )
 
 STRATEGIES: dict[str, Strategy] = {s.id: s for s in _ROWS}

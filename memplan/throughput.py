@@ -6,6 +6,7 @@ Known limitations: no collective latency term, no kernel efficiency below the MF
 no tensor or pipeline parallelism; the documented penalties in tables/rules.csv are compared
 with these numbers, not fed into them.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -32,8 +33,10 @@ def default(key: str) -> float:
 
 @cache
 def interconnects() -> dict[str, float | None]:
-    return {row["name"]: float(row["bus_bw_gbs"]) * _GBS if row["bus_bw_gbs"] else None
-            for row in catalog.read_table("interconnects.csv")}
+    return {
+        row["name"]: float(row["bus_bw_gbs"]) * _GBS if row["bus_bw_gbs"] else None
+        for row in catalog.read_table("interconnects.csv")
+    }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +73,7 @@ def link_for(job: Job, *, interconnect: str | None = None, bw_gbs: float | None 
     nvlink = gpu.intra_node_bw_bytes_s / 2  # datasheets give both directions together
     multi_node = cluster.num_nodes > 1
     fabric = interconnect or ("infiniband" if multi_node else "nvlink" if gpu.interconnect == "nvlink" else "pcie")
+
     def listed_or_nvlink(name: str) -> float:
         bw = table[name]
         return nvlink if bw is None else bw
@@ -84,11 +88,16 @@ def link_for(job: Job, *, interconnect: str | None = None, bw_gbs: float | None 
             inter = bw_gbs * _GBS
         else:
             intra = bw_gbs * _GBS
-    return Link(intra_node_bytes_s=intra, inter_node_bytes_s=min(inter, intra) if multi_node else intra,
-                host_bytes_s=gpu.host_link_bw_bytes_s / 2,
-                host_dram_bytes_s=default("host_dram_bw_gbs") * _GBS / cluster.gpus_per_node,
-                gpu=gpu, gpu_name=gpu.name, assumed_gpu=assumed,
-                interconnect=fabric if bw_gbs is None else f"{bw_gbs:g} GB/s")
+    return Link(
+        intra_node_bytes_s=intra,
+        inter_node_bytes_s=min(inter, intra) if multi_node else intra,
+        host_bytes_s=gpu.host_link_bw_bytes_s / 2,
+        host_dram_bytes_s=default("host_dram_bw_gbs") * _GBS / cluster.gpus_per_node,
+        gpu=gpu,
+        gpu_name=gpu.name,
+        assumed_gpu=assumed,
+        interconnect=fabric if bw_gbs is None else f"{bw_gbs:g} GB/s",
+    )
 
 
 def flops_per_token(job: Job) -> float:
@@ -103,8 +112,9 @@ def flops_per_token(job: Job) -> float:
     """
     m, s = job.model, job.train.seq_len
     attention_fwd = 4 * m.num_layers * m.hidden * s
-    recompute = {"none": 0.0, "selective": attention_fwd, "op": m.num_params,
-                 "full": 2 * m.num_params + attention_fwd}[job.train.activation_checkpointing]
+    recompute = {"none": 0.0, "selective": attention_fwd, "op": m.num_params, "full": 2 * m.num_params + attention_fwd}[
+        job.train.activation_checkpointing
+    ]
     return 6 * m.num_params + 3 * attention_fwd + recompute
 
 
@@ -189,8 +199,15 @@ def offload_seconds(job: Job, link: Link) -> float:
     return seconds
 
 
-def step_time(job: Job, link: Link, *, mfu: float | None = None, overlap: float | None = None,
-              achieved_flops: float | None = None, exposed_fraction: float | None = None) -> StepTime:
+def step_time(
+    job: Job,
+    link: Link,
+    *,
+    mfu: float | None = None,
+    overlap: float | None = None,
+    achieved_flops: float | None = None,
+    exposed_fraction: float | None = None,
+) -> StepTime:
     """Compute over peak × MFU (or over a measured ``achieved_flops``); communication hidden up
     to ``overlap`` × compute, or a measured ``exposed_fraction`` of it left exposed."""
     tokens = job.train.seq_len * job.train.micro_batch * job.train.grad_accum
@@ -204,8 +221,13 @@ def step_time(job: Job, link: Link, *, mfu: float | None = None, overlap: float 
         exposed = max(0.0, comm - overlap * compute)
     else:
         exposed = exposed_fraction * comm
-    return StepTime(compute_s=compute, comm_s=comm, exposed_comm_s=exposed,
-                    offload_s=offload_seconds(job, link), tokens_per_step=tokens)
+    return StepTime(
+        compute_s=compute,
+        comm_s=comm,
+        exposed_comm_s=exposed,
+        offload_s=offload_seconds(job, link),
+        tokens_per_step=tokens,
+    )
 
 
 def relative_to_ddp(job: Job, timer: Callable[[Job], StepTime]) -> float:

@@ -8,6 +8,7 @@ A block whose output depends on the machine or the time is marked by the line
 
     python scripts/readme_outputs.py --check | --write [README.md]
 """
+
 from __future__ import annotations
 
 import re
@@ -22,8 +23,9 @@ from memplan.cli import main as memplan
 README = Path(__file__).resolve().parent.parent / "README.md"
 SKIP = "<!-- readme-outputs: skip -->"
 # a fence, the command line, the pasted output (possibly empty), the closing fence
-BLOCK = re.compile(r"(?P<head>(?P<mark>^[^\n]*\n)?```\n\$ (?P<command>memplan [^\n]*)\n)(?P<output>.*?)^```$",
-                   re.MULTILINE | re.DOTALL)
+BLOCK = re.compile(
+    r"(?P<head>(?P<mark>^[^\n]*\n)?```\n\$ (?P<command>memplan [^\n]*)\n)(?P<output>.*?)^```$", re.MULTILINE | re.DOTALL
+)
 
 
 def run(command: str) -> str:

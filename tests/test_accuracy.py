@@ -1,5 +1,6 @@
 """memplan's `allocated` against real CPU training steps (DDP and FSDP2 with gloo in 2
 processes, the fake process group for larger worlds), measured with torch's MemTracker."""
+
 import pytest
 
 pytest.importorskip("torch")

@@ -1,4 +1,5 @@
 """The activation model against torch's own saved-tensor hooks, block by block."""
+
 import pytest
 
 from memplan.activations import block_saved, loss_saved, model_saved
@@ -46,8 +47,17 @@ CASES = [
 
 @pytest.mark.parametrize("arch,precision,attention,kv,dropout", CASES)
 def test_block_saved_bytes_match_autograd(arch, precision, attention, kv, dropout):
-    model = ModelSpec(arch=arch, num_layers=1, hidden=128, num_heads=8, num_kv_heads=kv, ffn_hidden=344,
-                      vocab_size=512, linear_bias=arch != "llama", dropout=dropout)
+    model = ModelSpec(
+        arch=arch,
+        num_layers=1,
+        hidden=128,
+        num_heads=8,
+        num_kv_heads=kv,
+        ffn_hidden=344,
+        vocab_size=512,
+        linear_bias=arch != "llama",
+        dropout=dropout,
+    )
     train = TrainSpec(seq_len=64, micro_batch=2, precision=precision, attention=attention, device="cpu")
     estimated = sum(s.bytes for s in block_saved(model, train))
     assert estimated == measured_block_saved(model, train)
@@ -85,14 +95,28 @@ def measured_vit_saved(model: ModelSpec, train: TrainSpec) -> tuple[int, int]:
     return block, saved_bytes(lambda: vit(pixel_values=pixels, labels=labels)) - block
 
 
-VIT_CASES = [(p, a, dropout) for p in ("fp32", "amp-bf16", "mixed-bf16", "bf16") for a in ("sdpa", "eager")
-             for dropout in (0.0, 0.1)]
+VIT_CASES = [
+    (p, a, dropout)
+    for p in ("fp32", "amp-bf16", "mixed-bf16", "bf16")
+    for a in ("sdpa", "eager")
+    for dropout in (0.0, 0.1)
+]
 
 
 @pytest.mark.parametrize("precision,attention,dropout", VIT_CASES)
 def test_vit_saved_bytes_match_autograd(precision, attention, dropout):
-    model = ModelSpec(arch="vit", num_layers=1, hidden=128, num_heads=8, ffn_hidden=344, vocab_size=10,
-                      linear_bias=True, max_positions=65, patch_size=8, dropout=dropout)
+    model = ModelSpec(
+        arch="vit",
+        num_layers=1,
+        hidden=128,
+        num_heads=8,
+        ffn_hidden=344,
+        vocab_size=10,
+        linear_bias=True,
+        max_positions=65,
+        patch_size=8,
+        dropout=dropout,
+    )
     train = TrainSpec(seq_len=2048, micro_batch=2, precision=precision, attention=attention, device="cpu")
     pre, post = model_saved(model, train)
     outside = [s for s in pre + post + loss_saved(model, train)[0] if not s.name.startswith("logits")]

@@ -1,4 +1,5 @@
 """memplan.estimate / from_module / sweep as a notebook calls them: same inputs as the CLI."""
+
 import inspect
 import json
 import subprocess
@@ -12,9 +13,23 @@ from memplan.inputs import build_jobs
 from memplan.memory import estimate as estimate_job
 from memplan.request import FIELDS, PARTS, ModelRequest, Request
 
-COLUMNS = ["precision", "activation_checkpointing", "offload", "micro_batch", "phase", "fits", "headroom_bytes",
-           "params_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes",
-           "allocated_bytes", "overhead_bytes", "total_bytes"]
+COLUMNS = [
+    "precision",
+    "activation_checkpointing",
+    "offload",
+    "micro_batch",
+    "phase",
+    "fits",
+    "headroom_bytes",
+    "params_bytes",
+    "gradients_bytes",
+    "optimizer_bytes",
+    "activations_bytes",
+    "buffers_bytes",
+    "allocated_bytes",
+    "overhead_bytes",
+    "total_bytes",
+]
 
 
 def test_to_frame_has_one_row_per_strategy_with_byte_columns():
@@ -33,13 +48,25 @@ def test_to_frame_has_one_row_per_strategy_with_byte_columns():
         result["zero9"]
 
 
-@pytest.mark.parametrize("source", [
-    dict(params=7e9),
-    dict(model="llama-2-7b"),
-    dict(arch="gpt2", layers=4, hidden=256, heads=4, ffn=1024, vocab=1000),
-    dict(config={"model_type": "llama", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 688,
-                 "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2}),
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        dict(params=7e9),
+        dict(model="llama-2-7b"),
+        dict(arch="gpt2", layers=4, hidden=256, heads=4, ffn=1024, vocab=1000),
+        dict(
+            config={
+                "model_type": "llama",
+                "vocab_size": 1000,
+                "hidden_size": 256,
+                "intermediate_size": 688,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+            }
+        ),
+    ],
+)
 def test_every_model_source_matches_the_scalar_path(source):
     result = memplan.estimate(**source, gpus=4, micro_batch=2, seq_len=512, strategy="zero2", calibration=None)
     _, jobs = build_jobs(**source, gpus=4, micro_batch=2, seq_len=512, strategy="zero2")
@@ -47,8 +74,15 @@ def test_every_model_source_matches_the_scalar_path(source):
 
 
 def test_config_path_and_spec_give_the_same_answer(tmp_path):
-    config = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 688,
-              "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2}
+    config = {
+        "model_type": "llama",
+        "vocab_size": 1000,
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     by_path = memplan.estimate(config=str(path), gpus=2, calibration=None)
@@ -64,8 +98,17 @@ def test_from_module_reads_shapes_without_torch():
             self.shape = shape
 
     h, kv, ffn = spec.hidden, spec.hidden * spec.num_kv_heads // spec.num_heads, spec.ffn_hidden
-    block = [("attn.q", (h, h)), ("attn.k", (kv, h)), ("attn.v", (kv, h)), ("attn.o", (h, h)),
-             ("mlp.gate", (ffn, h)), ("mlp.up", (ffn, h)), ("mlp.down", (h, ffn)), ("norm1", (h,)), ("norm2", (h,))]
+    block = [
+        ("attn.q", (h, h)),
+        ("attn.k", (kv, h)),
+        ("attn.v", (kv, h)),
+        ("attn.o", (h, h)),
+        ("mlp.gate", (ffn, h)),
+        ("mlp.up", (ffn, h)),
+        ("mlp.down", (h, ffn)),
+        ("norm1", (h,)),
+        ("norm2", (h,)),
+    ]
     named = [("embed", (spec.vocab_size, h))]
     named += [(f"layers.{i}.{n}", s) for i in range(spec.num_layers) for n, s in block]
     named += [("norm", (h,)), ("lm_head", (spec.vocab_size, h))]
@@ -94,8 +137,9 @@ def test_bad_input_is_one_line_naming_the_value():
 def test_a_misspelt_keyword_is_named_not_taken_for_a_missing_model():
     """Bug 1: recommend(model="gpt2", micro_bach=4) said "give exactly one model source"."""
     for function in (memplan.recommend, memplan.estimate, memplan.min_gpus):
-        with pytest.raises(TypeError, match="unexpected keyword argument 'micro_bach'; did you mean 'micro_batch'") \
-                as err:
+        with pytest.raises(
+            TypeError, match="unexpected keyword argument 'micro_bach'; did you mean 'micro_batch'"
+        ) as err:
             function(model="gpt2", micro_bach=4)
         assert err.value.keyword == "micro_bach" and "model source" not in str(err.value)
 
@@ -104,7 +148,7 @@ def test_every_input_is_an_explicit_keyword_with_the_requests_default():
     for function in (memplan.estimate, memplan.recommend, memplan.min_gpus):
         params = inspect.signature(function).parameters
         assert next(iter(params)) == "request"
-        for keyword, (part, f) in FIELDS.items():
+        for keyword, (part, _) in FIELDS.items():
             if keyword in params:
                 assert params[keyword].kind is inspect.Parameter.KEYWORD_ONLY
                 assert params[keyword].default == (None if part == "model" else getattr(PARTS[part](), keyword))
@@ -137,16 +181,24 @@ def test_estimate_returns_what_the_command_renders():
     assert result.applied == apply_all(list(result.estimates), "auto") and result.applied is not None
 
 
-@pytest.mark.parametrize("inputs,field,python,flag", [
-    ({"params": 13e9, "micro_batch": 0}, "micro_batch", "micro_batch must be", "micro-batch must be"),
-    ({"params": "zero"}, "params", "params 'zero'", "params 'zero'"),
-    ({"params": 13e9, "gpu_mem": "eighty"}, "gpu_mem", "gpu_mem 'eighty'", "gpu-mem 'eighty'"),
-    ({"params": 13e9, "gpu": "tpu-v9"}, "gpu", "gpu 'tpu-v9' is not a known GPU", "--gpu 'tpu-v9'"),
-    ({"params": 13e9, "gpu": "v100-32gb"}, "precision", "use precision fp32", "use --precision fp32"),
-    ({"params": 13e9, "gpu": "h100-sxm", "gpu_mem": 80}, "gpu_mem", "give gpu NAME or gpu_mem SIZE", "give --gpu NAME"),
-    ({"arch": "llama", "layers": 4}, "hidden", "arch llama needs hidden, heads", "--arch llama needs --hidden"),
-    ({"params": 13e9, "model": "gpt2"}, "model", "(got params, model)", "(got --params, --model)"),
-])
+@pytest.mark.parametrize(
+    "inputs,field,python,flag",
+    [
+        ({"params": 13e9, "micro_batch": 0}, "micro_batch", "micro_batch must be", "micro-batch must be"),
+        ({"params": "zero"}, "params", "params 'zero'", "params 'zero'"),
+        ({"params": 13e9, "gpu_mem": "eighty"}, "gpu_mem", "gpu_mem 'eighty'", "gpu-mem 'eighty'"),
+        ({"params": 13e9, "gpu": "tpu-v9"}, "gpu", "gpu 'tpu-v9' is not a known GPU", "--gpu 'tpu-v9'"),
+        ({"params": 13e9, "gpu": "v100-32gb"}, "precision", "use precision fp32", "use --precision fp32"),
+        (
+            {"params": 13e9, "gpu": "h100-sxm", "gpu_mem": 80},
+            "gpu_mem",
+            "give gpu NAME or gpu_mem SIZE",
+            "give --gpu NAME",
+        ),
+        ({"arch": "llama", "layers": 4}, "hidden", "arch llama needs hidden, heads", "--arch llama needs --hidden"),
+        ({"params": 13e9, "model": "gpt2"}, "model", "(got params, model)", "(got --params, --model)"),
+    ],
+)
 def test_errors_name_the_keyword_in_python_and_the_flag_in_the_command(inputs, field, python, flag):
     with pytest.raises(InputError) as err:
         memplan.estimate(**inputs)
@@ -163,13 +215,17 @@ def test_min_gpus_searches_whole_nodes_of_gpus_per_node():
 def test_exports_and_import_stays_torch_free():
     for name in ("estimate", "sweep", "from_module", "recommend", "plot_breakdown", "plot_fits", "plot_calibration"):
         assert callable(getattr(memplan, name)) and name in memplan.__all__
-    code = "import sys, memplan; print(sorted(m for m in ('torch', 'pandas', 'matplotlib', 'numpy') if m in sys.modules))"
+    code = (
+        "import sys, memplan; print(sorted(m for m in ('torch', 'pandas', 'matplotlib', 'numpy') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
 def test_memplan_sweep_is_callable_whichever_import_came_first():
-    code = ("from memplan.grid import sweep; import memplan; "
-            "print(len(memplan.sweep(params=[7e9], gpus=[8, 64], strategy=['ddp'])))")
+    code = (
+        "from memplan.grid import sweep; import memplan; "
+        "print(len(memplan.sweep(params=[7e9], gpus=[8, 64], strategy=['ddp'])))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "2"

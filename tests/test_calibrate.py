@@ -1,6 +1,7 @@
 """memplan calibrate: records of real runs (2 gloo processes, and one rank on the fake
 process group), every failure recorded while the sweep goes on, --resume, corrupt record
 files, the report, and the cluster dry run whose torchrun command really runs."""
+
 import json
 import os
 import shutil
@@ -22,11 +23,40 @@ from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 MODEL = ["--arch", "llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "128"]
 TRAIN = ["--seq-len", "32", "--micro-batch", "2", "--precision", "fp32", "--device", "cpu", "--gpus", "2"]
 TINY = [*MODEL, "--vocab", "256", *TRAIN]
-RUN_KEYS = {"schema", "id", "mode", "steps", "warmup", "workload", "spec", "world_size", "estimate", "status",
-            "error", "measurement", "device", "torch_version", "host", "finished_at", "wall_s"}
-MEASUREMENT_KEYS = {"peak_allocated_bytes", "phase", "categories", "step_time_s", "tokens_per_s", "device",
-                    "world_size", "emulated", "torch_version", "peak_reserved_bytes", "device_used_bytes",
-                    "num_alloc_retries", "phase_peaks"}
+RUN_KEYS = {
+    "schema",
+    "id",
+    "mode",
+    "steps",
+    "warmup",
+    "workload",
+    "spec",
+    "world_size",
+    "estimate",
+    "status",
+    "error",
+    "measurement",
+    "device",
+    "torch_version",
+    "host",
+    "finished_at",
+    "wall_s",
+}
+MEASUREMENT_KEYS = {
+    "peak_allocated_bytes",
+    "phase",
+    "categories",
+    "step_time_s",
+    "tokens_per_s",
+    "device",
+    "world_size",
+    "emulated",
+    "torch_version",
+    "peak_reserved_bytes",
+    "device_used_bytes",
+    "num_alloc_retries",
+    "phase_peaks",
+}
 
 
 def calibrate(*args):
@@ -56,7 +86,11 @@ def test_records_of_real_and_emulated_runs(sweep):
     out, _ = sweep
     recs = read(out)
     assert [(r["mode"], r["spec"]["plan"]["strategy"]) for r in recs] == [
-        ("local", "ddp"), ("local", "fsdp-full-shard"), ("emulate", "ddp"), ("emulate", "fsdp-full-shard")]
+        ("local", "ddp"),
+        ("local", "fsdp-full-shard"),
+        ("emulate", "ddp"),
+        ("emulate", "fsdp-full-shard"),
+    ]
     for r in recs:
         assert set(r) >= RUN_KEYS, r
         assert r["status"] == "ok" and r["error"] is None
@@ -83,8 +117,10 @@ def test_emulated_rank_equals_real_rank_0(sweep):
     assert peak["emulate", "ddp"] == peak["local", "ddp"]
     # FSDP2 usually matches to the byte too; under CPU contention gloo's asynchronous
     # reduce-scatter can overlap the backward peak on a real rank (seen: +16,128 B, 0.8 %)
-    assert abs(peak["emulate", "fsdp-full-shard"] - peak["local", "fsdp-full-shard"]) <= \
-        0.01 * peak["emulate", "fsdp-full-shard"]
+    assert (
+        abs(peak["emulate", "fsdp-full-shard"] - peak["local", "fsdp-full-shard"])
+        <= 0.01 * peak["emulate", "fsdp-full-shard"]
+    )
 
 
 @pytest.mark.slow
@@ -113,8 +149,21 @@ def test_host_oom_is_recorded_and_the_sweep_goes_on(tmp_path):
     # malloc arenas), so the tiny model needs a few hundred MiB of it
     grid.write_text(json.dumps({"vocab": [8_000_000, 256]}))
     out = tmp_path / "oom.jsonl"
-    result = calibrate("run", *MODEL, *TRAIN, "--strategy", "ddp", "--grid", grid, "--mode", "emulate",
-                       "--max-host-mem", "1GiB", "--out", out)
+    result = calibrate(
+        "run",
+        *MODEL,
+        *TRAIN,
+        "--strategy",
+        "ddp",
+        "--grid",
+        grid,
+        "--mode",
+        "emulate",
+        "--max-host-mem",
+        "1GiB",
+        "--out",
+        out,
+    )
     assert result.exit_code == 0, result.output
     first, second = read(out)
     assert first["status"] == "oom" and first["measurement"] is None
@@ -228,7 +277,8 @@ def test_report_table_json_and_csv(sweep):
     assert [r["id"] for r in data["runs"]] == ids
     row = data["runs"][0]
     assert row["error_pct"] == pytest.approx(
-        100 * (row["estimated_bytes"] - row["measured_bytes"]) / row["measured_bytes"])
+        100 * (row["estimated_bytes"] - row["measured_bytes"]) / row["measured_bytes"]
+    )
     s = data["summary"]
     assert (s["runs"], s["ok"], s["not_ok"]) == (4, 4, 0)
     errors = sorted(abs(r["error_pct"]) for r in data["runs"])
@@ -244,12 +294,15 @@ def test_report_of_a_missing_file_is_one_line():
     assert len(result.output.strip().splitlines()) == 1 and "no-such-file.jsonl" in result.output
 
 
-@pytest.mark.parametrize("content,needle", [
-    ("{frobnicate: [1, 2]}", "frobnicate"),
-    ("{strategy: ddp}", "list"),
-    ("{precision: [fp8]}", "fp8"),
-    ("[1, 2]", "map flag names"),
-])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ("{frobnicate: [1, 2]}", "frobnicate"),
+        ("{strategy: ddp}", "list"),
+        ("{precision: [fp8]}", "fp8"),
+        ("[1, 2]", "map flag names"),
+    ],
+)
 def test_bad_grids_are_one_line_errors(tmp_path, content, needle):
     grid = tmp_path / "grid.yaml"
     grid.write_text(content)
@@ -264,8 +317,9 @@ def test_strategy_all_skips_deepspeed_up_front(tmp_path):
     result = calibrate("cluster", *TINY, "--strategy", "all", "--out", tmp_path)
     assert result.exit_code == 0, result.output
     assert "skipping zero1, zero2, zero3" in result.stderr
-    strategies = [json.loads(line)["spec"]["plan"]["strategy"] for line in
-                  (tmp_path / "runs.jsonl").read_text().splitlines()]
+    strategies = [
+        json.loads(line)["spec"]["plan"]["strategy"] for line in (tmp_path / "runs.jsonl").read_text().splitlines()
+    ]
     assert strategies == ["ddp", "fsdp-no-shard", "fsdp-shard-grad-op", "fsdp-full-shard", "fsdp-hybrid-shard"]
 
 
@@ -277,11 +331,28 @@ def _free_port():
 
 @pytest.mark.slow
 def test_cluster_dry_run_writes_a_slurm_script_and_its_torchrun_command_runs(tmp_path):
-    result = calibrate("run", *MODEL, "--vocab", 256, *TRAIN[:-2], "--strategy", "ddp", "--mode", "cluster",
-                       "--nodes", 1, "--gpus-per-node", 2, "--timeout", 120, "--out", tmp_path)
+    result = calibrate(
+        "run",
+        *MODEL,
+        "--vocab",
+        256,
+        *TRAIN[:-2],
+        "--strategy",
+        "ddp",
+        "--mode",
+        "cluster",
+        "--nodes",
+        1,
+        "--gpus-per-node",
+        2,
+        "--timeout",
+        120,
+        "--out",
+        tmp_path,
+    )
     assert result.exit_code == 0, result.output
     script = tmp_path / "calibrate.sbatch"
-    assert "#SBATCH --nodes=1" in script.read_text() and "--index \"$i\"" in script.read_text()
+    assert "#SBATCH --nodes=1" in script.read_text() and '--index "$i"' in script.read_text()
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     (command,) = [line for line in result.stdout.splitlines() if not line.startswith("#")]
     assert command.startswith("torchrun --nnodes 1 --nproc-per-node 2 ") and " -m calibrate " in command
@@ -295,14 +366,30 @@ def test_cluster_dry_run_writes_a_slurm_script_and_its_torchrun_command_runs(tmp
 
 
 def test_cluster_fallback_records_a_torchrun_that_died(tmp_path):
-    job = Job(model=ModelSpec(arch="llama", num_layers=2, hidden=64, num_heads=4, ffn_hidden=128, vocab_size=256),
-              train=TrainSpec(seq_len=32, micro_batch=2, precision="fp32", device="cpu"),
-              cluster=ClusterSpec(gpus=2), plan=Plan(strategy="ddp"))
+    job = Job(
+        model=ModelSpec(arch="llama", num_layers=2, hidden=64, num_heads=4, ffn_hidden=128, vocab_size=256),
+        train=TrainSpec(seq_len=32, micro_batch=2, precision="fp32", device="cpu"),
+        cluster=ClusterSpec(gpus=2),
+        plan=Plan(strategy="ddp"),
+    )
     runs = tmp_path / "runs.jsonl"
     records.write_runs(runs, [records.Run(job=job, mode="cluster")])
     out = tmp_path / "records.jsonl"
-    fallback = [sys.executable, "-m", "calibrate", "--runs", str(runs), "--index", "0", "--out", str(out),
-                "--record-exit-code", "124", "--since", str(time.time() - 5)]
+    fallback = [
+        sys.executable,
+        "-m",
+        "calibrate",
+        "--runs",
+        str(runs),
+        "--index",
+        "0",
+        "--out",
+        str(out),
+        "--record-exit-code",
+        "124",
+        "--since",
+        str(time.time() - 5),
+    ]
     for _ in range(2):  # the second finds the run recorded and adds nothing
         subprocess.run(fallback, check=True, capture_output=True)
     (rec,) = read(out)
@@ -310,8 +397,10 @@ def test_cluster_fallback_records_a_torchrun_that_died(tmp_path):
 
 
 def test_calibrate_commands_import_no_torch():
-    code = ("import sys, memplan.cli, calibrate.cli, calibrate.records, calibrate.report, calibrate.runs, "
-            "calibrate.cluster; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    code = (
+        "import sys, memplan.cli, calibrate.cli, calibrate.records, calibrate.report, calibrate.runs, "
+        "calibrate.cluster; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -1,5 +1,6 @@
 """A calibration moves the recommendation: corrected totals decide what fits, measured speed
 replaces the throughput defaults — and on real CPU records that speed predicts held-out runs."""
+
 import statistics
 
 import pytest
@@ -17,10 +18,17 @@ THIRTEEN_B = dict(params="13e9", gpus=8, gpu="h100-sxm")
 
 
 def _correction(*, offset_bytes=0, throughput=()):
-    return cal.Correction(device="NVIDIA H100 80GB HBM3", torch_version="2.13.0",
-                          scales=dict.fromkeys(cal.GROUPS, 1.0), offset_bytes=offset_bytes, residual_pct=1.0,
-                          num_records=10, before_median_abs_pct=2.0, after_median_abs_pct=0.5,
-                          throughput=tuple(throughput))
+    return cal.Correction(
+        device="NVIDIA H100 80GB HBM3",
+        torch_version="2.13.0",
+        scales=dict.fromkeys(cal.GROUPS, 1.0),
+        offset_bytes=offset_bytes,
+        residual_pct=1.0,
+        num_records=10,
+        before_median_abs_pct=2.0,
+        after_median_abs_pct=0.5,
+        throughput=tuple(throughput),
+    )
 
 
 def _saved(tmp_path, correction) -> str:
@@ -46,12 +54,14 @@ def test_corrected_totals_decide_what_fits_in_the_recommendation(tmp_path):
 
 
 def test_measured_mfu_replaces_the_default_and_unmeasured_strategies_take_the_mean(tmp_path):
-    fsdp = cal.ThroughputFit(strategy="fsdp-full-shard", num_records=3, achieved_flops=1.0, mfu=0.2,
-                             exposed_comm_fraction=0.5)
+    fsdp = cal.ThroughputFit(
+        strategy="fsdp-full-shard", num_records=3, achieved_flops=1.0, mfu=0.2, exposed_comm_fraction=0.5
+    )
     ddp = cal.ThroughputFit(strategy="ddp", num_records=1, achieved_flops=1.0, mfu=0.6, exposed_comm_fraction=None)
     path = _saved(tmp_path, _correction(throughput=(fsdp, ddp)))
-    _, rec = api.recommend(**THIRTEEN_B, calibration=path, micro_batch=1, precision="amp-bf16", ac="none",
-                           offload="none")
+    _, rec = api.recommend(
+        **THIRTEEN_B, calibration=path, micro_batch=1, precision="amp-bf16", ac="none", offload="none"
+    )
     by = {o.job.plan.strategy: o for o in rec.options}
     peak = rec.link.gpu.peak_flops("amp-bf16")
     for strategy, mfu in (("fsdp-full-shard", 0.2), ("ddp", 0.6), ("fsdp-shard-grad-op", (3 * 0.2 + 0.6) / 4)):
@@ -107,6 +117,7 @@ def test_min_gpus_counts_with_the_corrected_totals(tmp_path):
     path = _saved(tmp_path, _correction(offset_bytes=plain.estimate.headroom_bytes + 2**30))
     _, corrected = api.min_gpus(**flags, calibration=path)
     assert corrected.gpus > plain.gpus and corrected.corrected.fits
-    out = CliRunner().invoke(main, ["min-gpus", "--params", "70e9", "--gpu", "h100-sxm", "--ac", "full",
-                                    "--calibration", path])
+    out = CliRunner().invoke(
+        main, ["min-gpus", "--params", "70e9", "--gpu", "h100-sxm", "--ac", "full", "--calibration", path]
+    )
     assert out.exit_code == 0 and f"Fewest GPUs: {corrected.gpus} with" in out.output and "calibrated" in out.output

@@ -1,4 +1,5 @@
 """Corrections: the fit recovers known scales, stays put without evidence, and applies."""
+
 import pytest
 
 from calibrate import fit as fitting
@@ -8,15 +9,22 @@ from memplan.errors import MemplanError
 
 
 def obs(states, acts, bufs, measured, overhead=None):
-    return cal.Observation(device="cpu", torch_version="2.13.0", measured_bytes=measured, overhead_bytes=overhead,
-                           estimated={"states": states, "activations": acts, "buffers": bufs})
+    return cal.Observation(
+        device="cpu",
+        torch_version="2.13.0",
+        measured_bytes=measured,
+        overhead_bytes=overhead,
+        estimated={"states": states, "activations": acts, "buffers": bufs},
+    )
 
 
 def test_fit_recovers_scales_and_offset():
     truth = {"states": 1.0, "activations": 1.2, "buffers": 0.9}
     rows = [(s, a, b) for s in (1e8, 3e8, 9e8) for a in (5e7, 4e8) for b in (1e7, 2e8)]
-    data = [obs(s, a, b, round(1e6 + truth["states"] * s + truth["activations"] * a + truth["buffers"] * b))
-            for s, a, b in rows]
+    data = [
+        obs(s, a, b, round(1e6 + truth["states"] * s + truth["activations"] * a + truth["buffers"] * b))
+        for s, a, b in rows
+    ]
     [fit] = fitting.fit(data)
     for group, scale in truth.items():
         assert fit.scales[group] == pytest.approx(scale, abs=0.01)
@@ -40,8 +48,15 @@ def test_overhead_is_fitted_where_records_have_device_memory():
 
 def test_one_correction_per_device_and_torch_version():
     data = [obs(1e8, 1e8, 0, 2e8), obs(2e8, 1e8, 0, 3e8)]
-    data += [cal.Observation(device="NVIDIA H100 80GB HBM3", torch_version="2.13.0", measured_bytes=m,
-                             estimated={"states": m, "activations": 0, "buffers": 0}) for m in (1e9, 2e9)]
+    data += [
+        cal.Observation(
+            device="NVIDIA H100 80GB HBM3",
+            torch_version="2.13.0",
+            measured_bytes=m,
+            estimated={"states": m, "activations": 0, "buffers": 0},
+        )
+        for m in (1e9, 2e9)
+    ]
     fits = fitting.fit(data)
     assert [(f.device, f.num_records) for f in fits] == [("NVIDIA H100 80GB HBM3", 2), ("cpu", 2)]
     calib = cal.Calibration(corrections=tuple(fits))
@@ -52,9 +67,16 @@ def test_one_correction_per_device_and_torch_version():
 
 def test_apply_corrects_every_moment_and_carries_a_band(tmp_path):
     [est] = estimate(model="gpt2", gpus=2, strategy="ddp", precision="fp32", calibration=None).estimates
-    double = cal.Correction(device="cpu", torch_version="2.13.0", scales={"states": 1.0, "activations": 2.0,
-                            "buffers": 1.0}, offset_bytes=1000, residual_pct=2.0, num_records=9,
-                            before_median_abs_pct=5.0, after_median_abs_pct=1.0)
+    double = cal.Correction(
+        device="cpu",
+        torch_version="2.13.0",
+        scales={"states": 1.0, "activations": 2.0, "buffers": 1.0},
+        offset_bytes=1000,
+        residual_pct=2.0,
+        num_records=9,
+        before_median_abs_pct=5.0,
+        after_median_abs_pct=1.0,
+    )
     out = cal.apply(est, double, device_matches=True)
     expected = max(cal.group_bytes(m.by_component)["activations"] + m.allocated_bytes + 1000 for m in est.moments)
     assert out.allocated_bytes == expected
@@ -74,8 +96,6 @@ def test_a_bad_corrections_file_is_one_clear_error(tmp_path):
 
 
 SHIPPED = cal.SHIPPED_DIR
-
-
 
 
 def test_corrections_fitted_on_half_a_real_record_set_improve_the_other_half(shipped_cpu_records):
@@ -107,8 +127,9 @@ def test_calibrate_fit_command_writes_corrections(tmp_path):
     from memplan.cli import main
 
     out = tmp_path / "c.json"
-    result = CliRunner().invoke(main, ["calibrate", "fit", str(TABLES_DIR / SHIPPED / "cpu-torch2.13.0.jsonl"),
-                                       "-o", str(out)])
+    result = CliRunner().invoke(
+        main, ["calibrate", "fit", str(TABLES_DIR / SHIPPED / "cpu-torch2.13.0.jsonl"), "-o", str(out)]
+    )
     assert result.exit_code == 0, result.output
     assert "44 records" in result.output and "before" in result.output
     assert cal.load(out).corrections[0].device == "cpu"
@@ -137,21 +158,38 @@ def test_estimate_applies_the_shipped_corrections_of_its_device_and_can_turn_the
 
 def test_a_correction_from_another_device_is_applied_with_a_warning(tmp_path):
     path = tmp_path / "a100.json"
-    other = cal.Correction(device="NVIDIA A100-SXM4-80GB", torch_version="2.13.0",
-                           scales=dict.fromkeys(cal.GROUPS, 1.0), offset_bytes=0, residual_pct=3.0, num_records=5,
-                           before_median_abs_pct=4.0, after_median_abs_pct=1.0)
+    other = cal.Correction(
+        device="NVIDIA A100-SXM4-80GB",
+        torch_version="2.13.0",
+        scales=dict.fromkeys(cal.GROUPS, 1.0),
+        offset_bytes=0,
+        residual_pct=3.0,
+        num_records=5,
+        before_median_abs_pct=4.0,
+        after_median_abs_pct=1.0,
+    )
     cal.Calibration(corrections=(other,)).save(path)
     assert "another device" in _estimate("--gpu", "h100-sxm", "--calibration", str(path)).output
     assert "fitted on this device" in _estimate("--gpu", "a100-80gb", "--calibration", str(path)).output
-    assert "calibrated total" in _estimate("--gpu", "a100-80gb", "--calibration", str(path), "--format",
-                                           "csv").output.replace("_", " ")
+    assert "calibrated total" in _estimate(
+        "--gpu", "a100-80gb", "--calibration", str(path), "--format", "csv"
+    ).output.replace("_", " ")
 
 
 def test_throughput_fit_recovers_speed_and_exposed_communication():
     def timed(flops, comm, device="NVIDIA H100 80GB HBM3"):
-        return cal.Observation(device=device, torch_version="2.13.0", measured_bytes=1, estimated={"states": 1},
-                               strategy="fsdp-full-shard", flops_per_step=flops, peak_flops=989.4e12, comm_s=comm,
-                               step_time_s=flops / 400e12 + 0.3 * comm)
+        return cal.Observation(
+            device=device,
+            torch_version="2.13.0",
+            measured_bytes=1,
+            estimated={"states": 1},
+            strategy="fsdp-full-shard",
+            flops_per_step=flops,
+            peak_flops=989.4e12,
+            comm_s=comm,
+            step_time_s=flops / 400e12 + 0.3 * comm,
+        )
+
     [fitted] = fitting.fit_throughput([timed(f, c) for f, c in ((1e14, 0.1), (3e14, 0.1), (2e14, 0.4), (5e14, 0.2))])
     assert fitted.achieved_flops == pytest.approx(400e12, rel=1e-6)
     assert fitted.exposed_comm_fraction == pytest.approx(0.3, abs=1e-6)
@@ -161,6 +199,10 @@ def test_throughput_fit_recovers_speed_and_exposed_communication():
 
 def test_shipped_cpu_corrections_carry_the_measured_speed_per_strategy():
     [shipped] = cal.shipped("cpu").corrections
-    assert {t.strategy for t in shipped.throughput} == {"ddp", "fsdp-full-shard", "fsdp-shard-grad-op",
-                                                         "fsdp-hybrid-shard"}
+    assert {t.strategy for t in shipped.throughput} == {
+        "ddp",
+        "fsdp-full-shard",
+        "fsdp-shard-grad-op",
+        "fsdp-hybrid-shard",
+    }
     assert all(t.achieved_flops > 0 and t.mfu is None for t in shipped.throughput)  # no datasheet peak for a CPU

@@ -1,4 +1,5 @@
 """The shipped tables: presets match their published totals and the real modules; GPU rows are sane."""
+
 import pytest
 
 from memplan import catalog
@@ -18,19 +19,36 @@ def test_preset_matches_its_published_total(name):
 def _hf_config(spec):
     import transformers as tf
 
-    common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden, num_hidden_layers=spec.num_layers,
-                  num_attention_heads=spec.num_heads, intermediate_size=spec.ffn_hidden)
+    common = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        intermediate_size=spec.ffn_hidden,
+    )
     if spec.arch == "llama":
         cls = tf.Qwen2Config if spec.qkv_bias else tf.LlamaConfig
         return cls(**common, num_key_value_heads=spec.num_kv_heads, tie_word_embeddings=spec.tied_embeddings)
     if spec.arch == "gpt2":
-        return tf.GPT2Config(vocab_size=spec.vocab_size, n_embd=spec.hidden, n_layer=spec.num_layers,
-                             n_head=spec.num_heads, n_inner=spec.ffn_hidden, n_positions=spec.max_positions)
+        return tf.GPT2Config(
+            vocab_size=spec.vocab_size,
+            n_embd=spec.hidden,
+            n_layer=spec.num_layers,
+            n_head=spec.num_heads,
+            n_inner=spec.ffn_hidden,
+            n_positions=spec.max_positions,
+        )
     if spec.arch == "neox":
         return tf.GPTNeoXConfig(**common, tie_word_embeddings=False)
-    return tf.ViTConfig(hidden_size=spec.hidden, num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-                        intermediate_size=spec.ffn_hidden, patch_size=spec.patch_size, image_size=224,
-                        num_labels=spec.vocab_size)
+    return tf.ViTConfig(
+        hidden_size=spec.hidden,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        intermediate_size=spec.ffn_hidden,
+        patch_size=spec.patch_size,
+        image_size=224,
+        num_labels=spec.vocab_size,
+    )
 
 
 @pytest.mark.parametrize("name", [n for n in PRESETS if "405b" not in n and "72b" not in n and "70b" not in n])
@@ -41,8 +59,9 @@ def test_preset_counts_what_transformers_builds(name):
     spec = catalog.model_preset(name)
     config = _hf_config(spec)
     with torch.device("meta"):
-        model = (tf.ViTForImageClassification(config) if spec.arch == "vit"
-                 else tf.AutoModelForCausalLM.from_config(config))
+        model = (
+            tf.ViTForImageClassification(config) if spec.arch == "vit" else tf.AutoModelForCausalLM.from_config(config)
+        )
     assert spec.num_params == sum(p.numel() for p in model.parameters())
 
 

@@ -1,4 +1,5 @@
 """The CLI: exit codes, output shapes, one-line errors."""
+
 import json
 import subprocess
 import sys
@@ -30,8 +31,19 @@ def test_json_follows_the_output_contract():
     assert set(data) == {"inputs", "estimates", "calibration", "recommendation"}
     assert data["inputs"]["model"]["num_params"] == 6738415616
     est = data["estimates"][0]
-    for key in ("strategy", "precision", "activation_checkpointing", "offload", "micro_batch", "phase", "bytes",
-                "fits", "headroom_bytes", "relative_throughput", "notes"):
+    for key in (
+        "strategy",
+        "precision",
+        "activation_checkpointing",
+        "offload",
+        "micro_batch",
+        "phase",
+        "bytes",
+        "fits",
+        "headroom_bytes",
+        "relative_throughput",
+        "notes",
+    ):
         assert key in est
     b = est["bytes"]
     assert b["params"] + b["gradients"] + b["optimizer"] + b["activations"] + b["buffers"] == b["allocated"]
@@ -82,8 +94,10 @@ BAD = [
     (["--params", "13e9", "--strategy", "ddp", "--offload", "optimizer"], "offload"),
     (["--params", "13e9", "--gpus", "12", "--gpus-per-node", "8"], "gpus-per-node"),
     (["--arch", "llama", "--layers", "4"], "--hidden"),
-    (["--arch", "llama", "--layers", "4", "--hidden", "100", "--heads", "3", "--ffn", "64", "--vocab", "10"],
-     "divisible"),
+    (
+        ["--arch", "llama", "--layers", "4", "--hidden", "100", "--heads", "3", "--ffn", "64", "--vocab", "10"],
+        "divisible",
+    ),
     (["--params", "13e9", "--gpu", "v100-32gb"], "bf16"),
 ]
 
@@ -111,8 +125,9 @@ def test_malformed_config_files(tmp_path):
 
 
 def test_console_script_exits_2_without_traceback():
-    proc = subprocess.run([sys.executable, "-m", "memplan.cli", "estimate", "--params", "zero"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "memplan.cli", "estimate", "--params", "zero"], capture_output=True, text=True
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("Error:") and "Traceback" not in proc.stderr
 
@@ -132,8 +147,18 @@ def test_the_command_prints_what_memplan_estimate_returns():
     from memplan import report
 
     result = memplan.estimate(model="llama-2-7b", gpus=8, gpu="a100-80gb", ac="full")
-    printed = run("estimate", "--model", "llama-2-7b", "--gpus", "8", "--gpu", "a100-80gb", "--ac", "full",
-                  "--format", "json")
+    printed = run(
+        "estimate", "--model", "llama-2-7b", "--gpus", "8", "--gpu", "a100-80gb", "--ac", "full", "--format", "json"
+    )
     assert result.decision.fixed == ("ac",)
-    assert printed.output == report.render_json(result.choice, list(result.estimates), result.applied,
-                                                list(result.relative_throughputs), result.recommendation) + "\n"
+    assert (
+        printed.output
+        == report.render_json(
+            result.choice,
+            list(result.estimates),
+            result.applied,
+            list(result.relative_throughputs),
+            result.recommendation,
+        )
+        + "\n"
+    )

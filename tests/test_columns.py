@@ -1,5 +1,6 @@
 """Tables print through tabulate, every cell as written (no number parsing), and only
 commands that print a table import it."""
+
 import subprocess
 import sys
 
@@ -9,9 +10,11 @@ from memplan.cli import main
 
 
 def _modules_after(args) -> set[str]:
-    code = ("import sys; from memplan.cli import main\n"
-            f"try:\n    main({args!r})\nexcept SystemExit:\n    pass\n"
-            "print(' '.join(sys.modules))")
+    code = (
+        "import sys; from memplan.cli import main\n"
+        f"try:\n    main({args!r})\nexcept SystemExit:\n    pass\n"
+        "print(' '.join(sys.modules))"
+    )
     return set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split())
 
 
@@ -19,11 +22,11 @@ def test_the_estimate_table_keeps_cells_as_written_and_left_aligned():
     out = CliRunner().invoke(main, ["estimate", "--params", "13e9", "--gpus", "8", "--gpu-mem", "80"]).output
     lines = out.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("strategy"))
-    header, rule, first = lines[at:at + 3]
+    header, rule, first = lines[at : at + 3]
     widths = [len(dashes) for dashes in rule.split("  ")]
     starts = [sum(widths[:i]) + 2 * i for i in range(len(widths))]
-    assert [header[x:x + w].strip() for x, w in zip(starts, widths)][:2] == ["strategy", "peak in"]
-    cells = [first[x:x + w] for x, w in zip(starts, widths)]
+    assert [header[x : x + w].strip() for x, w in zip(starts, widths)][:2] == ["strategy", "peak in"]
+    cells = [first[x : x + w] for x, w in zip(starts, widths)]
     # left-aligned: no cell starts with padding; a GiB cell keeps its two decimals ("4.00", not "4")
     assert all(not c.startswith(" ") for c in cells if c.strip())
     assert all("." in c for c in cells[2:6])
@@ -39,7 +42,7 @@ def test_the_calibration_report_is_a_markdown_table_of_the_records_as_written(sh
     from calibrate import report
 
     table = report.rows(shipped_cpu_records)
-    lines = report.render_table(table).splitlines()[:len(table) + 2]
+    lines = report.render_table(table).splitlines()[: len(table) + 2]
     assert lines[0].startswith("| id ") and set(lines[1]) == {"|", "-"}
     widths = {len(line) for line in lines}
     assert len(widths) == 1  # every row padded to the same columns

@@ -1,6 +1,7 @@
 """The decision engine on the seeds' own scenarios: what it recommends, which documented rules
 the arithmetic contradicts and why, asserted on the verdicts' codes and numbers; each number
 recomputed from the estimate, the throughput model or tables/rules.csv."""
+
 import dataclasses
 
 import pytest
@@ -30,17 +31,32 @@ SCENARIOS = [
     ("7e9", 8, "a100-40gb", ("fsdp-full-shard", "none", "none", 1), {"s002-fsdp-penalty": "outside_claim"}),
     # 7B on 8×A100-80: '7-13B on 8×80GB: use DDP' — DDP (autocast: its own mixed precision) needs
     # 16 B/param of states alone > 76 GiB usable. ZeRO-1 fits at micro-batch 3.
-    ("7e9", 8, "a100-80gb", ("zero1", "none", "none", 3),
-     {"s003-7-13b-80gb-ddp": "does_not_fit", "s002-lt10b-ddp": "does_not_fit"}),
+    (
+        "7e9",
+        8,
+        "a100-80gb",
+        ("zero1", "none", "none", 3),
+        {"s003-7-13b-80gb-ddp": "does_not_fit", "s002-lt10b-ddp": "does_not_fit"},
+    ),
     # 13B on 8×A100-40: SHARD_GRAD_OP keeps the whole unsharded bf16 model from forward to
     # backward; it only fits with params offloaded, then slower than FULL_SHARD + full AC.
-    ("13e9", 8, "a100-40gb", ("fsdp-full-shard", "full", "none", 7),
-     {"s003-10-30b-40gb-sgo": "slower", "s003-13-70b-limited-sgo": "slower"}),
+    (
+        "13e9",
+        8,
+        "a100-40gb",
+        ("fsdp-full-shard", "full", "none", 7),
+        {"s003-10-30b-40gb-sgo": "slower", "s003-13-70b-limited-sgo": "slower"},
+    ),
     # 13B on 8×H100: DDP does not fit; '13B+ → FSDP + CPU offload' fits but the CPU AdamW step
     # and PCIe traffic make it slower; AC full costs one extra forward (not '+10-15 %'). zero2
     # is as fast but keeps less than the 10 % safe margin free, so FULL_SHARD.
-    ("13e9", 8, "h100-sxm", ("fsdp-full-shard", "none", "none", 2),
-     {"s003-7-13b-80gb-ddp": "does_not_fit", "s000-13b-plus-offload": "slower", "s002-ac-cost": "outside_claim"}),
+    (
+        "13e9",
+        8,
+        "h100-sxm",
+        ("fsdp-full-shard", "none", "none", 2),
+        {"s003-7-13b-80gb-ddp": "does_not_fit", "s000-13b-plus-offload": "slower", "s002-ac-cost": "outside_claim"},
+    ),
     # 70B (68.98e9) on 8×A100-80: 16 B/param / 8 = 128.5 GiB of states per GPU without offload;
     # only ZeRO-3/FSDP with everything offloaded fit. The '~45 % offload penalty' is not what the
     # arithmetic gives at the large micro-batch the offloaded option runs.
@@ -56,12 +72,16 @@ SCENARIOS = [
 def _check_verdict(v, rec):
     """Every verdict's number recomputed on its own, and its code and agreement following from it."""
     rule, close = v.rule, default("close_fraction")
-    assert (v.claimed_low, v.claimed_high) == (_claimed(rule.id, "claimed_rel_min"),
-                                               _claimed(rule.id, "claimed_rel_max"))
+    assert (v.claimed_low, v.claimed_high) == (
+        _claimed(rule.id, "claimed_rel_min"),
+        _claimed(rule.id, "claimed_rel_max"),
+    )
     ref = rec.best.job
     if rule.kind == "ac-cost":
-        ratio = rec.basis.step(ref.with_(activation_checkpointing=rule.ac)).tokens_per_s / \
-            rec.basis.step(ref.with_(activation_checkpointing="none")).tokens_per_s
+        ratio = (
+            rec.basis.step(ref.with_(activation_checkpointing=rule.ac)).tokens_per_s
+            / rec.basis.step(ref.with_(activation_checkpointing="none")).tokens_per_s
+        )
         assert v.metric == "ac_relative_throughput" and v.value == pytest.approx(ratio)
     elif rule.kind == "penalty":
         job = ref.with_(offload="none").with_(strategy=rule.strategies[0]).with_(offload=rule.offload or "none")
@@ -69,8 +89,12 @@ def _check_verdict(v, rec):
         assert v.step.step_s == pytest.approx(rec.basis.step(job).step_s) and v.interconnect == rec.link.interconnect
     if rule.kind != "recommend":
         inside = v.claimed_low - close <= v.value <= v.claimed_high + close
-        assert (v.agrees, v.code, v.unit, v.tolerance) == (inside, "within_claim" if inside else "outside_claim",
-                                                          "x", close)
+        assert (v.agrees, v.code, v.unit, v.tolerance) == (
+            inside,
+            "within_claim" if inside else "outside_claim",
+            "x",
+            close,
+        )
         return
     assert v.option.job.plan.strategy in rule.strategies
     if v.code == "does_not_fit":
@@ -91,8 +115,12 @@ def _check_verdict(v, rec):
 def test_seed_scenarios(params, gpus, gpu, expected, contradicted):
     _, rec = api.recommend(params=params, gpus=gpus, gpu=gpu)
     best = rec.best.job
-    assert (best.plan.strategy, best.train.activation_checkpointing, best.plan.offload,
-            best.train.micro_batch) == expected
+    assert (
+        best.plan.strategy,
+        best.train.activation_checkpointing,
+        best.plan.offload,
+        best.train.micro_batch,
+    ) == expected
     assert rec.best.fits and best.train.precision == "mixed-bf16"
     verdicts = {v.rule.id: v for v in rec.rules}
     for rule_id, code in contradicted.items():
@@ -115,8 +143,9 @@ def test_ac_cost_is_one_extra_forward():
     _, rec = api.recommend(params="7e9", gpus=8, gpu="a100-40gb")
     verdicts = {v.rule.id: v for v in rec.rules}
     job = rec.best.job
-    ratio = flops_per_token(job.with_(activation_checkpointing="none")) / \
-        flops_per_token(job.with_(activation_checkpointing="full"))
+    ratio = flops_per_token(job.with_(activation_checkpointing="none")) / flops_per_token(
+        job.with_(activation_checkpointing="full")
+    )
     for rule_id in ("s002-ac-cost", "s003-ac-cost"):
         v = verdicts[rule_id]
         assert v.value == pytest.approx(ratio) and v.strategy == job.plan.strategy
@@ -156,14 +185,25 @@ def test_simplicity_priority_prefers_no_offload_then_simpler_strategies():
 def test_fixed_choices_stay_fixed():
     fixed = {"strategy": "fsdp-full-shard", "ac": "selective", "micro_batch": 2, "precision": "mixed-bf16"}
     _, rec = api.recommend(params="13e9", gpus=8, gpu="h100-sxm", **fixed)
-    assert {(o.job.plan.strategy, o.job.train.activation_checkpointing, o.job.train.micro_batch,
-             o.job.train.precision) for o in rec.options} == {("fsdp-full-shard", "selective", 2, "mixed-bf16")}
+    assert {
+        (o.job.plan.strategy, o.job.train.activation_checkpointing, o.job.train.micro_batch, o.job.train.precision)
+        for o in rec.options
+    } == {("fsdp-full-shard", "selective", 2, "mixed-bf16")}
     assert rec.reasons[0].code == "kept_as_given" and dict(rec.reasons[0].fixed) == fixed
 
 
 def test_micro_batch_max_is_searched():
-    _, rec = api.recommend(params="1e9", gpus=8, gpu="a100-80gb", strategy="fsdp-full-shard", ac="full",
-                           offload="none", precision="mixed-bf16", micro_batch="max", seq_len=512)
+    _, rec = api.recommend(
+        params="1e9",
+        gpus=8,
+        gpu="a100-80gb",
+        strategy="fsdp-full-shard",
+        ac="full",
+        offload="none",
+        precision="mixed-bf16",
+        micro_batch="max",
+        seq_len=512,
+    )
     job = rec.best.job
     assert job.train.micro_batch > default("micro_batch_cap")  # beyond the cap the default search stops at
     assert estimate(job).fits and not estimate(job.with_(micro_batch=job.train.micro_batch + 1)).fits
@@ -234,6 +274,7 @@ def test_results_are_frozen_and_bad_input_is_one_line():
 
 # ---------------------------------------------------------------------------- framework restriction
 
+
 @pytest.mark.parametrize("framework", [f for f in FRAMEWORKS if f != "single"])
 def test_framework_restricts_the_search_and_says_so(framework):
     _, jobs = build_jobs(params="7e9", gpus=8, gpu="a100-40gb")
@@ -269,6 +310,7 @@ def test_framework_fixes_stay_in_the_framework():
 
 # ---------------------------------------------------------------------------- report and CLI
 
+
 def _cli(*args):
     from click.testing import CliRunner
 
@@ -286,16 +328,24 @@ def test_sentences_and_json_carry_the_fields():
     data = report.recommendation_dict(rec)
     assert len(data["rules"]) == len(rec.rules) and len(data["reason_details"]) == len(data["reasons"])
     for v, row in zip(rec.rules, data["rules"]):
-        assert (row["code"], row["value"], row["claimed_low"], row["claimed_high"], row["metric"]) == \
-            (v.code, v.value, v.claimed_low, v.claimed_high, v.metric)
+        assert (row["code"], row["value"], row["claimed_low"], row["claimed_high"], row["metric"]) == (
+            v.code,
+            v.value,
+            v.claimed_low,
+            v.claimed_high,
+            v.metric,
+        )
         assert row["detail"] == v.detail == report.verdict_detail(v)
         if v.unit == "x":
             assert f"{v.value:.2f}×" in row["detail"]
         if v.code == "slower":
             assert f"{v.value:.0%} slower than {rec.best.job.plan.strategy}" in row["detail"]
     for r, row in zip(rec.rejected, data["rejected"]):
-        assert (row["reason_code"], row["over_by_bytes"], row["slower_fraction"]) == \
-            (r.code, r.over_by_bytes, r.slower_fraction)
+        assert (row["reason_code"], row["over_by_bytes"], row["slower_fraction"]) == (
+            r.code,
+            r.over_by_bytes,
+            r.slower_fraction,
+        )
     assert [d["code"] for d in data["reason_details"]] == [r.code for r in rec.reasons]
     assert [str(r) for r in rec.reasons] == data["reasons"]
 
@@ -313,18 +363,34 @@ def test_estimate_prints_relative_throughput_and_the_recommendation():
 def test_estimate_json_fills_relative_throughput_and_recommendation():
     import json
 
-    result = _cli("estimate", "--params", "13e9", "--gpus", "16", "--gpu", "h100", "--interconnect", "ethernet",
-                  "--format", "json")
+    result = _cli(
+        "estimate",
+        "--params",
+        "13e9",
+        "--gpus",
+        "16",
+        "--gpu",
+        "h100",
+        "--interconnect",
+        "ethernet",
+        "--format",
+        "json",
+    )
     data = json.loads(result.output)
     rel = {e["strategy"]: e["relative_throughput"] for e in data["estimates"]}
     # 16 GPUs over 100 GbE: FULL_SHARD's gathers are exposed, hybrid keeps them in the node
     assert rel["ddp"] == 1.0 and rel["fsdp-full-shard"] < 1 < rel["fsdp-hybrid-shard"]
     rec = data["recommendation"]
     assert rec["strategy"] == "fsdp-hybrid-shard"
-    assert {"strategy", "precision", "activation_checkpointing", "offload", "micro_batch", "reasons",
-            "rules"} <= set(rec)
-    assert all(r["verdict"] == ("agrees" if r["code"] in ("within_claim", "best") or r["value"] <= r["tolerance"]
-                                else "contradicted") for r in rec["rules"] if r["code"] != "does_not_fit")
+    assert {"strategy", "precision", "activation_checkpointing", "offload", "micro_batch", "reasons", "rules"} <= set(
+        rec
+    )
+    assert all(
+        r["verdict"]
+        == ("agrees" if r["code"] in ("within_claim", "best") or r["value"] <= r["tolerance"] else "contradicted")
+        for r in rec["rules"]
+        if r["code"] != "does_not_fit"
+    )
 
 
 def test_recommend_prints_what_the_report_writes():
@@ -339,8 +405,9 @@ def test_recommend_prints_what_the_report_writes():
 def test_recommend_nothing_fits_and_min_gpus():
     from memplan import report
 
-    out = _cli("recommend", "--params", "70e9", "--gpus", "8", "--gpu", "a100-80gb", "--ac", "none",
-               "--offload", "none").output
+    out = _cli(
+        "recommend", "--params", "70e9", "--gpus", "8", "--gpu", "a100-80gb", "--ac", "none", "--offload", "none"
+    ).output
     _, rec = api.recommend(params="70e9", gpus=8, gpu="a100-80gb", ac="none", offload="none")
     assert "Nothing fits. Single changes" in out and all(report.fix_line(f) in out for f in rec.fixes)
     result = _cli("min-gpus", "--params", "70e9", "--gpu", "a100-80gb", "--ac", "full")
@@ -351,21 +418,37 @@ def test_recommend_nothing_fits_and_min_gpus():
 def test_micro_batch_max_in_estimate():
     import json
 
-    data = json.loads(_cli("estimate", "--params", "7e9", "--gpus", "8", "--gpu", "a100-80gb", "--micro-batch",
-                           "max", "--format", "json").output)
+    data = json.loads(
+        _cli(
+            "estimate",
+            "--params",
+            "7e9",
+            "--gpus",
+            "8",
+            "--gpu",
+            "a100-80gb",
+            "--micro-batch",
+            "max",
+            "--format",
+            "json",
+        ).output
+    )
     mbs = {e["strategy"]: e["micro_batch"] for e in data["estimates"]}
     assert mbs["fsdp-full-shard"] > 1 and mbs["ddp"] == 1  # ddp fits at none: shown at 1
     _, jobs = build_jobs(params="7e9", gpus=8, gpu="a100-80gb", strategy="fsdp-full-shard")
     assert not estimate(jobs[0].with_(micro_batch=mbs["fsdp-full-shard"] + 1)).fits
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--priority", "cheap"], "'cheap' is not one of"),
-    (["--bw", "-3"], "-3"),
-    (["--interconnect", "smoke"], "'smoke' is not one of"),
-    (["--micro-batch", "lots"], "micro-batch 'lots' is not a positive integer or 'max'"),
-    (["--framework", "jax"], "'jax' is not one of"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--priority", "cheap"], "'cheap' is not one of"),
+        (["--bw", "-3"], "-3"),
+        (["--interconnect", "smoke"], "'smoke' is not one of"),
+        (["--micro-batch", "lots"], "micro-batch 'lots' is not a positive integer or 'max'"),
+        (["--framework", "jax"], "'jax' is not one of"),
+    ],
+)
 def test_bad_decision_flags_are_one_line_exit_2(args, needle):
     result = _cli("recommend", "--params", "7e9", "--gpus", "8", *args)
     assert result.exit_code == 2 and needle in result.output and "Traceback" not in result.output

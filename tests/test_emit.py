@@ -1,4 +1,5 @@
 """Launch configurations parse, compile, and use DeepSpeed's own key names."""
+
 import json
 
 import pytest
@@ -31,8 +32,11 @@ def test_fsdp_snippets_compile(strategy, ac, offload):
     assert ("CPUOffloadPolicy()" in fsdp2.split("offload = ")[1].splitlines()[0]) == (offload == "params")
     assert f"reshard_after_forward={strategy != 'fsdp-shard-grad-op'}" in fsdp2
     assert ('mesh_dim_names=("replicate", "shard")' in fsdp2) == (strategy == "fsdp-hybrid-shard")
-    assert "ShardingStrategy." + {"fsdp-full-shard": "FULL_SHARD", "fsdp-shard-grad-op": "SHARD_GRAD_OP",
-                                  "fsdp-hybrid-shard": "HYBRID_SHARD"}[strategy] in emit(j, "fsdp1")
+    assert "ShardingStrategy." + {
+        "fsdp-full-shard": "FULL_SHARD",
+        "fsdp-shard-grad-op": "SHARD_GRAD_OP",
+        "fsdp-hybrid-shard": "HYBRID_SHARD",
+    }[strategy] in emit(j, "fsdp1")
 
 
 def test_fsdp2_snippet_runs_its_imports_when_torch_is_here():
@@ -43,8 +47,9 @@ def test_fsdp2_snippet_runs_its_imports_when_torch_is_here():
     assert callable(namespace["wrap"])
 
 
-@pytest.mark.parametrize("strategy,offload", [("zero1", "none"), ("zero2", "optimizer"), ("zero3", "all"),
-                                              ("zero3", "params")])
+@pytest.mark.parametrize(
+    "strategy,offload", [("zero1", "none"), ("zero2", "optimizer"), ("zero3", "all"), ("zero3", "params")]
+)
 def test_deepspeed_config_keys_and_buckets(strategy, offload):
     config = json.loads(emit(job(strategy, offload=offload, micro_batch=2, grad_accum=4), "deepspeed"))
     zero = config["zero_optimization"]
@@ -68,8 +73,15 @@ def test_deepspeed_accepts_the_config(strategy, offload):
     config = deepspeed_config(job(strategy, offload=offload))
     zero = DeepSpeedZeroConfig(**config["zero_optimization"])
     assert int(zero.stage) == int(strategy[-1])
-    top = {constants.TRAIN_BATCH_SIZE, constants.TRAIN_MICRO_BATCH_SIZE_PER_GPU, constants.GRADIENT_ACCUMULATION_STEPS,
-           constants.BFLOAT16, constants.FP16, "zero_optimization", "activation_checkpointing"}
+    top = {
+        constants.TRAIN_BATCH_SIZE,
+        constants.TRAIN_MICRO_BATCH_SIZE_PER_GPU,
+        constants.GRADIENT_ACCUMULATION_STEPS,
+        constants.BFLOAT16,
+        constants.FP16,
+        "zero_optimization",
+        "activation_checkpointing",
+    }
     assert set(config) <= top
 
 
@@ -97,8 +109,9 @@ def test_emit_refuses_what_does_not_apply():
 
 
 def test_cli_recommend_emit():
-    result = CliRunner().invoke(main, ["recommend", "--params", "7e9", "--gpus", "8", "--gpu", "a100-40gb",
-                                       "--emit", "fsdp2"])
+    result = CliRunner().invoke(
+        main, ["recommend", "--params", "7e9", "--gpus", "8", "--gpu", "a100-40gb", "--emit", "fsdp2"]
+    )
     assert result.exit_code == 0, result.output
     code = result.output.split("Launch configuration:\n", 1)[1]
     compile(code, "<cli>", "exec")
@@ -148,8 +161,9 @@ def test_one_gpu_without_a_wrapper_launches_plainly_and_has_nothing_to_wrap():
     for kind in ("fsdp2", "fsdp1", "deepspeed"):
         with pytest.raises(MemplanError, match=f"--emit {kind} does not apply to strategy single"):
             emit(j, kind)
-    out = CliRunner().invoke(main, ["recommend", "--params", "1e9", "--gpus", "1", "--gpu", "a100-80gb",
-                                    "--emit", "torchrun"])
+    out = CliRunner().invoke(
+        main, ["recommend", "--params", "1e9", "--gpus", "1", "--gpu", "a100-80gb", "--emit", "torchrun"]
+    )
     assert out.exit_code == 0 and "Recommendation (speed): single" in out.output and "python train.py" in out.output
     bad = CliRunner().invoke(main, ["estimate", "--params", "1e9", "--gpus", "8", "--strategy", "single"])
     assert bad.exit_code != 0 and "runs on at most 1 GPU, got gpus=8" in bad.output

@@ -1,4 +1,5 @@
 """Framework adapters, the moments declared as data, and Job.with_."""
+
 import pytest
 
 from memplan.breakdown import Component
@@ -40,22 +41,27 @@ def test_the_logits_are_found_by_key_and_live_until_the_first_block_backward():
     t = step.job.train
     (logits,) = step.groups()["logits.forward"]
     # the head's output in the compute dtype: c·b·s·V
-    assert logits.key == "logits" and logits.bytes == POLICIES[t.precision].compute_bytes * t.micro_batch * \
-        t.seq_len * step.job.model.vocab_size
+    assert (
+        logits.key == "logits"
+        and logits.bytes == POLICIES[t.precision].compute_bytes * t.micro_batch * t.seq_len * step.job.model.vocab_size
+    )
     assert all(any(x.key == "logits" for x in m.terms) for m in step.moments()[:4])
     assert not any(x.key == "logits" for x in step.moments()[4].terms)
 
 
 def test_framework_buffers_come_from_the_adapter_of_the_strategy():
-    keys = {s: {t.key for m in estimate(job(s)).moments for t in m.terms if t.component == Component.BUFFERS}
-            for s in ("single", "ddp", "fsdp-full-shard", "zero2", "zero3")}
+    keys = {
+        s: {t.key for m in estimate(job(s)).moments for t in m.terms if t.component == Component.BUFFERS}
+        for s in ("single", "ddp", "fsdp-full-shard", "zero2", "zero3")
+    }
     assert "ddp.buckets" in keys["ddp"] and not keys["single"] - {"optimizer.sqrt_temporaries"}
     assert {"fsdp.root_unit", "fsdp.block", "fsdp.block_grads"} <= keys["fsdp-full-shard"]
     assert "zero.ipg_bucket" in keys["zero2"] and "zero3.gathered" in keys["zero3"]
     # DeepSpeed copies the reduced bf16 gradients into an fp32 partition only under a master copy
     assert "deepspeed.fp32_grad_partition" in keys["zero2"]
     assert "deepspeed.fp32_grad_partition" not in {
-        t.key for t in estimate(job("zero2", precision="fp32")).moments[-1].terms}
+        t.key for t in estimate(job("zero2", precision="fp32")).moments[-1].terms
+    }
 
 
 @pytest.mark.parametrize("policy", list(POLICIES.values()), ids=list(POLICIES))

@@ -1,4 +1,5 @@
 """from_module: a torch module's exact parameters give back the ModelSpec, and the same estimate."""
+
 import dataclasses
 
 import pytest
@@ -30,8 +31,9 @@ def _same_estimates(spec_a: ModelSpec, spec_b: ModelSpec) -> None:
     kwargs = dict(gpus=4, gpu_mem=80, micro_batch=2, seq_len=64, calibration=None)
     a = memplan.estimate(model=spec_a, **kwargs)
     b = memplan.estimate(model=spec_b, **kwargs)
-    assert [(e.job.plan.strategy, e.allocated_bytes, e.total_bytes, e.phase) for e in a.estimates] == \
-        [(e.job.plan.strategy, e.allocated_bytes, e.total_bytes, e.phase) for e in b.estimates]
+    assert [(e.job.plan.strategy, e.allocated_bytes, e.total_bytes, e.phase) for e in a.estimates] == [
+        (e.job.plan.strategy, e.allocated_bytes, e.total_bytes, e.phase) for e in b.estimates
+    ]
 
 
 @pytest.mark.parametrize("spec", NATIVE, ids=lambda s: f"{s.arch}-kv{s.num_kv_heads}-tied{s.tied_embeddings}")
@@ -39,8 +41,13 @@ def test_native_module_round_trips(spec):
     module = build_model(spec, attention="sdpa", ac="none", workload="native")
     got = spec_from_module(module, num_heads=spec.num_heads, name=spec.name, dropout=spec.dropout)
     assert got.num_params == _exact_count(module) == spec.num_params
-    assert (got.arch, got.num_layers, got.hidden, got.num_heads, got.vocab_size) == \
-        (spec.arch, spec.num_layers, spec.hidden, spec.num_heads, spec.vocab_size)
+    assert (got.arch, got.num_layers, got.hidden, got.num_heads, got.vocab_size) == (
+        spec.arch,
+        spec.num_layers,
+        spec.hidden,
+        spec.num_heads,
+        spec.vocab_size,
+    )
     assert got.block_params() == spec.block_params()
     _same_estimates(got, spec)
 
@@ -56,8 +63,14 @@ def test_from_module_estimate_equals_the_spec_estimate():
 
 
 HF_CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176,
-                                              num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2),
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    ),
     "gpt2": lambda: transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=3, n_head=4, n_positions=128),
 }
 

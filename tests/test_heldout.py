@@ -1,13 +1,14 @@
 """The held-out matrix's records (docs/heldout_matrix_cpu.jsonl): every case recorded once
 at least, each record rebuilding into its case's Job and carrying the loop that ran it.
 The accuracy tolerance on these records comes with the loop-aware model (issue 12)."""
+
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
-from calibrate import heldout, records  # noqa: E402
-from calibrate.loops import LOOP_KEYS, LOOPS  # noqa: E402
+from calibrate import heldout, records
+from calibrate.loops import LOOP_KEYS, LOOPS
 
 RECORDS = Path(__file__).resolve().parent.parent / heldout.OUT
 RELATIVE_TOLERANCE = 0.005
@@ -50,8 +51,10 @@ def test_ok_records_carry_a_measurement_and_todays_estimate(recs):
 
 def _quick_cases() -> list:
     # one HF Trainer step under FSDP2 with gradient checkpointing, one plain loop that frees its logits
-    return [heldout.BY_ID["gpt2-h384-hf-trainer-fsdp-fp32-acfull-w4-b2s256"],
-            heldout.BY_ID["llama-h384-plain-freed-fsdp-fp32-acnone-w4-b8s128"]]
+    return [
+        heldout.BY_ID["gpt2-h384-hf-trainer-fsdp-fp32-acfull-w4-b2s256"],
+        heldout.BY_ID["llama-h384-plain-freed-fsdp-fp32-acnone-w4-b8s128"],
+    ]
 
 
 @pytest.mark.slow

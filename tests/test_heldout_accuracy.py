@@ -2,6 +2,7 @@
 with the loop that ran it (calibrate.heldout.loop_job): within 1 % of the measured peak. The
 cases memplan does not yet meet are listed with what the measured categories show; each is
 a strict xfail, so a fixed one must leave the list."""
+
 from pathlib import Path
 
 import pytest
@@ -12,12 +13,16 @@ from memplan.memory import estimate
 TOLERANCE = 0.01
 RECORDS = Path(__file__).resolve().parent.parent / heldout.OUT
 
-_SAC_LOSS = ("torchtitan's loop under FSDP full-shard with its own SelectiveAC/FullAC: the measured peak holds the "
-             "two loss gradients but not the log_softmax output memplan keeps at the start of backward "
-             "(the same loss without AC, shard-grad-op, matches): read off the categories of the first and third; "
-             "not explained")
-_FSDP = ("FSDP full-shard: off by more than 1 % with the loop's conventions applied, as some plain loops are "
-         "(`python -m calibrate.heldout --report` has each error); cause not found")
+_SAC_LOSS = (
+    "torchtitan's loop under FSDP full-shard with its own SelectiveAC/FullAC: the measured peak holds the "
+    "two loss gradients but not the log_softmax output memplan keeps at the start of backward "
+    "(the same loss without AC, shard-grad-op, matches): read off the categories of the first and third; "
+    "not explained"
+)
+_FSDP = (
+    "FSDP full-shard: off by more than 1 % with the loop's conventions applied, as some plain loops are "
+    "(`python -m calibrate.heldout --report` has each error); cause not found"
+)
 KNOWN = {
     "llama-h512-torchtitan-fsdp-fp32-acop-w8-b2s512": _SAC_LOSS,
     "llama-h384-torchtitan-fsdp-mixed-bf16-acop-w32-b1s256": _FSDP,
@@ -46,8 +51,14 @@ def _records() -> list[dict]:
 
 
 def _params():
-    return [pytest.param(r, id=r["case"], marks=[pytest.mark.xfail(strict=True, reason=KNOWN[r["case"]])]
-                         if r["case"] in KNOWN else []) for r in _records()]
+    return [
+        pytest.param(
+            r,
+            id=r["case"],
+            marks=[pytest.mark.xfail(strict=True, reason=KNOWN[r["case"]])] if r["case"] in KNOWN else [],
+        )
+        for r in _records()
+    ]
 
 
 def test_the_known_cases_are_cases():
@@ -59,4 +70,6 @@ def test_estimate_with_the_loop_within_1_percent(record):
     measured = record["measurement"]["peak_allocated_bytes"]
     est = estimate(heldout.loop_job(record))
     error = (est.allocated_bytes - measured) / measured
-    assert abs(error) <= TOLERANCE, f"{record['case']}: estimated {est.allocated_bytes:,} B, measured {measured:,} B: {error:+.2%}"
+    assert abs(error) <= TOLERANCE, (
+        f"{record['case']}: estimated {est.allocated_bytes:,} B, measured {measured:,} B: {error:+.2%}"
+    )

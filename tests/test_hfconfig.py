@@ -6,18 +6,23 @@ import pytest
 from memplan.errors import MemplanError
 from memplan.hfconfig import model_from_hf_config
 
-_SMALL = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=160,
-              vocab_size=1000)
+_SMALL = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=160, vocab_size=1000)
 SMALL = {
     # mistral and qwen2 default to 8 and 32 kv heads: set them to match the 4 heads
     "llama": {**_SMALL, "num_key_value_heads": 4},
     "mistral": {**_SMALL, "num_key_value_heads": 4},
     "qwen2": {**_SMALL, "num_key_value_heads": 4},
-    "gpt2": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128,
-                 bos_token_id=0, eos_token_id=0),
+    "gpt2": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128, bos_token_id=0, eos_token_id=0),
     "gpt_neox": _SMALL,
-    "vit": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=160,
-                image_size=32, patch_size=8, num_labels=5),
+    "vit": dict(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=160,
+        image_size=32,
+        patch_size=8,
+        num_labels=5,
+    ),
 }
 
 
@@ -62,8 +67,7 @@ def test_gqa(model_type):
     assert spec.num_params == hf_num_params(cfg)
 
 
-@pytest.mark.parametrize("model_type,tied", [("gpt2", False), ("llama", True), ("qwen2", True),
-                                             ("gpt_neox", True)])
+@pytest.mark.parametrize("model_type,tied", [("gpt2", False), ("llama", True), ("qwen2", True), ("gpt_neox", True)])
 def test_tied_and_untied(model_type, tied):
     cfg = hf_config(model_type, tie_word_embeddings=tied)
     spec = model_from_hf_config(cfg.to_dict())
@@ -90,12 +94,15 @@ def test_llama_biases():
     assert hf_num_params(attention_only) - spec.num_params == 2 * 64
 
 
-@pytest.mark.parametrize("model_type,overrides,dropout", [
-    ("gpt2", dict(attn_pdrop=0.05, resid_pdrop=0.2, embd_pdrop=0.0), 0.2),
-    ("llama", dict(attention_dropout=0.1), 0.1),
-    ("gpt_neox", dict(attention_dropout=0.0, hidden_dropout=0.15), 0.15),
-    ("vit", dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.0), 0.1),
-])
+@pytest.mark.parametrize(
+    "model_type,overrides,dropout",
+    [
+        ("gpt2", dict(attn_pdrop=0.05, resid_pdrop=0.2, embd_pdrop=0.0), 0.2),
+        ("llama", dict(attention_dropout=0.1), 0.1),
+        ("gpt_neox", dict(attention_dropout=0.0, hidden_dropout=0.15), 0.15),
+        ("vit", dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.0), 0.1),
+    ],
+)
 def test_dropout_read_back(model_type, overrides, dropout):
     assert model_from_hf_config(hf_config(model_type, **overrides).to_dict()).dropout == dropout
 
@@ -109,15 +116,22 @@ def test_names(tmp_path):
     cfg = {"model_type": "llama", **_SMALL}
     assert model_from_hf_config(write(tmp_path, cfg)).name == "my-model"
     assert model_from_hf_config(tmp_path / "my-model").name == "my-model"  # a folder works too
-    assert model_from_hf_config({**cfg, "_name_or_path": "meta-llama/Llama-2-7b-hf"}).name == \
-        "meta-llama/Llama-2-7b-hf"
+    assert model_from_hf_config({**cfg, "_name_or_path": "meta-llama/Llama-2-7b-hf"}).name == "meta-llama/Llama-2-7b-hf"
     assert model_from_hf_config(cfg, name="mine").name == "mine"
 
 
 def test_real_llama2_7b_config():
-    cfg = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
-           "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
-           "vocab_size": 32000, "tie_word_embeddings": False, "hidden_act": "silu"}
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 32,
+        "vocab_size": 32000,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    }
     assert model_from_hf_config(cfg).num_params == 6_738_415_616
 
 
@@ -136,8 +150,7 @@ def test_missing_file(tmp_path):
 
 
 def test_malformed_json(tmp_path):
-    one_line_error(write(tmp_path, '{"model_type": "llama",\n  "hidden_size": }'),
-                   "not valid JSON", "line 2 column")
+    one_line_error(write(tmp_path, '{"model_type": "llama",\n  "hidden_size": }'), "not valid JSON", "line 2 column")
 
 
 def test_non_object_json(tmp_path):
@@ -145,8 +158,10 @@ def test_non_object_json(tmp_path):
 
 
 def test_unsupported_model_type():
-    one_line_error({"model_type": "bert"},
-                   "model_type 'bert' is not supported; supported: gpt2, gpt_neox, llama, mistral, qwen2, vit")
+    one_line_error(
+        {"model_type": "bert"},
+        "model_type 'bert' is not supported; supported: gpt2, gpt_neox, llama, mistral, qwen2, vit",
+    )
 
 
 def test_missing_model_type():
@@ -159,14 +174,17 @@ def test_missing_key():
     one_line_error(cfg, "config.json has no num_hidden_layers (or n_layer)")
 
 
-@pytest.mark.parametrize("key,value,expected", [
-    ("hidden_size", "64", "hidden_size must be a positive integer, got '64'"),
-    ("num_hidden_layers", 0, "num_hidden_layers must be a positive integer, got 0"),
-    ("tie_word_embeddings", "yes", "tie_word_embeddings must be true or false"),
-    ("attention_dropout", "0.1", "attention_dropout must be a number"),
-    ("hidden_act", "relu", "activation 'relu' is not supported"),
-    ("head_dim", 32, "head_dim 32 differs from hidden_size/num_attention_heads = 64/4"),
-])
+@pytest.mark.parametrize(
+    "key,value,expected",
+    [
+        ("hidden_size", "64", "hidden_size must be a positive integer, got '64'"),
+        ("num_hidden_layers", 0, "num_hidden_layers must be a positive integer, got 0"),
+        ("tie_word_embeddings", "yes", "tie_word_embeddings must be true or false"),
+        ("attention_dropout", "0.1", "attention_dropout must be a number"),
+        ("hidden_act", "relu", "activation 'relu' is not supported"),
+        ("head_dim", 32, "head_dim 32 differs from hidden_size/num_attention_heads = 64/4"),
+    ],
+)
 def test_bad_values(key, value, expected):
     one_line_error({"model_type": "llama", **_SMALL, key: value}, expected)
 

@@ -1,4 +1,5 @@
 """Properties the memory model must keep for any input (hypothesis)."""
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,30 +16,44 @@ def models(draw):
     head_dim = draw(st.sampled_from([32, 64, 128]))
     kv = draw(st.sampled_from([h for h in (1, 2, 4, 8, heads) if heads % h == 0]))
     arch = draw(st.sampled_from(["llama", "gpt2", "neox"]))
-    return ModelSpec(arch=arch, num_layers=draw(st.integers(2, 96)), hidden=heads * head_dim, num_heads=heads,
-                     num_kv_heads=kv if arch == "llama" else heads, ffn_hidden=draw(st.integers(64, 50_000)),
-                     vocab_size=draw(st.integers(256, 260_000)), tied_embeddings=draw(st.booleans()),
-                     linear_bias=arch != "llama", dropout=draw(st.sampled_from([0.0, 0.1])))
+    return ModelSpec(
+        arch=arch,
+        num_layers=draw(st.integers(2, 96)),
+        hidden=heads * head_dim,
+        num_heads=heads,
+        num_kv_heads=kv if arch == "llama" else heads,
+        ffn_hidden=draw(st.integers(64, 50_000)),
+        vocab_size=draw(st.integers(256, 260_000)),
+        tied_embeddings=draw(st.booleans()),
+        linear_bias=arch != "llama",
+        dropout=draw(st.sampled_from([0.0, 0.1])),
+    )
 
 
 @st.composite
 def trains(draw, **fixed):
     values = dict(
-        seq_len=draw(st.integers(1, 32_768)), micro_batch=draw(st.integers(1, 16)),
-        grad_accum=draw(st.integers(1, 4)), precision=draw(st.sampled_from(
-            ["fp32", "amp-bf16", "amp-fp16", "mixed-bf16", "mixed-fp16", "bf16"])),
+        seq_len=draw(st.integers(1, 32_768)),
+        micro_batch=draw(st.integers(1, 16)),
+        grad_accum=draw(st.integers(1, 4)),
+        precision=draw(st.sampled_from(["fp32", "amp-bf16", "amp-fp16", "mixed-bf16", "mixed-fp16", "bf16"])),
         optimizer=draw(st.sampled_from(["adamw", "adam", "sgd", "sgd-momentum", "adam8bit"])),
         optimizer_impl=draw(st.sampled_from(["foreach", "fused", "single"])),
         activation_checkpointing=draw(st.sampled_from(["none", "selective", "full"])),
-        attention=draw(st.sampled_from(["sdpa", "eager"])), device=draw(st.sampled_from(["cuda", "cpu"])),
+        attention=draw(st.sampled_from(["sdpa", "eager"])),
+        device=draw(st.sampled_from(["cuda", "cpu"])),
     )
     values.update(fixed)
     return TrainSpec(**values)
 
 
 def job(model, train, *, gpus=8, strategy="fsdp-full-shard", offload="none", per_node=8):
-    return Job(model=model, train=train, cluster=ClusterSpec(gpus=gpus, gpus_per_node=min(per_node, gpus)),
-               plan=Plan(strategy=strategy, offload=offload))
+    return Job(
+        model=model,
+        train=train,
+        cluster=ClusterSpec(gpus=gpus, gpus_per_node=min(per_node, gpus)),
+        plan=Plan(strategy=strategy, offload=offload),
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -67,8 +82,7 @@ def test_more_sharding_never_raises_memory(model, train, log_gpus):
 @given(models(), trains(activation_checkpointing="none"), st.sampled_from((*SHARDED, "ddp")))
 def test_checkpointing_never_raises_activation_memory(model, train, strategy):
     def run(ac):
-        return estimate(job(model, TrainSpec(**{**train.__dict__, "activation_checkpointing": ac}),
-                            strategy=strategy))
+        return estimate(job(model, TrainSpec(**{**train.__dict__, "activation_checkpointing": ac}), strategy=strategy))
 
     none, selective, full = run("none"), run("selective"), run("full")
     kept = [max(m.by_component[Component.ACTIVATIONS] for m in e.moments) for e in (none, selective, full)]

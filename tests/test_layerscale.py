@@ -1,4 +1,5 @@
 """Layer-scaled calibration: a deep model's peak from its 1-, 2- and 4-block copies."""
+
 from dataclasses import replace
 
 import pytest
@@ -48,9 +49,38 @@ def test_calibrate_run_layers_scaled_records_the_full_model(tmp_path):
     from memplan.cli import main
 
     out = tmp_path / "runs.jsonl"
-    flags = ["--arch", "llama", "--layers", "12", "--hidden", "64", "--heads", "4", "--ffn", "128", "--vocab", "256",
-             "--seq-len", "32", "--micro-batch", "2", "--precision", "fp32", "--device", "cpu", "--gpus", "2",
-             "--strategy", "fsdp-full-shard", "--mode", "emulate", "--steps", "2", "--warmup", "1"]
+    flags = [
+        "--arch",
+        "llama",
+        "--layers",
+        "12",
+        "--hidden",
+        "64",
+        "--heads",
+        "4",
+        "--ffn",
+        "128",
+        "--vocab",
+        "256",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "2",
+        "--precision",
+        "fp32",
+        "--device",
+        "cpu",
+        "--gpus",
+        "2",
+        "--strategy",
+        "fsdp-full-shard",
+        "--mode",
+        "emulate",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+    ]
     result = CliRunner().invoke(main, ["calibrate", "run", *flags, "--layers-scaled", "--out", str(out)])
     assert result.exit_code == 0, result.output
     [record] = records.read([out])
@@ -59,7 +89,8 @@ def test_calibrate_run_layers_scaled_records_the_full_model(tmp_path):
     assert [p[0] for p in fit["points"]] == [1, 2, 4]
     assert record["spec"]["model"]["num_layers"] == 12
     # the extrapolated peak is the full model's, which memplan estimates to within its usual error
-    assert record["measurement"]["peak_allocated_bytes"] == pytest.approx(record["estimate"]["allocated_bytes"],
-                                                                         rel=0.03)
+    assert record["measurement"]["peak_allocated_bytes"] == pytest.approx(
+        record["estimate"]["allocated_bytes"], rel=0.03
+    )
     again = CliRunner().invoke(main, ["calibrate", "run", *flags, "--layers-scaled", "--out", str(out), "--resume"])
     assert "1 already recorded" in again.output

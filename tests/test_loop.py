@@ -1,5 +1,6 @@
 """The loop's conventions: validation, recipes, and the loss / checkpointing models
 measured against the frameworks' own code on CPU (MemTracker, saved-tensor hooks)."""
+
 import importlib.util
 import pathlib
 
@@ -12,10 +13,19 @@ from memplan.loss import logits_live, loss_saved
 from memplan.specs import ModelSpec, TrainSpec
 
 
-@pytest.mark.parametrize("field,value", [
-    ("logits", "dropped"), ("loss", "liger"), ("ac", "layer"), ("recipe", "megatron"),
-    ("loss_chunks", 0), ("ac_every", -1), ("compile", "yes"), ("offload_activations", 1),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("logits", "dropped"),
+        ("loss", "liger"),
+        ("ac", "layer"),
+        ("recipe", "megatron"),
+        ("loss_chunks", 0),
+        ("ac_every", -1),
+        ("compile", "yes"),
+        ("offload_activations", 1),
+    ],
+)
 def test_bad_loop_setting_is_one_line_error_naming_it(field, value):
     with pytest.raises(MemplanError) as err:
         Loop(**{field: value})
@@ -66,8 +76,16 @@ torch = pytest.importorskip("torch")
 
 
 def _model(arch="llama", kv=8, vocab=512):
-    return ModelSpec(arch=arch, num_layers=1, hidden=128, num_heads=8, num_kv_heads=kv, ffn_hidden=344,
-                     vocab_size=vocab, linear_bias=arch != "llama")
+    return ModelSpec(
+        arch=arch,
+        num_layers=1,
+        hidden=128,
+        num_heads=8,
+        num_kv_heads=kv,
+        ffn_hidden=344,
+        vocab_size=vocab,
+        linear_bias=arch != "llama",
+    )
 
 
 def _dtype(precision):
@@ -132,9 +150,12 @@ def _loss(model, loop, logits, labels):
     return torch.nn.functional.cross_entropy(logits[0].float().view(-1, model.vocab_size), labels.view(-1))
 
 
-LOSS_CASES = [(loss, chunks, precision, b) for loss, chunks in (("ce", 1), ("chunked-ce", 8), ("chunked-ce", 3),
-                                                                ("chunked-ce", 5))
-              for precision in ("fp32", "bf16") for b in (1, 2)]
+LOSS_CASES = [
+    (loss, chunks, precision, b)
+    for loss, chunks in (("ce", 1), ("chunked-ce", 8), ("chunked-ce", 3), ("chunked-ce", 5))
+    for precision in ("fp32", "bf16")
+    for b in (1, 2)
+]
 # the loss's scalars (one per chunk, the token count, the gradient seed) are not modelled
 SCALAR_SLACK_BYTES = 64
 
@@ -164,8 +185,9 @@ def test_freed_logits_are_gone_when_the_caller_drops_them(loss, precision):
     tensor, because nothing autograd saved refers to it."""
     model, train = _model(), TrainSpec(seq_len=64, micro_batch=2, precision=precision, device="cpu")
     kept, freed = (Loop(loss=loss, logits=held) for held in ("kept", "freed"))
-    expected = (sum(s.bytes for s in logits_live(model, train, kept, instant="loss")) -
-                sum(s.bytes for s in logits_live(model, train, freed, instant="loss")))
+    expected = sum(s.bytes for s in logits_live(model, train, kept, instant="loss")) - sum(
+        s.bytes for s in logits_live(model, train, freed, instant="loss")
+    )
     labels = torch.randint(0, model.vocab_size, (2, train.seq_len))
     hidden, head, _ = _logits(model, train, kept)
     with _Live(hidden, head, labels) as live:
@@ -193,9 +215,13 @@ def _titan_selective_ac():
     return ac.SelectiveAC(ac.SelectiveAC.Config())
 
 
-OP_CASES = [(arch, precision, attention, kv)
-            for arch in ("llama", "gpt2", "neox") for precision in ("fp32", "bf16")
-            for attention in ("sdpa", "eager") for kv in ((8, 2) if arch == "llama" else (8,))]
+OP_CASES = [
+    (arch, precision, attention, kv)
+    for arch in ("llama", "gpt2", "neox")
+    for precision in ("fp32", "bf16")
+    for attention in ("sdpa", "eager")
+    for kv in ((8, 2) if arch == "llama" else (8,))
+]
 
 
 @pytest.mark.parametrize("arch,precision,attention,kv", OP_CASES)
@@ -278,7 +304,10 @@ def test_by_moment_reproduces_todays_plain_loop():
     logits = [s for s in model_saved(model, train)[1] if s.name.startswith("logits")]
     forward, backward = ce_saved(model, train)
     moments = by_moment(model, train, Loop())
-    bytes_of = lambda saved: sum(s.bytes for s in saved)
+
+    def bytes_of(saved):
+        return sum(s.bytes for s in saved)
+
     assert bytes_of(moments["forward"]) == bytes_of(logits + forward)
     assert bytes_of(moments["loss"]) == bytes_of(logits + backward)
     assert bytes_of(moments["block"]) == bytes_of(logits)
@@ -367,7 +396,9 @@ def test_op_sac_block_backward_peaks_where_full_ac_does(precision, attention):
 
     def modelled(ac):
         loop = Loop(ac=ac)
-        return sum(s.bytes for s in block_kept_under(model, train, loop, 0) + block_transient_under(model, train, loop, 0))
+        return sum(
+            s.bytes for s in block_kept_under(model, train, loop, 0) + block_transient_under(model, train, loop, 0)
+        )
 
     assert backward_peak(lambda b: _titan_selective_ac()._wrap_block(b)) == backward_peak(checkpoint_wrapper)
     assert modelled("op") == modelled("full")
@@ -401,8 +432,16 @@ def test_float8_training_keeps_what_bf16_keeps():
 
 
 def test_op_sac_and_compile_refuse_what_they_do_not_model():
-    gpt2 = ModelSpec(arch="gpt2", num_layers=1, hidden=128, num_heads=8, ffn_hidden=512, vocab_size=512,
-                     linear_bias=True, dropout=0.1)
+    gpt2 = ModelSpec(
+        arch="gpt2",
+        num_layers=1,
+        hidden=128,
+        num_heads=8,
+        ffn_hidden=512,
+        vocab_size=512,
+        linear_bias=True,
+        dropout=0.1,
+    )
     with pytest.raises(MemplanError, match="math path"):
         op_sac_kept(gpt2, TrainSpec(seq_len=64, micro_batch=2, precision="fp32", device="cpu"))
     with pytest.raises(MemplanError, match="not gpt2"):

@@ -1,4 +1,5 @@
 """The notebooks run fresh, top to bottom, without an error (nbclient)."""
+
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,13 @@ def test_notebook_executes(path):
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("torch")
     notebook = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(path.parent)}})
+    client = nbclient.NotebookClient(
+        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    )
     client.execute()  # raises CellExecutionError on the first failing cell
-    assert any(o.get("output_type") in ("stream", "execute_result", "display_data")
-               for c in notebook.cells if c.cell_type == "code" for o in c.outputs)
+    assert any(
+        o.get("output_type") in ("stream", "execute_result", "display_data")
+        for c in notebook.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+    )

@@ -1,6 +1,7 @@
 """memplan against published GPU peak-memory figures (../shared/published), where the
 published configuration is one memplan expresses. A check at GPU scale, not a fit target:
 the tolerance follows each row's trust level as the data set grades it."""
+
 import csv
 from pathlib import Path
 
@@ -15,37 +16,85 @@ TOLERANCE = {"medium-high": 0.05, "medium-low": 0.10, "low": 0.25}
 # (substring of the row's source, its strategy text, memplan's flags for that run). FSDP1 with
 # use_orig_params=False (these runs) hands the optimizer FlatParameters, whose type is not in
 # torch.optim.optimizer._foreach_supported_types: AdamW defaults to its single-tensor loop.
-_TORCHTUNE_3B = dict(model="llama-3.2-3b", seq_len=4096, micro_batch=2, precision="bf16", gpus=1, gpu="a100-80gb",
-                     strategy="single")
+_TORCHTUNE_3B = dict(
+    model="llama-3.2-3b", seq_len=4096, micro_batch=2, precision="bf16", gpus=1, gpu="a100-80gb", strategy="single"
+)
 EXPRESSIBLE = [
-    ("issue #120", "FSDP1 FULL_SHARD over 16 (2 nodes)",
-     dict(model="llama-2-70b", seq_len=2048, micro_batch=1, precision="bf16", ac="full", gpus=16,
-          gpu="a100-80gb", strategy="fsdp-full-shard", optimizer_impl="single")),
-    ("issue #100", "FSDP1 FULL_SHARD over 4",
-     dict(model="llama-2-7b", seq_len=2048, micro_batch=4, precision="mixed-bf16", ac="full", gpus=4,
-          gpu="a100-40gb", strategy="fsdp-full-shard", optimizer_impl="single")),
+    (
+        "issue #120",
+        "FSDP1 FULL_SHARD over 16 (2 nodes)",
+        dict(
+            model="llama-2-70b",
+            seq_len=2048,
+            micro_batch=1,
+            precision="bf16",
+            ac="full",
+            gpus=16,
+            gpu="a100-80gb",
+            strategy="fsdp-full-shard",
+            optimizer_impl="single",
+        ),
+    ),
+    (
+        "issue #100",
+        "FSDP1 FULL_SHARD over 4",
+        dict(
+            model="llama-2-7b",
+            seq_len=2048,
+            micro_batch=4,
+            precision="mixed-bf16",
+            ac="full",
+            gpus=4,
+            gpu="a100-40gb",
+            strategy="fsdp-full-shard",
+            optimizer_impl="single",
+        ),
+    ),
     # torchtune full_finetune_single_device: a plain loop, no wrapper (the row before compile)
     ("row '+ Packed Dataset'", "single GPU (standard CE loss, eager)", _TORCHTUNE_3B | dict(ac="none")),
     # the rows after it add one technique each (cumulative), as torchtune's recipe sets it
-    ("row '+ Activation Checkpointing'", "single GPU (compile + chunked CE)",
-     _TORCHTUNE_3B | dict(recipe="torchtune", compile=True)),
+    (
+        "row '+ Activation Checkpointing'",
+        "single GPU (compile + chunked CE)",
+        _TORCHTUNE_3B | dict(recipe="torchtune", compile=True),
+    ),
 ]
 # rows memplan expresses but misses at their tolerance: (source, strategy, flags, what is off)
 MISSED = [
-    ("row '+ Compile'", "single GPU (torch.compile, standard CE)",
-     _TORCHTUNE_3B | dict(recipe="torchtune", loss="ce", ac="none", compile=True),
-     "-19 % (9.6 GiB under); the term that differs from the eager row, which matches, is the compiled blocks: 19.3 GiB from inductor's saved list measured on CPU, against 28.1 eager"),
-    ("row '+ Chunked Cross Entropy'", "single GPU (compile + CEWithChunkedOutputLoss)",
-     _TORCHTUNE_3B | dict(recipe="torchtune", ac="none", compile=True), "the compiled blocks as above: -7.5 %"),
-    ("row '+ Fuse optimizer step into backward'", "single GPU (compile + chunked CE)",
-     _TORCHTUNE_3B | dict(recipe="torchtune", compile=True, optimizer_in_backward=True), "-6.2 %"),
-    ("row '+ Activation Offloading'", "single GPU (compile + chunked CE)",
-     _TORCHTUNE_3B | dict(recipe="torchtune", compile=True, optimizer_in_backward=True, offload_activations=True),
-     "-6.2 % (offloading modelled, not measured)"),
-    ("row '+ 8-bit AdamW'", "single GPU (compile + chunked CE)",
-     _TORCHTUNE_3B | dict(recipe="torchtune", compile=True, optimizer_in_backward=True, offload_activations=True,
-                          optimizer="adam8bit"),
-     "-17 % (bitsandbytes' paged 8-bit states, the row notes, may not be what the allocator counts)"),
+    (
+        "row '+ Compile'",
+        "single GPU (torch.compile, standard CE)",
+        _TORCHTUNE_3B | dict(recipe="torchtune", loss="ce", ac="none", compile=True),
+        "-19 % (9.6 GiB under); the term that differs from the eager row, which matches, is the compiled "
+        "blocks: 19.3 GiB from inductor's saved list measured on CPU, against 28.1 eager",
+    ),
+    (
+        "row '+ Chunked Cross Entropy'",
+        "single GPU (compile + CEWithChunkedOutputLoss)",
+        _TORCHTUNE_3B | dict(recipe="torchtune", ac="none", compile=True),
+        "the compiled blocks as above: -7.5 %",
+    ),
+    (
+        "row '+ Fuse optimizer step into backward'",
+        "single GPU (compile + chunked CE)",
+        _TORCHTUNE_3B | dict(recipe="torchtune", compile=True, optimizer_in_backward=True),
+        "-6.2 %",
+    ),
+    (
+        "row '+ Activation Offloading'",
+        "single GPU (compile + chunked CE)",
+        _TORCHTUNE_3B | dict(recipe="torchtune", compile=True, optimizer_in_backward=True, offload_activations=True),
+        "-6.2 % (offloading modelled, not measured)",
+    ),
+    (
+        "row '+ 8-bit AdamW'",
+        "single GPU (compile + chunked CE)",
+        _TORCHTUNE_3B
+        | dict(
+            recipe="torchtune", compile=True, optimizer_in_backward=True, offload_activations=True, optimizer="adam8bit"
+        ),
+        "-17 % (bitsandbytes' paged 8-bit states, the row notes, may not be what the allocator counts)",
+    ),
 ]
 
 
@@ -63,7 +112,8 @@ def matching(rows, source, strategy):
 
 _CASES = [pytest.param(*e, id=e[0]) for e in EXPRESSIBLE] + [
     pytest.param(source, strategy, flags, id=source, marks=pytest.mark.xfail(strict=True, reason=why))
-    for source, strategy, flags, why in MISSED]
+    for source, strategy, flags, why in MISSED
+]
 
 
 def test_every_torchtune_row_is_expressed():
@@ -82,4 +132,5 @@ def test_estimate_against_published_peak(source, strategy, flags):
         # max_reserved includes the allocator's slack; max_allocated is tensor bytes alone
         predicted = est.allocated_bytes * (1.1 if "reserved" in row["measure_kind"] else 1.0)
         assert predicted == pytest.approx(measured, rel=TOLERANCE[trust]), (
-            f"{row['model']}: {predicted / GIB:.1f} GiB estimated vs {measured / GIB:.1f} GiB {row['measure_kind']}")
+            f"{row['model']}: {predicted / GIB:.1f} GiB estimated vs {measured / GIB:.1f} GiB {row['measure_kind']}"
+        )

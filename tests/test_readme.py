@@ -1,4 +1,5 @@
 """The README's pasted command outputs are what the commands print now."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -19,12 +20,18 @@ def test_readme_outputs_have_not_drifted():
 
 def test_a_drifted_block_is_named_and_a_skipped_one_left_alone(tmp_path):
     readme = tmp_path / "README.md"
-    readme.write_text("Error:\n\n" + BLOCK.format("old output\n") + "\n<!-- readme-outputs: skip -->\n"
-                      + BLOCK.format("machine-dependent\n"))
+    readme.write_text(
+        "Error:\n\n"
+        + BLOCK.format("old output\n")
+        + "\n<!-- readme-outputs: skip -->\n"
+        + BLOCK.format("machine-dependent\n")
+    )
     result = check(readme)
     assert result.returncode == 1
-    assert result.stdout.splitlines() == ["README.md: the output of `$ memplan estimate --params 13e9 --gpu tpu-v9` "
-                                          "drifted; run python scripts/readme_outputs.py --write"]
+    assert result.stdout.splitlines() == [
+        "README.md: the output of `$ memplan estimate --params 13e9 --gpu tpu-v9` "
+        "drifted; run python scripts/readme_outputs.py --write"
+    ]
     subprocess.run([sys.executable, str(SCRIPT), "--write", str(readme)], check=True, capture_output=True)
     text = readme.read_text()
     assert "old output" not in text and "Error: --gpu 'tpu-v9' is not a known GPU" in text

@@ -1,4 +1,5 @@
 """Searches are exact to the integer: the answer fits and the next step does not."""
+
 import itertools
 
 import pytest
@@ -36,30 +37,48 @@ def test_max_micro_batch_agrees_with_an_exhaustive_scan():
 
 
 @settings(max_examples=80, deadline=None)
-@given(params=st.sampled_from(["125e6", "1.3e9", "7e9", "13e9"]), gpus=st.sampled_from([1, 2, 8, 64]),
-       strategy=st.sampled_from(strategies_on(2)),
-       precision=st.sampled_from(["fp32", "amp-bf16", "mixed-bf16", "bf16"]),
-       ac=st.sampled_from(["none", "selective", "full"]), attention=st.sampled_from(["sdpa", "eager"]),
-       seq_len=st.sampled_from([512, 2048, 8192]), gpu=st.sampled_from(["a100-40gb", "h100-sxm", "l4"]),
-       limit=st.integers(1, 96), scale=st.sampled_from([0.8, 1.0, 1.3]))
-def test_max_micro_batch_equals_a_linear_scan(params, gpus, strategy, precision, ac, attention, seq_len, gpu, limit,
-                                              scale):
+@given(
+    params=st.sampled_from(["125e6", "1.3e9", "7e9", "13e9"]),
+    gpus=st.sampled_from([1, 2, 8, 64]),
+    strategy=st.sampled_from(strategies_on(2)),
+    precision=st.sampled_from(["fp32", "amp-bf16", "mixed-bf16", "bf16"]),
+    ac=st.sampled_from(["none", "selective", "full"]),
+    attention=st.sampled_from(["sdpa", "eager"]),
+    seq_len=st.sampled_from([512, 2048, 8192]),
+    gpu=st.sampled_from(["a100-40gb", "h100-sxm", "l4"]),
+    limit=st.integers(1, 96),
+    scale=st.sampled_from([0.8, 1.0, 1.3]),
+)
+def test_max_micro_batch_equals_a_linear_scan(
+    params, gpus, strategy, precision, ac, attention, seq_len, gpu, limit, scale
+):
     """The guess from the line through b = 1, 2 (and the bisection below it) against trying every
     micro-batch, for the analytic headroom and for one with activations scaled as a calibration may."""
-    _, [job] = build_jobs(params=params, gpus=gpus, gpu=gpu, strategy=strategy, precision=precision, ac=ac,
-                          attention=attention, seq_len=seq_len)
+    _, [job] = build_jobs(
+        params=params,
+        gpus=gpus,
+        gpu=gpu,
+        strategy=strategy,
+        precision=precision,
+        ac=ac,
+        attention=attention,
+        seq_len=seq_len,
+    )
 
     def headrooms(j):
         est = estimate(j)
-        return tuple(r - round((scale - 1) * m.by_component[Component.ACTIVATIONS])
-                     for r, m in zip(est.moment_headrooms, est.moments))
+        return tuple(
+            r - round((scale - 1) * m.by_component[Component.ACTIVATIONS])
+            for r, m in zip(est.moment_headrooms, est.moments)
+        )
 
     scan = next((b - 1 for b in range(1, limit + 1) if min(headrooms(job.with_(micro_batch=b))) < 0), limit)
     assert max_micro_batch(job, limit=limit, headrooms=headrooms) == scan
 
 
-@pytest.mark.parametrize("params,gpu,ac", [("70e9", "a100-80gb", "full"), ("13e9", "a100-40gb", "none"),
-                                           ("175e9", "h100-sxm", "full")])
+@pytest.mark.parametrize(
+    "params,gpu,ac", [("70e9", "a100-80gb", "full"), ("13e9", "a100-40gb", "none"), ("175e9", "h100-sxm", "full")]
+)
 def test_min_gpus_fits_and_one_fewer_does_not(params, gpu, ac):
     _, jobs = build_jobs(params=params, gpus=1, gpu=gpu, ac=ac)
     result = min_gpus(jobs[0], [j.plan.strategy for j in jobs])

@@ -1,4 +1,5 @@
 """The seeds' worked examples, redone on their own assumptions, and where they go wrong."""
+
 import re
 
 import pytest
@@ -11,8 +12,16 @@ from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
 GB = 10**9
 # 002_*: "fp16 params and grads, fp32 Adam" with no fp32 master copy
-SEED_002 = Policy(id="seed-002", compute_dtype="fp16", param_bytes=2, compute_bytes=2, stream_bytes=2, grad_bytes=2,
-                  master_bytes=0, state_bytes=4)
+SEED_002 = Policy(
+    id="seed-002",
+    compute_dtype="fp16",
+    param_bytes=2,
+    compute_bytes=2,
+    stream_bytes=2,
+    grad_bytes=2,
+    master_bytes=0,
+    state_bytes=4,
+)
 
 
 def llama(params_b: float) -> ModelSpec:
@@ -74,8 +83,9 @@ def _quoted(fragment: str, source: str) -> bool:
     label of the edge taken ("Priority Memory efficiency"), "not X" for the No edge of node X."""
     words = fragment.split()
     words = words[1:] if words[:1] == ["not"] else words
-    return any(_words(" ".join(words[:i])) in source and _words(" ".join(words[i:])) in source
-               for i in range(len(words)))
+    return any(
+        _words(" ".join(words[:i])) in source and _words(" ".join(words[i:])) in source for i in range(len(words))
+    )
 
 
 @pytest.mark.parametrize("rule", read_table("rules.csv"), ids=lambda r: r["id"])

@@ -1,34 +1,67 @@
 """The vectorized sweep equals the scalar estimate, row for row, to the byte."""
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from memplan.errors import MemplanError
+from memplan.grid import sweep
 from memplan.inputs import build_jobs
 from memplan.memory import estimate
-from memplan.grid import sweep
 
 PRECISIONS = ["fp32", "amp-bf16", "mixed-bf16", "bf16"]
 
 
-@pytest.mark.parametrize("attention,device,optimizer_impl", [("sdpa", "cuda", "foreach"), ("eager", "cpu", "single"),
-                                                             ("sdpa", "cuda", "fused")])
+@pytest.mark.parametrize(
+    "attention,device,optimizer_impl",
+    [("sdpa", "cuda", "foreach"), ("eager", "cpu", "single"), ("sdpa", "cuda", "fused")],
+)
 def test_random_rows_equal_the_scalar_path(attention, device, optimizer_impl):
-    grid = sweep(params=[1.3e9, 7e9], gpus=[2, 8, 24], precision=PRECISIONS, ac=["none", "selective", "full"],
-                 micro_batch=[1, 3, 8], seq_len=[128, 1000, 4096], gpu="a100-80gb", attention=attention,
-                 device=device, optimizer_impl=optimizer_impl)
-    assert set(grid.strategy) == {"ddp", "fsdp-no-shard", "fsdp-shard-grad-op", "fsdp-full-shard",
-                                  "fsdp-hybrid-shard", "zero1", "zero2", "zero3"}
+    grid = sweep(
+        params=[1.3e9, 7e9],
+        gpus=[2, 8, 24],
+        precision=PRECISIONS,
+        ac=["none", "selective", "full"],
+        micro_batch=[1, 3, 8],
+        seq_len=[128, 1000, 4096],
+        gpu="a100-80gb",
+        attention=attention,
+        device=device,
+        optimizer_impl=optimizer_impl,
+    )
+    assert set(grid.strategy) == {
+        "ddp",
+        "fsdp-no-shard",
+        "fsdp-shard-grad-op",
+        "fsdp-full-shard",
+        "fsdp-hybrid-shard",
+        "zero1",
+        "zero2",
+        "zero3",
+    }
     rows = grid.sample(n=120, random_state=0)
     for row in rows.itertuples():
-        _, jobs = build_jobs(params=row.params, gpus=row.gpus, precision=row.precision,
-                             ac=row.activation_checkpointing, micro_batch=row.micro_batch, seq_len=row.seq_len,
-                             strategy=row.strategy, gpu="a100-80gb", attention=attention, device=device,
-                             optimizer_impl=optimizer_impl)
+        _, jobs = build_jobs(
+            params=row.params,
+            gpus=row.gpus,
+            precision=row.precision,
+            ac=row.activation_checkpointing,
+            micro_batch=row.micro_batch,
+            seq_len=row.seq_len,
+            strategy=row.strategy,
+            gpu="a100-80gb",
+            attention=attention,
+            device=device,
+            optimizer_impl=optimizer_impl,
+        )
         est = estimate(jobs[0])
-        assert (row.allocated_bytes, row.total_bytes, row.phase, row.fits) == \
-            (est.allocated_bytes, est.total_bytes, est.phase, est.fits)
+        assert (row.allocated_bytes, row.total_bytes, row.phase, row.fits) == (
+            est.allocated_bytes,
+            est.total_bytes,
+            est.phase,
+            est.fits,
+        )
 
 
 def _subset(values, max_size=2):
@@ -36,27 +69,48 @@ def _subset(values, max_size=2):
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(params=_subset([1.3e9, 7e9, 30e9]), gpus=_subset([1, 2, 3, 8, 24, 64], 3), precision=st.sampled_from(PRECISIONS),
-       ac=st.sampled_from(["none", "selective", "full"]), micro_batch=_subset([1, 2, 5, 16]),
-       seq_len=_subset([128, 1000, 4096]), attention=st.sampled_from(["sdpa", "eager"]),
-       optimizer_impl=st.sampled_from(["foreach", "single", "fused"]), offload=st.sampled_from(["none", "optimizer"]))
-def test_every_cell_of_a_random_grid_equals_the_scalar_path(params, gpus, precision, ac, micro_batch, seq_len,
-                                                             attention, optimizer_impl, offload):
+@given(
+    params=_subset([1.3e9, 7e9, 30e9]),
+    gpus=_subset([1, 2, 3, 8, 24, 64], 3),
+    precision=st.sampled_from(PRECISIONS),
+    ac=st.sampled_from(["none", "selective", "full"]),
+    micro_batch=_subset([1, 2, 5, 16]),
+    seq_len=_subset([128, 1000, 4096]),
+    attention=st.sampled_from(["sdpa", "eager"]),
+    optimizer_impl=st.sampled_from(["foreach", "single", "fused"]),
+    offload=st.sampled_from(["none", "optimizer"]),
+)
+def test_every_cell_of_a_random_grid_equals_the_scalar_path(
+    params, gpus, precision, ac, micro_batch, seq_len, attention, optimizer_impl, offload
+):
     """Every cell, across GPU counts too: the sweep takes the token coefficients of a family from
     its first GPU count, so a grid of several counts is where it could go wrong."""
-    held = dict(precision=precision, ac=ac, gpu="a100-80gb", attention=attention, optimizer_impl=optimizer_impl,
-                offload=offload)
+    held = dict(
+        precision=precision, ac=ac, gpu="a100-80gb", attention=attention, optimizer_impl=optimizer_impl, offload=offload
+    )
     try:
         grid = sweep(params=params, gpus=gpus, micro_batch=micro_batch, seq_len=seq_len, **held)
     except MemplanError as e:
         assert "no strategy" in str(e)  # an offload that no strategy on these GPU counts runs
         return
     for row in grid.itertuples():
-        _, jobs = build_jobs(params=row.params, gpus=row.gpus, micro_batch=row.micro_batch, seq_len=row.seq_len,
-                             strategy=row.strategy, **held)
+        _, jobs = build_jobs(
+            params=row.params,
+            gpus=row.gpus,
+            micro_batch=row.micro_batch,
+            seq_len=row.seq_len,
+            strategy=row.strategy,
+            **held,
+        )
         est = estimate(jobs[0])
-        assert (row.allocated_bytes, row.overhead_bytes, row.total_bytes, row.headroom_bytes, row.phase, row.fits) \
-            == (est.allocated_bytes, est.overhead_bytes, est.total_bytes, est.headroom_bytes, est.phase, est.fits)
+        assert (row.allocated_bytes, row.overhead_bytes, row.total_bytes, row.headroom_bytes, row.phase, row.fits) == (
+            est.allocated_bytes,
+            est.overhead_bytes,
+            est.total_bytes,
+            est.headroom_bytes,
+            est.phase,
+            est.fits,
+        )
 
 
 def test_grid_shape_and_fixed_arguments():
@@ -69,7 +123,7 @@ def test_grid_shape_and_fixed_arguments():
 
 
 def test_bad_grids_are_one_line_errors():
-    with pytest.raises(MemplanError, match="params=.*or model="):
+    with pytest.raises(MemplanError, match=r"params=.*or model="):
         sweep(gpus=[8])
     with pytest.raises(MemplanError, match="positive"):
         sweep(params=7e9, micro_batch=[0, 1])

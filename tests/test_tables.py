@@ -1,4 +1,5 @@
 """Constants that are data: tables/overheads.csv and tables/decision.csv, each row sourced."""
+
 import pytest
 
 from memplan import catalog

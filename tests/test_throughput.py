@@ -1,4 +1,5 @@
 """The throughput model against hand arithmetic, and its invariants."""
+
 from functools import partial
 
 import pytest
@@ -80,8 +81,12 @@ def test_bw_flag_and_bad_values():
 
 
 @settings(max_examples=40, deadline=None)
-@given(strategy=st.sampled_from(strategies_on(2)), gpus=st.sampled_from([2, 8, 16, 64]),
-       ac=st.sampled_from(["none", "selective", "full"]), mb=st.integers(1, 8))
+@given(
+    strategy=st.sampled_from(strategies_on(2)),
+    gpus=st.sampled_from([2, 8, 16, 64]),
+    ac=st.sampled_from(["none", "selective", "full"]),
+    mb=st.integers(1, 8),
+)
 def test_ddp_is_its_own_baseline_and_relative_is_positive(strategy, gpus, ac, mb):
     j = job(strategy, gpus=gpus, activation_checkpointing=ac, micro_batch=mb)
     link = link_for(j)
@@ -105,8 +110,12 @@ def test_hybrid_crosses_nodes_with_a_shard_only():
 
 
 @settings(max_examples=40, deadline=None)
-@given(strategy=st.sampled_from(strategies_on(2)), gpus=st.sampled_from([2, 8, 16, 64]),
-       bw=st.floats(0.5, 1000), factor=st.floats(1.0, 100.0))
+@given(
+    strategy=st.sampled_from(strategies_on(2)),
+    gpus=st.sampled_from([2, 8, 16, 64]),
+    bw=st.floats(0.5, 1000),
+    factor=st.floats(1.0, 100.0),
+)
 def test_more_bandwidth_never_slows_a_step(strategy, gpus, bw, factor):
     j = job(strategy, gpus=gpus)
     slow, fast = step_time(j, link_for(j, bw_gbs=bw)), step_time(j, link_for(j, bw_gbs=bw * factor))

@@ -1,4 +1,5 @@
 """Issue 11, bug 4: a ViT is modelled as an image classifier, not as a causal LM."""
+
 import pytest
 
 from memplan.activations import loss_saved, model_saved

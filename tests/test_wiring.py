@@ -1,5 +1,6 @@
 """The loop's conventions wired into the step's moments (memory.py): each changes the terms it
 should, by the bytes its formula says, and keeps the others."""
+
 import pytest
 
 from memplan.activations import shapes
@@ -28,7 +29,10 @@ def test_freed_logits_leave_the_moments_after_forward_by_exactly_the_logits():
     kept, freed = _by_label(_job()), _by_label(_job(logits="freed"))
     x = shapes(_job().model, _job().train)
     logits = x.c * x.tokens * x.V
-    assert freed["end of forward (cross-entropy)"].allocated_bytes == kept["end of forward (cross-entropy)"].allocated_bytes
+    assert (
+        freed["end of forward (cross-entropy)"].allocated_bytes
+        == kept["end of forward (cross-entropy)"].allocated_bytes
+    )
     for label in ("start of backward (loss gradient)", "backward of the last block", "backward of the first block"):
         assert kept[label].allocated_bytes - freed[label].allocated_bytes == logits
 
@@ -52,16 +56,23 @@ def test_ac_every_splits_the_blocks_and_adds_the_last_checkpointed_moment():
     assert step.last_checkpointed() == (L // 3) * 3 - 1
     moments = _by_label(job)
     blocks = moments["end of forward (cross-entropy)"]
-    kept = [sum(s.bytes for s in block_kept_under(job.model, job.train, job.train.loop, i,
-                                                 inputs_cast=step.casts_block_inputs)) for i in range(L)]
+    kept = [
+        sum(
+            s.bytes
+            for s in block_kept_under(job.model, job.train, job.train.loop, i, inputs_cast=step.casts_block_inputs)
+        )
+        for i in range(L)
+    ]
     assert _bytes(blocks, "activations.blocks") == sum(kept)
     j = step.last_checkpointed()
     assert _bytes(moments["backward of the last checkpointed block"], "activations.blocks") == sum(kept[: j + 1])
 
 
 def test_op_sac_keeps_less_than_none_and_more_than_full():
-    acts = {ac: _bytes(_by_label(_job(ac=ac))["end of forward (cross-entropy)"], "activations.blocks")
-            for ac in ("none", "op", "full")}
+    acts = {
+        ac: _bytes(_by_label(_job(ac=ac))["end of forward (cross-entropy)"], "activations.blocks")
+        for ac in ("none", "op", "full")
+    }
     assert acts["full"] < acts["op"] < acts["none"]
 
 

@@ -7,6 +7,7 @@ fits — the single changes that would make it fit.
 changes, ``recommend`` puts them together. Every result is data (codes and numbers);
 ``memplan.report`` writes the sentences.
 """
+
 from .fixes import Fix
 from .options import (
     AXES,
@@ -24,6 +25,24 @@ from .options import (
 from .recommend import Reason, Recommendation, recommend_job
 from .rules import Rule, RuleVerdict, rules, size_class
 
-__all__ = ["AXES", "FRAMEWORKS", "PRIORITIES", "Basis", "Fix", "Option", "Reason", "Recommendation", "Rejected",
-           "Rule", "RuleVerdict", "allowed_strategies", "basis_for", "candidate_jobs", "framework_strategies",
-           "recommend_job", "rules", "simplicity_ranks", "size_class"]
+__all__ = [
+    "AXES",
+    "FRAMEWORKS",
+    "PRIORITIES",
+    "Basis",
+    "Fix",
+    "Option",
+    "Reason",
+    "Recommendation",
+    "Rejected",
+    "Rule",
+    "RuleVerdict",
+    "allowed_strategies",
+    "basis_for",
+    "candidate_jobs",
+    "framework_strategies",
+    "recommend_job",
+    "rules",
+    "simplicity_ranks",
+    "size_class",
+]

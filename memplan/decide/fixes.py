@@ -1,5 +1,6 @@
 """When nothing fits: the single changes, each alone, that would make the job fit (or get
 closest), each with the option it results in."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,11 +30,21 @@ class Fix:
     error: str | None = None
 
 
-def _smallest(job: Job, fixed: dict, axis: str, value, basis: Basis, priority: str,
-              allowed: tuple[str, ...] | None, blocked_by: tuple[str, ...]) -> Fix:
+def _smallest(
+    job: Job,
+    fixed: dict,
+    axis: str,
+    value,
+    basis: Basis,
+    priority: str,
+    allowed: tuple[str, ...] | None,
+    blocked_by: tuple[str, ...],
+) -> Fix:
     """The best option that fits with ``fixed`` (else the smallest), at the fixed micro-batch."""
-    opts = [basis.evaluate(j.with_(micro_batch=fixed.get("micro_batch", job.train.micro_batch)))
-            for j in candidate_jobs(job, fixed, allowed)]
+    opts = [
+        basis.evaluate(j.with_(micro_batch=fixed.get("micro_batch", job.train.micro_batch)))
+        for j in candidate_jobs(job, fixed, allowed)
+    ]
     if not opts:
         return Fix(axis=axis, value=value, option=None, fits=False, blocked_by=blocked_by)
     fitting = ranked(opts, priority)
@@ -42,31 +53,41 @@ def _smallest(job: Job, fixed: dict, axis: str, value, basis: Basis, priority: s
 
 
 def _more_gpus(job: Job, base_fixed: dict, strategies: list[str], basis: Basis) -> Fix:
-    sized = job.with_(activation_checkpointing=base_fixed["ac"]).with_(
-        precision=base_fixed.get("precision", job.train.precision)).with_(micro_batch=base_fixed["micro_batch"])
+    sized = (
+        job.with_(activation_checkpointing=base_fixed["ac"])
+        .with_(precision=base_fixed.get("precision", job.train.precision))
+        .with_(micro_batch=base_fixed["micro_batch"])
+    )
     try:
         multi_node = job.cluster.gpus > job.cluster.gpus_per_node
-        found = search.min_gpus(sized, strategies, fits=basis.fits,
-                                gpus_per_node=job.cluster.gpus_per_node if multi_node else 0)
+        found = search.min_gpus(
+            sized, strategies, fits=basis.fits, gpus_per_node=job.cluster.gpus_per_node if multi_node else 0
+        )
     except MemplanError as exc:  # its message names the limit
         return Fix(axis="gpus", value=None, option=None, fits=False, from_gpus=job.cluster.gpus, error=str(exc))
-    return Fix(axis="gpus", value=found.gpus, option=basis.evaluate(found.estimate.job), fits=True,
-               from_gpus=job.cluster.gpus)
+    return Fix(
+        axis="gpus", value=found.gpus, option=basis.evaluate(found.estimate.job), fits=True, from_gpus=job.cluster.gpus
+    )
 
 
 def fixes(job: Job, fixed: dict, priority: str, basis: Basis, allowed: tuple[str, ...] | None = None) -> list[Fix]:
     """Single changes, each alone: more GPUs, another strategy (when one was fixed), AC full,
     offload, micro-batch 1, pure bf16; the ones that fit first."""
-    base_fixed = {"ac": job.train.activation_checkpointing, "offload": job.plan.offload,
-                  "micro_batch": job.train.micro_batch, **fixed}
+    base_fixed = {
+        "ac": job.train.activation_checkpointing,
+        "offload": job.plan.offload,
+        "micro_batch": job.train.micro_batch,
+        **fixed,
+    }
     strategy = fixed.get("strategy")
     strategies = [strategy] if strategy else list(allowed or STRATEGIES)
     if any(STRATEGIES[s].runs_natively(job.train.precision) for s in strategies):
         base_fixed.setdefault("precision", job.train.precision)  # else searched among the native ones
 
     def smallest(changed: dict, axis: str, value) -> Fix:
-        return _smallest(job, changed, axis, value, basis, priority, allowed,
-                         (strategy,) if strategy else allowed or ())
+        return _smallest(
+            job, changed, axis, value, basis, priority, allowed, (strategy,) if strategy else allowed or ()
+        )
 
     out = [_more_gpus(job, base_fixed, strategies, basis)]
     if strategy:

@@ -1,5 +1,6 @@
 """Options: every allowed strategy × precision × AC × offload × micro-batch, estimated exactly
 and timed on one ``Basis`` (links and, where one applies, a calibration), then ranked."""
+
 from __future__ import annotations
 
 import itertools
@@ -80,13 +81,20 @@ class Option(Fit):
     @property
     def key(self) -> tuple:
         j = self.job
-        return (j.plan.strategy, j.train.precision, j.train.activation_checkpointing, j.plan.offload,
-                j.train.micro_batch)
+        return (
+            j.plan.strategy,
+            j.train.precision,
+            j.train.activation_checkpointing,
+            j.plan.offload,
+            j.train.micro_batch,
+        )
 
     def label(self) -> str:
         j = self.job
-        return (f"{j.plan.strategy}, {j.train.precision}, AC {j.train.activation_checkpointing}, "
-                f"offload {j.plan.offload}, micro-batch {j.train.micro_batch}")
+        return (
+            f"{j.plan.strategy}, {j.train.precision}, AC {j.train.activation_checkpointing}, "
+            f"offload {j.plan.offload}, micro-batch {j.train.micro_batch}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,16 +111,16 @@ class Basis:
     @property
     def measured_compute(self) -> bool:
         """Compute time from FLOP/s measured on this very device (no datasheet peak involved)."""
-        return bool(self.correction and self.device_matches
-                    and any(t.mfu is None for t in self.correction.throughput))
+        return bool(self.correction and self.device_matches and any(t.mfu is None for t in self.correction.throughput))
 
     def step(self, job: Job) -> StepTime:
         fit = self.correction.speed(job.plan.strategy) if self.correction else None
         if fit is None:
             return step_time(job, self.link)
         measured = fit.achieved_flops if fit.mfu is None and self.device_matches else None
-        return step_time(job, self.link, mfu=fit.mfu, achieved_flops=measured,
-                         exposed_fraction=fit.exposed_comm_fraction)
+        return step_time(
+            job, self.link, mfu=fit.mfu, achieved_flops=measured, exposed_fraction=fit.exposed_comm_fraction
+        )
 
     def corrected(self, est: Estimate) -> Corrected | None:
         return apply(est, self.correction, device_matches=self.device_matches) if self.correction else None
@@ -130,12 +138,17 @@ class Basis:
 
     def evaluate(self, job: Job) -> Option:
         est = estimate(job)
-        return Option(estimate=est, corrected=self.corrected(est), step=self.step(job),
-                      relative_throughput=relative_to_ddp(job, self.step))
+        return Option(
+            estimate=est,
+            corrected=self.corrected(est),
+            step=self.step(job),
+            relative_throughput=relative_to_ddp(job, self.step),
+        )
 
 
-def basis_for(job: Job, *, interconnect: str | None = None, bw_gbs: float | None = None,
-              calibration: str | None = None) -> Basis:
+def basis_for(
+    job: Job, *, interconnect: str | None = None, bw_gbs: float | None = None, calibration: str | None = None
+) -> Basis:
     found = resolve(job, calibration)
     link = link_for(job, interconnect=interconnect, bw_gbs=bw_gbs)
     if found is None:
@@ -152,8 +165,13 @@ def rank(option: Option, priority: str) -> tuple:
     if priority == "memory":
         return (mem, speed, simple)
     if priority == "simplicity":
-        return (option.job.plan.offload != "none", simple, _AC_ORDER[option.job.train.activation_checkpointing],
-                speed, mem)
+        return (
+            option.job.plan.offload != "none",
+            simple,
+            _AC_ORDER[option.job.train.activation_checkpointing],
+            speed,
+            mem,
+        )
     # equal to speed_significant_figures: as fast; then an option with a safe margin, then the simpler
     tight = option.headroom_bytes < default("safe_headroom_fraction") * option.usable_bytes
     digits = int(catalog.decision_setting("speed_significant_figures"))
@@ -195,8 +213,15 @@ def candidate_jobs(job: Job, fixed: dict, allowed: tuple[str, ...] | None = None
     return jobs
 
 
-def search_options(job: Job, fixed: dict, priority: str, basis: Basis, *, micro_batch_max: bool = False,
-                   allowed: tuple[str, ...] | None = None) -> list[Option]:
+def search_options(
+    job: Job,
+    fixed: dict,
+    priority: str,
+    basis: Basis,
+    *,
+    micro_batch_max: bool = False,
+    allowed: tuple[str, ...] | None = None,
+) -> list[Option]:
     """Each candidate of ``candidate_jobs`` at its micro-batch: the one fixed, else the largest
     that fits up to the cap (``--micro-batch max``: without it), 1 when ranked by memory."""
     cap = int(default("micro_batch_cap"))
@@ -239,8 +264,16 @@ def reject(option: Option, best: Option | None, priority: str) -> Rejected:
     assert best is not None  # an option that fits is ranked, so there is a best
     slower = slower_fraction(option, best)
     if priority == "memory":
-        return Rejected(option=option, code="more_memory", best=best, slower_fraction=slower,
-                        extra_bytes=option.total_bytes - best.total_bytes)
-    code = ("less_simple" if priority == "simplicity" and rank(option, priority)[:3] != rank(best, priority)[:3]
-            else "slower")
+        return Rejected(
+            option=option,
+            code="more_memory",
+            best=best,
+            slower_fraction=slower,
+            extra_bytes=option.total_bytes - best.total_bytes,
+        )
+    code = (
+        "less_simple"
+        if priority == "simplicity" and rank(option, priority)[:3] != rank(best, priority)[:3]
+        else "slower"
+    )
     return Rejected(option=option, code=code, best=best, slower_fraction=slower)

@@ -1,6 +1,7 @@
 """The engine: search the options, pick the best that fits by a priority, judge the matching
 rules against the same arithmetic and, when nothing fits, list the single changes. Every
 result is data; ``memplan.report`` writes the sentences."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -97,8 +98,9 @@ def _check(job: Job, fixed: dict, priority: str, allowed: tuple[str, ...] | None
     if fixed.get("strategy", allowed[0]) not in allowed:
         raise MemplanError(f"strategy {fixed['strategy']} is not among the strategies searched: {', '.join(allowed)}")
     if not candidate_jobs(job, fixed, allowed):
-        raise MemplanError(f"no strategy searched ({', '.join(allowed)}) runs on {job.cluster.gpus} GPUs with the "
-                           "choices given")
+        raise MemplanError(
+            f"no strategy searched ({', '.join(allowed)}) runs on {job.cluster.gpus} GPUs with the choices given"
+        )
 
 
 def _ddp_fits(job: Job, fixed: dict, options: list[Option], basis: Basis) -> bool:
@@ -110,10 +112,18 @@ def _ddp_fits(job: Job, fixed: dict, options: list[Option], basis: Basis) -> boo
     return any(basis.fits(j) for j in candidate_jobs(job, {**fixed, "strategy": "ddp", "offload": "none"}))
 
 
-def recommend_job(job: Job, *, fixed: dict | None = None, priority: str = "speed", interconnect: str | None = None,
-                  bw_gbs: float | None = None, micro_batch_max: bool = False,
-                  calibration: str | None = None, framework: str | None = None,
-                  strategies: tuple[str, ...] | None = None) -> Recommendation:
+def recommend_job(
+    job: Job,
+    *,
+    fixed: dict | None = None,
+    priority: str = "speed",
+    interconnect: str | None = None,
+    bw_gbs: float | None = None,
+    micro_batch_max: bool = False,
+    calibration: str | None = None,
+    framework: str | None = None,
+    strategies: tuple[str, ...] | None = None,
+) -> Recommendation:
     """The best option that fits for ``job`` by ``priority``, with reasons, rejections, rule verdicts
     and, when nothing fits, the single changes that would make it fit.
 
@@ -135,20 +145,48 @@ def recommend_job(job: Job, *, fixed: dict | None = None, priority: str = "speed
     options = search_options(job, fixed, priority, basis, micro_batch_max=micro_batch_max, allowed=allowed)
     fitting = ranked(options, priority)
     best = fitting[0] if fitting else None
-    rejected = tuple(reject(o, best, priority) for o in sorted(options, key=lambda o: (not o.fits, rank(o, priority)))
-                     if best is None or o.key != best.key)
+    rejected = tuple(
+        reject(o, best, priority)
+        for o in sorted(options, key=lambda o: (not o.fits, rank(o, priority)))
+        if best is None or o.key != best.key
+    )
     size, ddp_fits = size_class(job.model.num_params), _ddp_fits(job, fixed, options, basis)
-    verdicts = tuple(judge(r, options, best, job, basis, priority, fixed) for r in rules()
-                     if r.matches(params=size, gpu_mem_gib=job.cluster.gpu_mem_bytes / GIB, gpus=job.cluster.gpus,
-                                  nodes=job.cluster.num_nodes, priority=priority, ddp_fits=ddp_fits))
+    verdicts = tuple(
+        judge(r, options, best, job, basis, priority, fixed)
+        for r in rules()
+        if r.matches(
+            params=size,
+            gpu_mem_gib=job.cluster.gpu_mem_bytes / GIB,
+            gpus=job.cluster.gpus,
+            nodes=job.cluster.num_nodes,
+            priority=priority,
+            ddp_fits=ddp_fits,
+        )
+    )
     reasons = _reasons(best, fitting, options, priority, basis, fixed, allowed)
     found = tuple(fixes(job, fixed, priority, basis, allowed)) if best is None else ()
-    return Recommendation(priority=priority, basis=basis, best=best, reasons=reasons, rejected=rejected,
-                          rules=verdicts, fixes=found, options=tuple(options), searched=allowed)
+    return Recommendation(
+        priority=priority,
+        basis=basis,
+        best=best,
+        reasons=reasons,
+        rejected=rejected,
+        rules=verdicts,
+        fixes=found,
+        options=tuple(options),
+        searched=allowed,
+    )
 
 
-def _reasons(best: Option | None, fitting: list[Option], options: list[Option], priority: str, basis: Basis,
-             fixed: dict, allowed: tuple[str, ...] | None) -> tuple[Reason, ...]:
+def _reasons(
+    best: Option | None,
+    fitting: list[Option],
+    options: list[Option],
+    priority: str,
+    basis: Basis,
+    fixed: dict,
+    allowed: tuple[str, ...] | None,
+) -> tuple[Reason, ...]:
     out = []
     if basis.link.assumed_gpu:
         out.append(Reason(code="assumed_gpu", basis=basis))
@@ -161,8 +199,11 @@ def _reasons(best: Option | None, fitting: list[Option], options: list[Option], 
     if best is None:
         closest = min(options, key=lambda o: o.total_bytes)
         return (*out, Reason(code="nothing_fits", num_options=len(options), option=closest))
-    out += [Reason(code="ranked", num_fitting=len(fitting), num_options=len(options), priority=priority),
-            Reason(code="fits", option=best), Reason(code="predicted", option=best, basis=basis)]
+    out += [
+        Reason(code="ranked", num_fitting=len(fitting), num_options=len(options), priority=priority),
+        Reason(code="fits", option=best),
+        Reason(code="predicted", option=best, basis=basis),
+    ]
     if len(fitting) > 1:
         out.append(Reason(code="runner_up", rejected=reject(fitting[1], best, priority)))
     return tuple(out)

@@ -1,6 +1,7 @@
 """The documented rules of tables/rules.csv as data, which of them match a job, and each one's
 verdict: what the same arithmetic says about its claim, in numbers. Where a rule and the
 arithmetic disagree, the arithmetic decides and the verdict says so."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,20 +43,23 @@ class Rule:
     section: str
     quote: str
 
-    def matches(self, *, params: float, gpu_mem_gib: float, gpus: int, nodes: int, priority: str,
-                ddp_fits: bool) -> bool:
+    def matches(
+        self, *, params: float, gpu_mem_gib: float, gpus: int, nodes: int, priority: str, ddp_fits: bool
+    ) -> bool:
         """Inclusive ranges, as the seeds write them ('7-13B' and '13B+' both hold a 13B model);
         ``params`` is the size class (see ``size_class``)."""
-        return ((self.min_params is None or params >= self.min_params)
-                and (self.max_params is None or params <= self.max_params)
-                and (self.min_gpu_mem_gib is None or gpu_mem_gib >= self.min_gpu_mem_gib)
-                and (self.max_gpu_mem_gib is None or gpu_mem_gib <= self.max_gpu_mem_gib)
-                and (self.min_gpus is None or gpus >= self.min_gpus)
-                and (self.max_gpus is None or gpus <= self.max_gpus)
-                and (self.min_nodes is None or nodes >= self.min_nodes)
-                and (self.max_nodes is None or nodes <= self.max_nodes)
-                and (not self.priorities or priority in self.priorities)
-                and (self.when_ddp_fits is None or self.when_ddp_fits == ddp_fits))
+        return (
+            (self.min_params is None or params >= self.min_params)
+            and (self.max_params is None or params <= self.max_params)
+            and (self.min_gpu_mem_gib is None or gpu_mem_gib >= self.min_gpu_mem_gib)
+            and (self.max_gpu_mem_gib is None or gpu_mem_gib <= self.max_gpu_mem_gib)
+            and (self.min_gpus is None or gpus >= self.min_gpus)
+            and (self.max_gpus is None or gpus <= self.max_gpus)
+            and (self.min_nodes is None or nodes >= self.min_nodes)
+            and (self.max_nodes is None or nodes <= self.max_nodes)
+            and (not self.priorities or priority in self.priorities)
+            and (self.when_ddp_fits is None or self.when_ddp_fits == ddp_fits)
+        )
 
     @property
     def claims(self) -> dict[str, str | None]:
@@ -77,18 +81,30 @@ def _row_to_rule(row: dict[str, str]) -> Rule:
     strategies = tuple(s for s in row["strategy"].split("|") if s)
     for s in strategies:
         if s not in STRATEGIES:
-            raise MemplanError(f"tables/rules.csv row {row['id']}: strategy {s!r} is not one of: "
-                               f"{', '.join(STRATEGIES)}")
+            raise MemplanError(
+                f"tables/rules.csv row {row['id']}: strategy {s!r} is not one of: {', '.join(STRATEGIES)}"
+            )
     return Rule(
-        id=row["id"], kind=row["kind"], min_params=_num(row["min_params"]), max_params=_num(row["max_params"]),
-        min_gpu_mem_gib=_num(row["min_gpu_mem_gib"]), max_gpu_mem_gib=_num(row["max_gpu_mem_gib"]),
-        min_gpus=_num(row["min_gpus"], int), max_gpus=_num(row["max_gpus"], int),
-        min_nodes=_num(row["min_nodes"], int), max_nodes=_num(row["max_nodes"], int),
+        id=row["id"],
+        kind=row["kind"],
+        min_params=_num(row["min_params"]),
+        max_params=_num(row["max_params"]),
+        min_gpu_mem_gib=_num(row["min_gpu_mem_gib"]),
+        max_gpu_mem_gib=_num(row["max_gpu_mem_gib"]),
+        min_gpus=_num(row["min_gpus"], int),
+        max_gpus=_num(row["max_gpus"], int),
+        min_nodes=_num(row["min_nodes"], int),
+        max_nodes=_num(row["max_nodes"], int),
         priorities=tuple(p for p in row["priority"].split("|") if p),
         when_ddp_fits={"yes": True, "no": False}.get(row["when_ddp_fits"]),
-        strategies=strategies, precision=row["precision"] or None, ac=row["ac"] or None,
-        offload=row["offload"] or None, claimed_rel_min=_num(row["claimed_rel_min"]),
-        claimed_rel_max=_num(row["claimed_rel_max"]), source=row["source"], section=row["section"],
+        strategies=strategies,
+        precision=row["precision"] or None,
+        ac=row["ac"] or None,
+        offload=row["offload"] or None,
+        claimed_rel_min=_num(row["claimed_rel_min"]),
+        claimed_rel_max=_num(row["claimed_rel_max"]),
+        source=row["source"],
+        section=row["section"],
         quote=row["quote"],
     )
 
@@ -148,8 +164,15 @@ def _claim_verdict(rule: Rule, measured: float, **fields) -> RuleVerdict:
     low, high = rule.claimed_rel_min, rule.claimed_rel_max
     assert low is not None and high is not None  # judged as a claim only where rules.csv gives one
     ok = low - close <= measured <= high + close
-    return RuleVerdict(rule=rule, agrees=ok, code="within_claim" if ok else "outside_claim", value=measured,
-                       unit="x", tolerance=close, **fields)
+    return RuleVerdict(
+        rule=rule,
+        agrees=ok,
+        code="within_claim" if ok else "outside_claim",
+        value=measured,
+        unit="x",
+        tolerance=close,
+        **fields,
+    )
 
 
 def _own_terms(claims: dict, strategy: str, fixed: dict) -> dict:
@@ -166,53 +189,105 @@ def _axis_value(option: Option, axis: str) -> str:
     return {"ac": j.train.activation_checkpointing, "offload": j.plan.offload, "precision": j.train.precision}[axis]
 
 
-def _rule_options(rule: Rule, options: list[Option], job: Job, basis: Basis, priority: str,
-                  fixed: dict) -> list[Option]:
+def _rule_options(
+    rule: Rule, options: list[Option], job: Job, basis: Basis, priority: str, fixed: dict
+) -> list[Option]:
     """The searched options the rule speaks about; where the user's fixed choices (or the
     framework searched) exclude them, the rule's options on its own terms."""
-    mine = [o for o in options if o.job.plan.strategy in rule.strategies
-            and all(v is None or v == _axis_value(o, k) for k, v in rule.claims.items())]
+    mine = [
+        o
+        for o in options
+        if o.job.plan.strategy in rule.strategies
+        and all(v is None or v == _axis_value(o, k) for k, v in rule.claims.items())
+    ]
     overridden = any(v is not None and k in fixed and fixed[k] != v for k, v in rule.claims.items())
     if mine and not overridden:
         return mine
-    return [o for strategy in rule.strategies
-            for o in search_options(job, _own_terms(rule.claims, strategy, fixed), priority, basis)
-            if STRATEGIES[strategy].supports_offload(o.job.plan.offload)]
+    return [
+        o
+        for strategy in rule.strategies
+        for o in search_options(job, _own_terms(rule.claims, strategy, fixed), priority, basis)
+        if STRATEGIES[strategy].supports_offload(o.job.plan.offload)
+    ]
 
 
-def _judge_recommend(rule: Rule, options: list[Option], best: Option | None, job: Job, basis: Basis,
-                     priority: str, fixed: dict) -> RuleVerdict:
+def _judge_recommend(
+    rule: Rule, options: list[Option], best: Option | None, job: Job, basis: Basis, priority: str, fixed: dict
+) -> RuleVerdict:
     close = default("close_fraction")
     candidates = _rule_options(rule, options, job, basis, priority, fixed)
     fitting = ranked(candidates, priority)
     if not fitting:
         smallest = min(candidates, key=lambda o: o.total_bytes)
-        return RuleVerdict(rule=rule, agrees=False, code="does_not_fit", metric="total_bytes",
-                           value=smallest.total_bytes, unit="bytes", option=smallest)
+        return RuleVerdict(
+            rule=rule,
+            agrees=False,
+            code="does_not_fit",
+            metric="total_bytes",
+            value=smallest.total_bytes,
+            unit="bytes",
+            option=smallest,
+        )
     mine = fitting[0]
     if best is None or mine.key == best.key:
-        return RuleVerdict(rule=rule, agrees=True, code="best", metric="relative_to_ddp",
-                           value=mine.relative_throughput, unit="x", option=mine)
+        return RuleVerdict(
+            rule=rule,
+            agrees=True,
+            code="best",
+            metric="relative_to_ddp",
+            value=mine.relative_throughput,
+            unit="x",
+            option=mine,
+        )
     if priority == "memory":
         extra = mine.total_bytes / best.total_bytes - 1
-        return RuleVerdict(rule=rule, agrees=extra <= close, code="more_memory", metric="extra_memory_fraction",
-                           value=extra, unit="fraction", tolerance=close, option=mine, versus=best)
+        return RuleVerdict(
+            rule=rule,
+            agrees=extra <= close,
+            code="more_memory",
+            metric="extra_memory_fraction",
+            value=extra,
+            unit="fraction",
+            tolerance=close,
+            option=mine,
+            versus=best,
+        )
     slower = slower_fraction(mine, best)
-    return RuleVerdict(rule=rule, agrees=slower <= close, code="slower", metric="slower_fraction", value=slower,
-                       unit="fraction", tolerance=close, option=mine, versus=best)
+    return RuleVerdict(
+        rule=rule,
+        agrees=slower <= close,
+        code="slower",
+        metric="slower_fraction",
+        value=slower,
+        unit="fraction",
+        tolerance=close,
+        option=mine,
+        versus=best,
+    )
 
 
-def judge(rule: Rule, options: list[Option], best: Option | None, job: Job, basis: Basis,
-          priority: str, fixed: dict) -> RuleVerdict:
+def judge(
+    rule: Rule, options: list[Option], best: Option | None, job: Job, basis: Basis, priority: str, fixed: dict
+) -> RuleVerdict:
     """The verdict on ``rule`` given the searched ``options`` and the pick ``best`` (None: nothing fits)."""
     ref = best.job if best else job
     if rule.kind == "ac-cost":
         with_ac = basis.step(ref.with_(activation_checkpointing=rule.ac))
         without = basis.step(ref.with_(activation_checkpointing="none"))
-        return _claim_verdict(rule, with_ac.tokens_per_s / without.tokens_per_s, metric="ac_relative_throughput",
-                              strategy=ref.plan.strategy)
+        return _claim_verdict(
+            rule,
+            with_ac.tokens_per_s / without.tokens_per_s,
+            metric="ac_relative_throughput",
+            strategy=ref.plan.strategy,
+        )
     if rule.kind == "penalty":
         ref = ref.with_(offload="none").with_(strategy=rule.strategies[0]).with_(offload=rule.offload or "none")
-        return _claim_verdict(rule, relative_to_ddp(ref, basis.step), metric="relative_to_ddp",
-                              strategy=rule.strategies[0], step=basis.step(ref), interconnect=basis.link.interconnect)
+        return _claim_verdict(
+            rule,
+            relative_to_ddp(ref, basis.step),
+            metric="relative_to_ddp",
+            strategy=rule.strategies[0],
+            step=basis.step(ref),
+            interconnect=basis.link.interconnect,
+        )
     return _judge_recommend(rule, options, best, job, basis, priority, fixed)

@@ -1,5 +1,6 @@
 """The frameworks a strategy runs under, one adapter module each; a new framework is a
 new module and one entry here."""
+
 from __future__ import annotations
 
 from .base import Framework

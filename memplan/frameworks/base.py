@@ -6,6 +6,7 @@ policies it runs natively, and how a recommended job is written for it (``--emit
 calibration harness wraps a model with the same framework ids (``calibrate/wrappers.py``),
 since memplan never imports torch.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -79,12 +80,16 @@ class Framework:
 
 def header(job: Job) -> str:
     t, c, p = job.train, job.cluster, job.plan
-    return (f"memplan: {p.strategy}, {t.precision}, AC {t.activation_checkpointing}, offload {p.offload}, "
-            f"micro-batch {t.micro_batch} x accum {t.grad_accum}, seq {t.seq_len}, {c.gpus} GPUs "
-            f"({c.num_nodes} x {c.gpus_per_node})")
+    return (
+        f"memplan: {p.strategy}, {t.precision}, AC {t.activation_checkpointing}, offload {p.offload}, "
+        f"micro-batch {t.micro_batch} x accum {t.grad_accum}, seq {t.seq_len}, {c.gpus} GPUs "
+        f"({c.num_nodes} x {c.gpus_per_node})"
+    )
 
 
 def needs(job: Job, kind: str, allowed) -> None:
     if job.plan.strategy not in allowed:
-        raise MemplanError(f"--emit {kind} does not apply to strategy {job.plan.strategy}; it needs one of: "
-                           f"{', '.join(allowed)} (pass --strategy, or pick another --emit)")
+        raise MemplanError(
+            f"--emit {kind} does not apply to strategy {job.plan.strategy}; it needs one of: "
+            f"{', '.join(allowed)} (pass --strategy, or pick another --emit)"
+        )

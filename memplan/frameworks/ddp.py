@@ -1,4 +1,5 @@
 """DistributedDataParallel: replicated states plus the Reducer's gradient buckets."""
+
 from __future__ import annotations
 
 from ..breakdown import Component

@@ -1,5 +1,6 @@
 """DeepSpeed ZeRO stages 1-3: its bf16 / fp16 optimizer, gather and reduce buckets, and
 the config that sets the bucket sizes the memory model charges (tables/deepspeed.csv)."""
+
 from __future__ import annotations
 
 import json
@@ -20,27 +21,39 @@ def config(job, strategy) -> dict:
     needs(job, "deepspeed", tuple(ZERO_STAGE))
     policy = POLICIES[job.train.precision]
     if policy.id not in DeepSpeed.native_precisions:
-        raise MemplanError(f"--emit deepspeed needs precision {', '.join(DeepSpeed.native_precisions[1:])} "
-                           f"or {DeepSpeed.native_precisions[0]}, got {policy.id}")
+        raise MemplanError(
+            f"--emit deepspeed needs precision {', '.join(DeepSpeed.native_precisions[1:])} "
+            f"or {DeepSpeed.native_precisions[0]}, got {policy.id}"
+        )
     ds = deepspeed_defaults()
     stage = ZERO_STAGE[strategy.id]
-    zero: dict[str, object] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
-            "reduce_bucket_size": ds["reduce_bucket_size"], "allgather_bucket_size": ds["allgather_bucket_size"]}
+    zero: dict[str, object] = {
+        "stage": stage,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": ds["reduce_bucket_size"],
+        "allgather_bucket_size": ds["allgather_bucket_size"],
+    }
     if stage == 3:
-        zero.update(stage3_prefetch_bucket_size=ds["stage3_prefetch_bucket_size"],
-                    stage3_max_live_parameters=ds["stage3_max_live_parameters"],
-                    stage3_param_persistence_threshold=ds["stage3_param_persistence_threshold"])
+        zero.update(
+            stage3_prefetch_bucket_size=ds["stage3_prefetch_bucket_size"],
+            stage3_max_live_parameters=ds["stage3_max_live_parameters"],
+            stage3_param_persistence_threshold=ds["stage3_param_persistence_threshold"],
+        )
     if job.plan.offload in ("optimizer", "all"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if job.plan.offload in ("params", "all"):
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     t = job.train
     # bf16 / fp16 modes keep fp32 master weights: they are mixed-*, never autocast
-    config = {"train_micro_batch_size_per_gpu": t.micro_batch, "gradient_accumulation_steps": t.grad_accum,
-              "train_batch_size": t.micro_batch * t.grad_accum * job.cluster.gpus,
-              "bf16": {"enabled": policy.master and policy.compute_dtype == "bf16"},
-              "fp16": {"enabled": policy.master and policy.compute_dtype == "fp16"},
-              "zero_optimization": zero}
+    config = {
+        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "gradient_accumulation_steps": t.grad_accum,
+        "train_batch_size": t.micro_batch * t.grad_accum * job.cluster.gpus,
+        "bf16": {"enabled": policy.master and policy.compute_dtype == "bf16"},
+        "fp16": {"enabled": policy.master and policy.compute_dtype == "fp16"},
+        "zero_optimization": zero,
+    }
     if t.activation_checkpointing != "none":
         config["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}
     return config
@@ -64,13 +77,27 @@ class DeepSpeed(Framework):
         if step.strategy.shards_params:
             prefetch = min(ds["stage3_prefetch_bucket_size"], bp)
             live = bp if instant != "loss" else max(bp, step.root_params)
-            terms.append(term(B, "zero3.gathered", "gathered unit + prefetch bucket (ZeRO-3)",
-                              f"{step.gather_bytes}·{live + prefetch:,}", step.gather_bytes * (live + prefetch)))
+            terms.append(
+                term(
+                    B,
+                    "zero3.gathered",
+                    "gathered unit + prefetch bucket (ZeRO-3)",
+                    f"{step.gather_bytes}·{live + prefetch:,}",
+                    step.gather_bytes * (live + prefetch),
+                )
+            )
         if instant != "forward":
             # backward() allocates an ipg bucket of reduce_bucket_size elements (contiguous_gradients)
             bucket, nbytes = ds["reduce_bucket_size"], step.policy.grad_bytes
-            terms.append(term(B, "zero.ipg_bucket", "ipg reduce bucket",
-                              f"{nbytes}·reduce_bucket_size ({bucket:.0e})", nbytes * bucket))
+            terms.append(
+                term(
+                    B,
+                    "zero.ipg_bucket",
+                    "ipg reduce bucket",
+                    f"{nbytes}·reduce_bucket_size ({bucket:.0e})",
+                    nbytes * bucket,
+                )
+            )
         return terms
 
     def step_buffers(self, step) -> list:
@@ -78,13 +105,25 @@ class DeepSpeed(Framework):
             return []
         # stage_1_and_2.py: reduced bf16 gradients are copied into an fp32 partition for the step
         sharded = step.strategy.shards_optimizer
-        return [term(B, "deepspeed.fp32_grad_partition", "fp32 gradient partition", f"4·P{step.div(sharded)}",
-                     4 * step.local(step.params, sharded))]
+        return [
+            term(
+                B,
+                "deepspeed.fp32_grad_partition",
+                "fp32 gradient partition",
+                f"4·P{step.div(sharded)}",
+                4 * step.local(step.params, sharded),
+            )
+        ]
 
     def accelerate(self, job, strategy) -> dict:
         offload = job.plan.offload
-        return {"distributed_type": "DEEPSPEED", "deepspeed_config": {
-            "zero_stage": ZERO_STAGE[strategy.id], "gradient_accumulation_steps": job.train.grad_accum,
-            "offload_optimizer_device": "cpu" if offload in ("optimizer", "all") else "none",
-            "offload_param_device": "cpu" if offload in ("params", "all") else "none",
-            "zero3_init_flag": strategy.id == "zero3"}}
+        return {
+            "distributed_type": "DEEPSPEED",
+            "deepspeed_config": {
+                "zero_stage": ZERO_STAGE[strategy.id],
+                "gradient_accumulation_steps": job.train.grad_accum,
+                "offload_optimizer_device": "cpu" if offload in ("optimizer", "all") else "none",
+                "offload_param_device": "cpu" if offload in ("params", "all") else "none",
+                "zero3_init_flag": strategy.id == "zero3",
+            },
+        }

@@ -1,5 +1,6 @@
 """FSDP2 (``fully_shard``) and FSDP1 (``FullyShardedDataParallel``): sharded states, the
 unsharded units around the one that runs, and the reduce-scatter input."""
+
 from __future__ import annotations
 
 from typing import ClassVar
@@ -9,8 +10,12 @@ from ..precision import POLICIES
 from .base import TORCH_DTYPE, Emitter, Framework, header, needs, term
 
 B = Component.BUFFERS
-FSDP1_SHARDING = {"fsdp-full-shard": "FULL_SHARD", "fsdp-shard-grad-op": "SHARD_GRAD_OP",
-                  "fsdp-hybrid-shard": "HYBRID_SHARD", "fsdp-no-shard": "NO_SHARD"}
+FSDP1_SHARDING = {
+    "fsdp-full-shard": "FULL_SHARD",
+    "fsdp-shard-grad-op": "SHARD_GRAD_OP",
+    "fsdp-hybrid-shard": "HYBRID_SHARD",
+    "fsdp-no-shard": "NO_SHARD",
+}
 FSDP2_STRATEGIES = ("fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid-shard")
 """The strategies ``fully_shard`` writes (no-shard is FSDP1's NO_SHARD)."""
 
@@ -39,11 +44,14 @@ def _autocast_lines(job) -> list[str]:
     policy = POLICIES[job.train.precision]
     if not policy.autocast:
         return []
-    return ["", "",
-            "def forward(model: torch.nn.Module, *args, **kwargs):",
-            f"    # {policy.id}: fp32 parameters and gradients, the forward under autocast",
-            f"    with torch.autocast(\"cuda\", dtype={TORCH_DTYPE[policy.compute_dtype]}):",
-            "        return model(*args, **kwargs)"]
+    return [
+        "",
+        "",
+        "def forward(model: torch.nn.Module, *args, **kwargs):",
+        f"    # {policy.id}: fp32 parameters and gradients, the forward under autocast",
+        f'    with torch.autocast("cuda", dtype={TORCH_DTYPE[policy.compute_dtype]}):',
+        "        return model(*args, **kwargs)",
+    ]
 
 
 def _ac_lines(job, indent: str) -> list[str]:
@@ -52,45 +60,65 @@ def _ac_lines(job, indent: str) -> list[str]:
         return []
     target = "block_cls" if ac == "full" else "attention_cls"
     note = "each block's input kept, the block recomputed" if ac == "full" else "attention recomputed"
-    return [f"{indent}# activation checkpointing {ac}: {note}",
-            f"{indent}apply_activation_checkpointing(",
-            (f"{indent}    model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, "
-             "checkpoint_impl=CheckpointImpl.NO_REENTRANT),"),
-            f"{indent}    check_fn=lambda m: isinstance(m, {target}))"]
+    return [
+        f"{indent}# activation checkpointing {ac}: {note}",
+        f"{indent}apply_activation_checkpointing(",
+        (
+            f"{indent}    model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, "
+            "checkpoint_impl=CheckpointImpl.NO_REENTRANT),"
+        ),
+        f"{indent}    check_fn=lambda m: isinstance(m, {target}))",
+    ]
 
 
 def _ac_imports(job) -> list[str]:
     if job.train.activation_checkpointing == "none":
         return []
-    return ["from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (",
-            "    CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)"]
+    return [
+        "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (",
+        "    CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)",
+    ]
 
 
 def fsdp2_snippet(job, strategy) -> str:
     """``fully_shard`` per block, then the root (torchtitan's parallelize order: AC first)."""
     needs(job, "fsdp2", FSDP2_STRATEGIES)
     c, mp = job.cluster, _mp_args(job)
-    mesh = (f'init_device_mesh("cuda", ({c.num_nodes}, {c.gpus_per_node}), mesh_dim_names=("replicate", "shard"))'
-            if strategy.shard_group == "node" else f'init_device_mesh("cuda", ({c.gpus},))')
+    mesh = (
+        f'init_device_mesh("cuda", ({c.num_nodes}, {c.gpus_per_node}), mesh_dim_names=("replicate", "shard"))'
+        if strategy.shard_group == "node"
+        else f'init_device_mesh("cuda", ({c.gpus},))'
+    )
     offload = job.plan.offload in ("params", "all")
     imported = "CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy" if mp else "CPUOffloadPolicy, OffloadPolicy"
     policies = "mp_policy=mp, offload_policy=offload" if mp else "offload_policy=offload"
-    lines = [f"# {header(job)}", "import functools", "", "import torch",
-             "from torch.distributed.device_mesh import init_device_mesh",
-             f"from torch.distributed.fsdp import {imported}, fully_shard",
-             *_ac_imports(job), "", "",
-             "def wrap(model: torch.nn.Module, block_cls: type, attention_cls: type | None = None) -> torch.nn.Module:",
-             f"    mesh = {mesh}",
-             *([f"    mp = MixedPrecisionPolicy({mp})"] if mp else []),
-             f"    offload = {'CPUOffloadPolicy()' if offload else 'OffloadPolicy()'}",
-             *_ac_lines(job, "    "),
-             "    # shard each block (or the checkpoint wrapper around it), then the root",
-             "    wrappers = {id(getattr(m, '_checkpoint_wrapped_module', None)): m for m in model.modules()}",
-             "    for block in [m for m in model.modules() if isinstance(m, block_cls)]:",
-             (f"        fully_shard(wrappers.get(id(block), block), mesh=mesh, {policies}, "
-              f"reshard_after_forward={strategy.reshard_after_forward})"),
-             f"    fully_shard(model, mesh=mesh, {policies}, reshard_after_forward=False)",
-             "    return model", *_autocast_lines(job), ""]
+    lines = [
+        f"# {header(job)}",
+        "import functools",
+        "",
+        "import torch",
+        "from torch.distributed.device_mesh import init_device_mesh",
+        f"from torch.distributed.fsdp import {imported}, fully_shard",
+        *_ac_imports(job),
+        "",
+        "",
+        "def wrap(model: torch.nn.Module, block_cls: type, attention_cls: type | None = None) -> torch.nn.Module:",
+        f"    mesh = {mesh}",
+        *([f"    mp = MixedPrecisionPolicy({mp})"] if mp else []),
+        f"    offload = {'CPUOffloadPolicy()' if offload else 'OffloadPolicy()'}",
+        *_ac_lines(job, "    "),
+        "    # shard each block (or the checkpoint wrapper around it), then the root",
+        "    wrappers = {id(getattr(m, '_checkpoint_wrapped_module', None)): m for m in model.modules()}",
+        "    for block in [m for m in model.modules() if isinstance(m, block_cls)]:",
+        (
+            f"        fully_shard(wrappers.get(id(block), block), mesh=mesh, {policies}, "
+            f"reshard_after_forward={strategy.reshard_after_forward})"
+        ),
+        f"    fully_shard(model, mesh=mesh, {policies}, reshard_after_forward=False)",
+        "    return model",
+        *_autocast_lines(job),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -101,20 +129,33 @@ def fsdp1_snippet(job, strategy) -> str:
     mp, offload = _mp_args(job), job.plan.offload in ("params", "all")
     if mp and not POLICIES[job.train.precision].autocast:
         mp += f", buffer_dtype={TORCH_DTYPE[compute]}"
-    lines = [f"# {header(job)}", "import functools", "", "import torch",
-             ("from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as FSDP, "
-              f"{'MixedPrecision, ' if mp else ''}ShardingStrategy"),
-             "from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy", *_ac_imports(job), "", "",
-             "def wrap(model: torch.nn.Module, block_cls: type, attention_cls: type | None = None) -> torch.nn.Module:",
-             "    model = FSDP(",
-             "        model,",
-             f"        sharding_strategy=ShardingStrategy.{FSDP1_SHARDING[strategy.id]},",
-             "        auto_wrap_policy=functools.partial("
-             "transformer_auto_wrap_policy, transformer_layer_cls={block_cls}),",
-             *([f"        mixed_precision=MixedPrecision({mp}),"] if mp else []),
-             f"        cpu_offload=CPUOffload(offload_params={offload}),",
-             "        device_id=torch.cuda.current_device(),",
-             "    )", *_ac_lines(job, "    "), "    return model", *_autocast_lines(job), ""]
+    lines = [
+        f"# {header(job)}",
+        "import functools",
+        "",
+        "import torch",
+        (
+            "from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as FSDP, "
+            f"{'MixedPrecision, ' if mp else ''}ShardingStrategy"
+        ),
+        "from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy",
+        *_ac_imports(job),
+        "",
+        "",
+        "def wrap(model: torch.nn.Module, block_cls: type, attention_cls: type | None = None) -> torch.nn.Module:",
+        "    model = FSDP(",
+        "        model,",
+        f"        sharding_strategy=ShardingStrategy.{FSDP1_SHARDING[strategy.id]},",
+        "        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block_cls}),",
+        *([f"        mixed_precision=MixedPrecision({mp}),"] if mp else []),
+        f"        cpu_offload=CPUOffload(offload_params={offload}),",
+        "        device_id=torch.cuda.current_device(),",
+        "    )",
+        *_ac_lines(job, "    "),
+        "    return model",
+        *_autocast_lines(job),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -137,8 +178,11 @@ class FSDP(Framework):
         if s.reshard_after_forward and step.reshards_embedding:
             # torchtitan's apply_fsdp: the embedding is its own unit, resharded after forward;
             # [norm, lm_head] one that is not (recipes.csv reshard_after_forward blocks)
-            terms = [_gathered(step, "fsdp.root_unit", step.job.model.head_params(),
-                               "unsharded head unit (final norm, lm head)")]
+            terms = [
+                _gathered(
+                    step, "fsdp.root_unit", step.job.model.head_params(), "unsharded head unit (final norm, lm head)"
+                )
+            ]
         else:
             terms = [_gathered(step, "fsdp.root_unit", step.root_params, "unsharded root unit (embeddings, head)")]
         if not s.reshard_after_forward:
@@ -148,25 +192,42 @@ class FSDP(Framework):
             terms.append(_gathered(step, "fsdp.prefetched_block", bp, "unsharded last block (backward prefetch)"))
         elif instant == "block":
             both = step.gather_group > 1
-            terms.append(_gathered(step, "fsdp.block", (2 if both else 1) * bp,
-                                   "unsharded block + prefetched block" if both else "unsharded block"))
+            terms.append(
+                _gathered(
+                    step,
+                    "fsdp.block",
+                    (2 if both else 1) * bp,
+                    "unsharded block + prefetched block" if both else "unsharded block",
+                )
+            )
         if instant == "block":
-            terms.append(term(B, "fsdp.block_grads", "unsharded block gradients + reduce-scatter input",
-                              f"({step.gather_bytes} + {step.reduce_bytes})·block params",
-                              (step.gather_bytes + step.reduce_bytes) * bp))
+            terms.append(
+                term(
+                    B,
+                    "fsdp.block_grads",
+                    "unsharded block gradients + reduce-scatter input",
+                    f"({step.gather_bytes} + {step.reduce_bytes})·block params",
+                    (step.gather_bytes + step.reduce_bytes) * bp,
+                )
+            )
         return terms
 
     def accelerate(self, job, strategy) -> dict:
         v2 = strategy.id != "fsdp-no-shard"
-        return {"distributed_type": "FSDP", "fsdp_config": {
-            "fsdp_version": 2 if v2 else 1,
-            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_reshard_after_forward": strategy.reshard_after_forward if v2 else "NO_SHARD",
-            "fsdp_sharding_strategy": FSDP1_SHARDING[strategy.id],
-            "fsdp_offload_params": job.plan.offload in ("params", "all"),
-            "fsdp_activation_checkpointing": job.train.activation_checkpointing != "none",
-            "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_cpu_ram_efficient_loading": True,
-            "fsdp_use_orig_params": True}}
+        return {
+            "distributed_type": "FSDP",
+            "fsdp_config": {
+                "fsdp_version": 2 if v2 else 1,
+                "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                "fsdp_reshard_after_forward": strategy.reshard_after_forward if v2 else "NO_SHARD",
+                "fsdp_sharding_strategy": FSDP1_SHARDING[strategy.id],
+                "fsdp_offload_params": job.plan.offload in ("params", "all"),
+                "fsdp_activation_checkpointing": job.train.activation_checkpointing != "none",
+                "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                "fsdp_cpu_ram_efficient_loading": True,
+                "fsdp_use_orig_params": True,
+            },
+        }
 
     # accelerate's bf16/fp16 under FSDP sets a MixedPrecisionPolicy (accelerate 1.x,
     # FullyShardedDataParallelPlugin.set_mixed_precision): mixed-*, not autocast
@@ -178,5 +239,7 @@ class FSDP(Framework):
         if not policy.autocast:
             return ""
         dtype = TORCH_DTYPE[policy.compute_dtype]
-        return (f"# {policy.id}: wrap the forward in torch.autocast('cuda', dtype={dtype}); "
-                "accelerate's own mixed_precision would give FSDP a MixedPrecisionPolicy (mixed-*)\n")
+        return (
+            f"# {policy.id}: wrap the forward in torch.autocast('cuda', dtype={dtype}); "
+            "accelerate's own mixed_precision would give FSDP a MixedPrecisionPolicy (mixed-*)\n"
+        )

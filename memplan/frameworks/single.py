@@ -1,5 +1,6 @@
 """A plain training loop on one GPU: no wrapper, so no buckets or gather buffers
 (torchtune's single-device recipes, a bare Hugging Face Trainer)."""
+
 from __future__ import annotations
 
 from .base import Framework
