@@ -369,7 +369,7 @@ class Step:
         ]
         # one optimizer per parameter (torchtune's OptimizerInBackwardWrapper): a foreach step's
         # sqrt(v) temporary covers that parameter alone, a single-tensor step's two copies of it
-        copies = {"foreach": 1, "single": 2}.get(self.job.train.optimizer_impl, 0)
+        copies = {"foreach": 1, "single": 2}.get(self.job.train.optimizer_impl or "", 0)
         step = (
             [
                 term(
@@ -421,8 +421,8 @@ class Step:
             "block.backward.last": self.transient_terms(last),
             "block.backward.first": self.transient_terms(0),
         }
-        if self.last_checkpointed() is not None:
-            j = self.last_checkpointed()
+        j = self.last_checkpointed()
+        if j is not None:
             groups["activations.last_checkpointed"] = self.block_terms(range(j + 1))
             groups["block.backward.last_checkpointed"] = self.transient_terms(j)
         if loop.offload_activations:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from typing import TypeVar
 
 from .errors import InputError, MemplanError
 
@@ -374,14 +375,26 @@ class Job:
 
     def with_(self, **changes) -> Job:
         """Copy with fields of the nested specs changed by name, e.g. ``with_(gpus=16, micro_batch=2)``."""
-        parts = {"model": self.model, "train": self.train, "cluster": self.cluster, "plan": self.plan}
-        by_part: dict[str, dict] = {}
-        for key, value in changes.items():
-            owner = next((k for k, v in parts.items() if key in v.__dataclass_fields__), None)
-            if owner is None:
-                raise MemplanError(f"unknown setting {key!r}")
-            by_part.setdefault(owner, {})[key] = value
+        known = {name for part in (self.model, self.train, self.cluster, self.plan) for name in _fields_of(part)}
+        unknown = next((key for key in changes if key not in known), None)
+        if unknown is not None:
+            raise MemplanError(f"unknown setting {unknown!r}")
         # every change applied before any check: a part is validated with all of its changes
-        for owner, kw in by_part.items():
-            parts[owner] = replace(parts[owner], **kw)
-        return Job(**parts)
+        return Job(
+            model=_changed(self.model, changes),
+            train=_changed(self.train, changes),
+            cluster=_changed(self.cluster, changes),
+            plan=_changed(self.plan, changes),
+        )
+
+
+_Part = TypeVar("_Part", ModelSpec, TrainSpec, ClusterSpec, Plan)
+
+
+def _fields_of(part) -> dict:
+    return part.__dataclass_fields__
+
+
+def _changed(part: _Part, changes: dict) -> _Part:
+    mine = {key: value for key, value in changes.items() if key in _fields_of(part)}
+    return replace(part, **mine) if mine else part
