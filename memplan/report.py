@@ -7,6 +7,7 @@ import csv
 import io
 import json
 from dataclasses import asdict
+from typing import TypeVar
 
 from .breakdown import Component, Estimate
 from .calibration import Applied, Corrected
@@ -15,6 +16,8 @@ from .inputs import ModelChoice
 from .loop import in_force
 from .strategies import STRATEGIES
 from .units import gib
+
+_T = TypeVar("_T")
 
 COMPONENTS = [c.value for c in Component]
 
@@ -90,7 +93,8 @@ def to_dict(
     relative: list[float] | None = None,
     rec: Recommendation | None = None,
 ) -> dict:
-    rows = [estimate_dict(e, r) for e, r in zip(estimates, relative or [None] * len(estimates))]
+    ratios: list[float | None] = list(relative) if relative else [None] * len(estimates)
+    rows = [estimate_dict(e, r) for e, r in zip(estimates, ratios)]
     if rec:
         for row, est in zip(rows, estimates):
             row["documented_relative_throughput"] = [
@@ -166,7 +170,7 @@ def render_table(
     """One row per strategy; with a calibration, the corrected total decides what fits (its band shown beside it)."""
     job = estimates[0].job
     header = [_header(choice, job)] + ([applied.describe()] if applied else [])
-    finals = list(applied.results) if applied else estimates
+    finals: list[Estimate] | list[Corrected] = list(applied.results) if applied else estimates
     rows = []
     for est, final in zip(estimates, finals):
         by = est.by_component
@@ -178,7 +182,7 @@ def render_table(
             _g(est.overhead_bytes),
             _g(est.total_bytes),
         ]
-        if applied:
+        if isinstance(final, Corrected):
             row.append(f"{_g(final.total_bytes)} ± {_g(final.band_bytes)}")
         rows.append(row + ["yes" if final.fits else "NO", _g(final.headroom_bytes)])
     headers = ["strategy", "peak in", *COMPONENTS, "allocated", "overhead", "total"]
@@ -299,6 +303,12 @@ def _claim(rule) -> str:
     return f"{lo:.2f}" if lo == hi else f"{lo:.2f}–{hi:.2f}"
 
 
+def _given(value: _T | None) -> _T:
+    """A field of a decision record that its code sets (decide fills each code's own fields)."""
+    assert value is not None, "decide sets this field for this record's code"
+    return value
+
+
 def _gib(num_bytes: int) -> str:
     return f"{_g(num_bytes)} GiB"
 
@@ -314,17 +324,18 @@ def rejected_reason(r: Rejected) -> str:
     """Why an option was not picked."""
     o = r.option
     if r.code == "does_not_fit":
-        return f"does not fit by {_gib(r.over_by_bytes)} (total {_gib(o.total_bytes)} > {_gib(o.usable_bytes)} usable)"
-    slower = r.slower_fraction
+        over = _gib(_given(r.over_by_bytes))
+        return f"does not fit by {over} (total {_gib(o.total_bytes)} > {_gib(o.usable_bytes)} usable)"
+    slower = _given(r.slower_fraction)
     speed = f"{slower:.0%} slower" if slower >= 0.01 else f"{slower:.1%} slower" if slower > 0.0005 else "as fast"
     if r.code == "more_memory":
-        return f"uses {_gib(r.extra_bytes)} more; {speed}"
+        return f"uses {_gib(_given(r.extra_bytes))} more; {speed}"
     if r.code == "less_simple":
         j = o.job
         return (
             f"less simple ({j.plan.strategy}, offload {j.plan.offload}, AC {j.train.activation_checkpointing}); {speed}"
         )
-    return f"{speed} ({_tokens(o)} vs {_tokens(r.best)} tokens/s per GPU)"
+    return f"{speed} ({_tokens(o)} vs {_tokens(_given(r.best))} tokens/s per GPU)"
 
 
 def _rule_option(rule) -> str:
@@ -343,12 +354,13 @@ def verdict_detail(v: RuleVerdict) -> str:
                 f"AC {rule.ac} throughput relative to none ({v.strategy}): {measured} (full recompute adds one "
                 f"forward: 2·N + 4·L·h·s FLOPs per token on top of 6·N + 12·L·h·s)"
             )
-        st = v.step
+        st = _given(v.step)
         return (
             f"{v.strategy} relative to DDP: {measured} (communication {st.comm_s:.3f} s, exposed "
             f"{st.exposed_comm_s:.3f} s, offload {st.offload_s:.3f} s vs compute {st.compute_s:.3f} s per step "
             f"over {v.interconnect})"
         )
+    o = _given(o)
     if v.code == "does_not_fit":
         return (
             f"{_rule_option(rule)} does not fit: its smallest option ({o.label()}) needs "
@@ -359,7 +371,7 @@ def verdict_detail(v: RuleVerdict) -> str:
     )
     if v.code == "best":
         return f"{o.label()} is the best option{rel}"
-    best = v.versus
+    best = _given(v.versus)
     if v.code == "more_memory":
         return (
             f"{o.label()} fits but needs {v.value:.0%} more memory ({_gib(o.total_bytes)} vs "
@@ -425,33 +437,36 @@ def _strategies_named(strategies: tuple[str, ...]) -> str:
 
 def reason_text(r: Reason, restricted_by: str | None = None) -> str:
     """One reason for the pick; ``restricted_by`` names what restricted the framework (a flag)."""
-    o = r.option
     if r.code == "assumed_gpu":
-        what = "links (compute: measured speed)" if r.basis.measured_compute else "peak FLOPS and links"
-        return f"throughput assumes {r.basis.link.gpu_name} (no --gpu given): its {what}"
+        basis = _given(r.basis)
+        what = "links (compute: measured speed)" if basis.measured_compute else "peak FLOPS and links"
+        return f"throughput assumes {basis.link.gpu_name} (no --gpu given): its {what}"
     if r.code == "calibrated":
-        return calibration_text(r.basis)
+        return calibration_text(_given(r.basis))
     if r.code == "kept_as_given":
         return "kept as given: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in r.fixed)
     if r.code == "restricted":
         return f"searched only {_strategies_named(r.strategies)}" + (f" ({restricted_by})" if restricted_by else "")
     if r.code == "nothing_fits":
-        return f"none of the {r.num_options} options fits; the closest: {o.label()}"
+        return f"none of the {r.num_options} options fits; the closest: {_given(r.option).label()}"
     if r.code == "ranked":
         return f"{r.num_fitting} of {r.num_options} options fit; ranked by {r.priority}"
     if r.code == "fits":
+        o = _given(r.option)
         return (
             f"fits: {_gib(o.total_bytes)} of {_gib(o.usable_bytes)} usable ({_gib(o.headroom_bytes)} headroom), "
             f"peak in {o.final.phase}"
         )
     if r.code == "predicted":
+        o = _given(r.option)
         st = o.step
         return (
             f"predicted {_tokens(o)} tokens/s per GPU ({o.relative_throughput:.2f}× DDP at the same settings): "
             f"compute {st.compute_s:.3f} s, communication {st.comm_s:.3f} s of which {st.exposed_comm_s:.3f} s "
-            f"exposed over {r.basis.link.interconnect}, offload {st.offload_s:.3f} s per step"
+            f"exposed over {_given(r.basis).link.interconnect}, offload {st.offload_s:.3f} s per step"
         )
-    return f"runner-up: {r.rejected.option.label()} ({rejected_reason(r.rejected)})"
+    rejected = _given(r.rejected)
+    return f"runner-up: {rejected.option.label()} ({rejected_reason(rejected)})"
 
 
 # ---------------------------------------------------------------------------- decisions as data
@@ -536,18 +551,20 @@ def _reason_dict(r: Reason, restricted_by: str | None) -> dict:
     """A reason's code and numbers (its sentence is in ``reasons``, at the same index)."""
     out: dict = {"code": r.code}
     if r.code in ("assumed_gpu", "predicted"):
+        basis = _given(r.basis)
         out.update(
-            gpu=r.basis.link.gpu_name, interconnect=r.basis.link.interconnect, measured_compute=r.basis.measured_compute
+            gpu=basis.link.gpu_name, interconnect=basis.link.interconnect, measured_compute=basis.measured_compute
         )
     if r.code == "calibrated":
-        c = r.basis.correction
+        basis = _given(r.basis)
+        c = _given(basis.correction)
         out.update(
-            path=r.basis.calibration.path,
+            path=_given(basis.calibration).path,
             device=c.device,
             torch_version=c.torch_version,
             band_pct=c.residual_pct,
             speed_measured_for=[t.strategy for t in c.throughput],
-            device_matches=r.basis.device_matches,
+            device_matches=basis.device_matches,
         )
     if r.code == "kept_as_given":
         out["fixed"] = dict(r.fixed)
@@ -560,7 +577,7 @@ def _reason_dict(r: Reason, restricted_by: str | None) -> dict:
     if r.option is not None:
         out["option"] = {**_option_dict(r.option), "usable_bytes": r.option.usable_bytes, "phase": r.option.final.phase}
     if r.code == "predicted":
-        out["step"] = _step_dict(r.option.step)
+        out["step"] = _step_dict(_given(r.option).step)
     if r.rejected is not None:
         out["option"] = _rejected_dict(r.rejected)
     return out
