@@ -240,25 +240,15 @@ def _judge_recommend(
             option=mine,
         )
     if priority == "memory":
-        extra = mine.total_bytes / best.total_bytes - 1
-        return RuleVerdict(
-            rule=rule,
-            agrees=extra <= close,
-            code="more_memory",
-            metric="extra_memory_fraction",
-            value=extra,
-            unit="fraction",
-            tolerance=close,
-            option=mine,
-            versus=best,
-        )
-    slower = slower_fraction(mine, best)
+        code, metric, value = "more_memory", "extra_memory_fraction", mine.total_bytes / best.total_bytes - 1
+    else:
+        code, metric, value = "slower", "slower_fraction", slower_fraction(mine, best)
     return RuleVerdict(
         rule=rule,
-        agrees=slower <= close,
-        code="slower",
-        metric="slower_fraction",
-        value=slower,
+        agrees=value <= close,
+        code=code,
+        metric=metric,
+        value=value,
         unit="fraction",
         tolerance=close,
         option=mine,
