@@ -90,6 +90,8 @@ def header(job: Job) -> str:
 def needs(job: Job, kind: str, allowed) -> None:
     if job.plan.strategy not in allowed:
         raise MemplanError(
-            f"--emit {kind} does not apply to strategy {job.plan.strategy}; it needs one of: "
-            f"{', '.join(allowed)} (pass --strategy, or pick another --emit)"
+            lambda n: (
+                f"{n('emit')} {kind} does not apply to strategy {job.plan.strategy}; it needs one of: "
+                f"{', '.join(allowed)} (pass {n('strategy')}, or pick another {n('emit')})"
+            )
         )

@@ -22,8 +22,10 @@ def config(job, strategy) -> dict:
     policy = POLICIES[job.train.precision]
     if policy.id not in DeepSpeed.native_precisions:
         raise MemplanError(
-            f"--emit deepspeed needs precision {', '.join(DeepSpeed.native_precisions[1:])} "
-            f"or {DeepSpeed.native_precisions[0]}, got {policy.id}"
+            lambda n: (
+                f"{n('emit')} deepspeed needs {n('precision')} "
+                f"{', '.join(DeepSpeed.native_precisions[1:])} or {DeepSpeed.native_precisions[0]}, got {policy.id}"
+            )
         )
     ds = deepspeed_defaults()
     stage = ZERO_STAGE[strategy.id]
