@@ -195,7 +195,7 @@ def _run_sweep(runs, *, out, timeout_s, resume, max_host_mem_bytes):
 
 
 def _execute(
-    ctx, *, mode, out, steps, warmup, timeout_s, resume, workload, grid, max_host_mem, nodes, layers_scaled, flags
+    ctx, *, mode, out, steps, warmup, timeout_s, resume, workload, grid, max_host_mem, nodes, layers_scaled, **flags
 ):
     if timeout_s <= 0:
         raise MemplanError(f"--timeout must be a positive number of seconds, got {timeout_s:g}")
@@ -235,27 +235,13 @@ def calibrate():
 @_sweep_options
 @click.pass_context
 @user_errors
-def run(ctx, mode, out, steps, warmup, timeout_s, resume, workload, grid, max_host_mem, nodes, layers_scaled, **flags):
+def run(ctx, **params):
     """Run, measure and record one job per strategy (or per grid point).
 
     Example: memplan calibrate run --arch llama --layers 2 --hidden 64 --heads 4 --ffn 128 --vocab 256
     --seq-len 32 --micro-batch 2 --precision fp32 --device cpu --gpus 2 --mode emulate --out runs.jsonl
     """
-    _execute(
-        ctx,
-        mode=mode,
-        out=out,
-        steps=steps,
-        warmup=warmup,
-        timeout_s=timeout_s,
-        resume=resume,
-        workload=workload,
-        grid=grid,
-        max_host_mem=max_host_mem,
-        nodes=nodes,
-        layers_scaled=layers_scaled,
-        flags=flags,
-    )
+    _execute(ctx, **params)
 
 
 @calibrate.command()
@@ -263,27 +249,13 @@ def run(ctx, mode, out, steps, warmup, timeout_s, resume, workload, grid, max_ho
 @_sweep_options
 @click.pass_context
 @user_errors
-def cluster(ctx, out, steps, warmup, timeout_s, resume, workload, grid, max_host_mem, nodes, layers_scaled, **flags):
+def cluster(ctx, **params):
     """Write DIR/calibrate.sbatch and print the torchrun commands (same as run --mode cluster).
 
     Example: memplan calibrate cluster --model llama-2-7b --strategy fsdp-full-shard --nodes 2
     --gpus-per-node 8 --out calib/
     """
-    _execute(
-        ctx,
-        mode="cluster",
-        out=out,
-        steps=steps,
-        warmup=warmup,
-        timeout_s=timeout_s,
-        resume=resume,
-        workload=workload,
-        grid=grid,
-        max_host_mem=max_host_mem,
-        nodes=nodes,
-        layers_scaled=layers_scaled,
-        flags=flags,
-    )
+    _execute(ctx, mode="cluster", **params)
 
 
 @calibrate.command()
