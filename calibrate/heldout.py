@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from memplan.loop import fsdp_units
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
 from . import records
@@ -378,6 +379,7 @@ def loop_fields(case: Case) -> dict:
         "loop_source": loop.loop_source(),
         "case": case.id,
         "hf_model_type": case.hf_type,
+        "fsdp_units": fsdp_units(loop.recipe),
     }
 
 
@@ -438,10 +440,9 @@ def latest(recs: list[dict]) -> list[dict]:
 
 
 def loop_job(record: dict) -> Job:
-    """The record's Job with the loop that ran it (its ``loop``) as memplan's inputs. Only the
-    conventions: the loops wrap with calibrate.wrappers (memplan's own FSDP units, not
-    torchtitan's apply_fsdp) and step the spec's optimizer, so the recipe's FSDP units and
-    optimizer implementation are not what ran."""
+    """The record's Job with the loop that ran it (its ``loop``) as memplan's inputs: the
+    conventions and the recipe's FSDP units (calibrate.wrappers lays them out as the framework
+    does), not its optimizer implementation (the loops step the spec's optimizer)."""
     loop = record["loop"]
     return records.job_from_spec(record["spec"]).with_(
         logits=loop["logits"],
@@ -452,6 +453,7 @@ def loop_job(record: dict) -> Job:
         compile=loop["compile"],
         offload_activations=loop["offload_activations"],
         optimizer_in_backward=loop["optimizer_in_backward"],
+        recipe=loop["recipe"],
     )
 
 

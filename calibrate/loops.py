@@ -339,7 +339,7 @@ def run(job: Job, loop: Loop, *, hf_type: str, ac: str, emulated: bool, steps: i
         )
         apply_ac(model, ac, loop)
         hf_model = model.hf
-        wrapped = wrap(model, job, emulated)
+        wrapped = wrap(model, job.with_(recipe=loop.recipe), emulated)  # the recipe's FSDP units
         optimizer = _optimizer(wrapped, job)
         step = make_step(loop, wrapped, hf_model, train.micro_batch)
         for index in range(steps):

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from memplan.frameworks import FRAMEWORKS
+from memplan.loop import fsdp_units
 from memplan.precision import POLICIES
 from memplan.specs import Job
 from memplan.strategies import STRATEGIES
@@ -68,8 +69,27 @@ def _fsdp(model: nn.Module, job: Job, emulated: bool) -> nn.Module:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in blocks(model):
         fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    units = fsdp_units(job.train.recipe)
+    if units == "blocks":
+        _shard_embedding_and_head(model, kwargs, fully_shard)
+    # the root reshards after forward only where the recipe passes reshard_after_forward=True
+    # to it explicitly (torchtune's shard_model); fully_shard's default (None) keeps it
+    fully_shard(model, **{**kwargs, "reshard_after_forward": units == "all" and strategy.reshard_after_forward})
     return model
+
+
+def _shard_embedding_and_head(model: nn.Module, kwargs: dict, fully_shard) -> None:
+    """torchtitan's apply_fsdp and accelerate's fsdp2_prepare_model: the input embedding its
+    own unit (resharded after forward as the blocks), [final norm, lm head] one that is not
+    (a tied embedding joins the head's unit)."""
+    hf = getattr(model, "hf", model)
+    embed, head = hf.get_input_embeddings(), hf.get_output_embeddings()
+    tied = embed.weight is head.weight
+    if not tied:
+        fully_shard(embed, **kwargs)
+    base = getattr(hf, hf.base_model_prefix)
+    norm = [m for _, m in base.named_children() if "Norm" in type(m).__name__][-1:]
+    fully_shard([*norm, *([embed] if tied else []), head], **{**kwargs, "reshard_after_forward": False})
 
 
 WRAPPERS = {"none": _single, "ddp": _ddp, "fsdp": _fsdp}

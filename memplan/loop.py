@@ -130,6 +130,26 @@ def recipe_rows() -> dict[str, dict[str, tuple[str, str]]]:
     return rows
 
 
+FSDP_UNITS = ("root-kept", "blocks", "all")
+"""What reshards after forward under FSDP2 full-shard (recipes.csv reshard_after_forward):
+root-kept: every block, not the root (``fully_shard(model)``'s default, memplan's emitted
+snippet); blocks: every block and the input embedding as its own unit, not the [final norm,
+lm head] unit (torchtitan, accelerate); all: every unit, the root too (torchtune)."""
+
+
+def loss_in_model(recipe: str) -> bool:
+    """Whether the recipe's model computes the loss inside its forward (Hugging Face's
+    ``model(input_ids, labels=...)``, recipes.csv loss_in_model) rather than after it returns."""
+    return recipe_rows()[recipe].get("loss_in_model", ("false", ""))[0] == "true"
+
+
+def fsdp_units(recipe: str) -> str:
+    """The recipe's FSDP2 unit layout (``FSDP_UNITS``)."""
+    units = recipe_rows()[recipe].get("reshard_after_forward", ("root-kept", ""))[0]
+    _check_choice(units, FSDP_UNITS, "recipes.csv reshard_after_forward")
+    return units
+
+
 def resolve(recipe: str = "plain", **explicit) -> Resolved:
     """The Loop a recipe sets, with every explicitly given setting (not None) winning."""
     _check_choice(recipe, RECIPES, "recipe")

@@ -29,7 +29,7 @@ from .checkpointing import (
 )
 from .errors import MemplanError
 from .frameworks.base import term
-from .loop import recipe_rows
+from .loop import fsdp_units, loss_in_model
 from .loss import FUSED_DROPS
 from .overheads import overhead_terms
 from .precision import ADAM8BIT_BYTES_PER_PARAM, DTYPE_BYTES, OPTIMIZER_STATES, POLICIES, Policy
@@ -113,6 +113,15 @@ MOMENTS = (
     ),
     MomentSpec(phase="optimizer", label="optimizer step", groups=("states", "grads", "optimizer.step")),
 )
+FORWARD_START = MomentSpec(
+    phase="forward",
+    label="start of forward (first units' all-gathers copied out)",
+    groups=("states", "grads.carried", "gathered.start"),
+)
+"""FSDP2: in forward the all-gather output of the unit before is kept until the next unit's
+copy-out (``FSDPParamGroup.wait_for_unshard``), so the first unit outside the blocks is live
+twice while the first block is gathered (measured: the held-out matrix's 128k-vocabulary
+one-block case, whose peak is here)."""
 LAST_CHECKPOINTED = MomentSpec(
     phase="backward",
     label="backward of the last checkpointed block",
@@ -164,8 +173,8 @@ class Step:
         self.shard_master = fw.shard_is_master and pol.master
         self.casts_block_inputs = self.shard_master and pol.compute_bytes < 4
         self.gather_bytes = pol.compute_bytes if pol.master else pol.param_bytes
-        # the recipe's FSDP units: torchtitan's wraps the embedding alone, resharded after forward
-        self.reshards_embedding = recipe_rows()[train.recipe].get("reshard_after_forward", ("all", ""))[0] == "blocks"
+        self.fsdp_units = fsdp_units(train.recipe)
+        self.loss_in_model = loss_in_model(train.recipe)
         self._kept: dict[bool, list[Saved]] = {}
         self._transient: dict[bool, list[Term]] = {}
         reduce = train.reduce_dtype
@@ -269,7 +278,7 @@ class Step:
     # -- the groups of terms the moments are declared from ------------------------------
     def groups(self) -> dict[str, list[Term]]:
         states = self.param_terms() + self.optimizer_terms() + self.framework.persistent_buffers(self)
-        gathered = {f"gathered.{i}": self.framework.gathered(self, i) for i in ("forward", "loss", "block")}
+        gathered = {f"gathered.{i}": self.framework.gathered(self, i) for i in ("start", "forward", "loss", "block")}
         groups = {
             "states": states,
             **self.grad_groups(),
@@ -318,7 +327,9 @@ class Step:
         of the held-out matrix hold three V·h gradients there)."""
         model, L = self.job.model, self.job.model.num_layers
         tied = 2 * model.vocab_size * model.hidden if model.tied_embeddings else 0
-        count = self.root_params + tied
+        # torchtitan's / accelerate's head unit has reduced its gradients after its own backward
+        head = model.head_params() if self.fsdp_units == "blocks" and not model.tied_embeddings else 0
+        count = self.root_params - head + tied
         blocks = (
             self.grad_terms()
             if self.job.train.grad_accum > 1
@@ -330,9 +341,9 @@ class Step:
                 term(
                     B,
                     "fsdp.root_unit",
-                    "unsharded root unit (embeddings, head)",
-                    f"{self.gather_bytes}·{self.root_params:,}",
-                    self.gather_bytes * self.root_params,
+                    "unsharded root unit (embeddings, head)" if not head else "unsharded input embedding unit",
+                    f"{self.gather_bytes}·{self.root_params - head:,}",
+                    self.gather_bytes * (self.root_params - head),
                 )
             ],
             "grads.root_unsharded": [
@@ -343,9 +354,28 @@ class Step:
                     "reduce-scatter)" + (", the tied embedding's three times" if tied else ""),
                     f"{self.gather_bytes}·{count:,}",
                     self.gather_bytes * count,
-                )
+                ),
+                *self.retained_reduce_input(),
             ],
         }
+
+    def retained_reduce_input(self) -> list[Term]:
+        """FSDP2 keeps the last reduce-scatter's input alive until the next unit's post-backward
+        reduces (FSDPCommContext.reduce_scatter_states, at most reduce_scatter_max_input_buffers
+        = 1: torch 2.13 _fsdp_param_group.py post_backward): the first block's, at the input
+        embedding's backward (measured: the tied cases of the held-out matrix, one block's
+        gradients in the reduce dtype above the root unit's)."""
+        if self.gather_group == 1:
+            return []
+        return [
+            term(
+                B,
+                "fsdp.retained_reduce_input",
+                "first block's reduce-scatter input (kept until the root's reduce-scatter)",
+                f"{self.reduce_bytes}·block params",
+                self.reduce_bytes * self.block_params,
+            )
+        ]
 
     def in_backward_groups(self) -> dict[str, list[Term]]:
         """optimizer_in_backward (torchtune's optimizer_in_bwd): each parameter steps in its
@@ -529,7 +559,9 @@ class Step:
     def moment_specs(self) -> tuple[MomentSpec, ...]:
         """``MOMENTS``, with the moments only some steps have in their place."""
         specs = MOMENTS if self.last_checkpointed() is None else (*MOMENTS[:3], LAST_CHECKPOINTED, *MOMENTS[3:])
-        return (*specs[:-1], ROOT_BACKWARD, specs[-1]) if self.holds_root_grads() else specs
+        if self.holds_root_grads():
+            specs = (*specs[:-1], ROOT_BACKWARD, specs[-1])
+        return (FORWARD_START, *specs) if self.framework.id == "fsdp" else specs
 
     def moments(self) -> list[Moment]:
         groups = self.groups()

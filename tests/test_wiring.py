@@ -111,9 +111,11 @@ def test_the_header_names_each_convention_and_its_origin():
 
 def test_torchtitan_holds_only_the_head_unit_unsharded():
     plain, titan = (Step(_job(recipe=r, ac="op")) for r in ("plain", "torchtitan"))
-    root = {s: next(t for t in s.framework.gathered(s, "loss") if t.key == "fsdp.root_unit") for s in (plain, titan)}
+    keys = {plain: "fsdp.root_unit", titan: "fsdp.head_unit"}
+    root = {s: next(t for t in s.framework.gathered(s, "loss") if t.key == keys[s]) for s in (plain, titan)}
     assert root[plain].bytes == plain.gather_bytes * plain.root_params
-    assert root[titan].bytes == titan.gather_bytes * titan.job.model.head_params()
+    m = titan.job.model  # tied: torchtitan's apply_fsdp puts the embedding in the head's unit
+    assert m.tied_embeddings and root[titan].bytes == titan.gather_bytes * (m.head_params() + m.vocab_size * m.hidden)
 
 
 def test_old_records_load_with_the_plain_loop():

@@ -159,6 +159,48 @@ def fsdp1_snippet(job, strategy) -> str:
     return "\n".join(lines)
 
 
+def _outside_blocks(step, instant: str) -> list[tuple[str, int, str]]:
+    """(key, parameter count, name) of the units outside the blocks that are gathered at
+    ``instant`` (forward, loss: the loss's forward and backward; block: a block's backward), by
+    the recipe's unit layout (``loop.FSDP_UNITS``). FSDP2 reshards a unit after its backward
+    (reshard_after_backward) and after forward where reshard_after_forward says so."""
+    model, s, units = step.job.model, step.strategy, step.fsdp_units
+    kept_after_forward = not s.reshard_after_forward
+    if units != "blocks":
+        # root-kept: fully_shard's root default keeps it from forward to the end of backward;
+        # all: torchtune's root reshards after forward, gathered again in its pre-backward
+        gathered = units == "root-kept" or kept_after_forward or instant == "block"
+        return [("fsdp.root_unit", step.root_params if gathered else 0, "unsharded root unit (embeddings, head)")]
+    # torchtitan / accelerate: [final norm, lm head] (+ a tied embedding) kept after forward,
+    # resharded after its backward; the input embedding its own unit; learned positions in the root
+    head = model.head_params() + (model.vocab_size * model.hidden if model.tied_embeddings else 0)
+    embedding = 0 if model.tied_embeddings else model.vocab_size * model.hidden
+    return [
+        ("fsdp.head_unit", head if instant != "block" else 0, "unsharded head unit (final norm, lm head)"),
+        ("fsdp.embedding_unit", embedding if kept_after_forward else 0, "unsharded input embedding unit"),
+        ("fsdp.root_unit", step.root_params - head - embedding, "unsharded root unit (learned positions)"),
+    ]
+
+
+def _forward_start(step) -> list:
+    """At the first block's all-gather copy-out: the unit gathered before it (the root, or the
+    input embedding's own unit) with its all-gather output retained (``FORWARD_START``), and
+    the first block's all-gather output and unsharded parameters."""
+    model = step.job.model
+    if step.gather_group == 1:
+        return []  # a group of one copies the shard in place (wait_for_unshard): nothing retained
+    if step.fsdp_units == "blocks":
+        first = model.head_params() + model.embedding_params() if model.tied_embeddings else model.vocab_size * model.hidden
+        kept = not step.strategy.reshard_after_forward
+    else:
+        first, kept = step.root_params, step.fsdp_units == "root-kept" or not step.strategy.reshard_after_forward
+    terms = [
+        _gathered(step, "fsdp.first_unit_all_gather", first, "first unit's all-gather output (retained)"),
+        _gathered(step, "fsdp.first_block", 2 * step.block_params, "first block's all-gather output and parameters"),
+    ]
+    return [_gathered(step, "fsdp.root_unit", first, "unsharded first unit"), *terms] if kept else terms
+
+
 class FSDP(Framework):
     id = "fsdp"
     label = "FSDP"
@@ -174,21 +216,23 @@ class FSDP(Framework):
 
     def gathered(self, step, instant: str) -> list:
         s, L, bp = step.strategy, step.job.model.num_layers, step.block_params
-        # FSDP2 does not reshard the root unit after forward: backward needs it at once
-        if s.reshard_after_forward and step.reshards_embedding:
-            # torchtitan's apply_fsdp: the embedding is its own unit, resharded after forward;
-            # [norm, lm_head] one that is not (recipes.csv reshard_after_forward blocks)
-            terms = [
-                _gathered(
-                    step, "fsdp.root_unit", step.job.model.head_params(), "unsharded head unit (final norm, lm head)"
-                )
-            ]
-        else:
-            terms = [_gathered(step, "fsdp.root_unit", step.root_params, "unsharded root unit (embeddings, head)")]
+        if instant == "start":
+            return _forward_start(step)
+        terms = [_gathered(step, key, count, name) for key, count, name in _outside_blocks(step, instant) if count]
+        if instant == "forward" and step.loss_in_model and s.reshard_after_forward and step.gather_group > 1:
+            # FSDP2 keeps the last forward all-gather's output (FSDPCommContext.all_gather_state)
+            # until the root's forward returns (torch 2.13 _fsdp_param_group.py wait_for_unshard,
+            # _fsdp_state.py _post_forward); a loss computed inside the model runs before that
+            # (measured: hf-trainer-fsdp-amp-bf16, the head unit's all-gather output in the peak)
+            last = step.job.model.head_params() if step.fsdp_units == "blocks" else bp
+            what = "head unit" if step.fsdp_units == "blocks" else "last block"
+            terms.append(_gathered(step, "fsdp.retained_all_gather", last, f"{what}'s all-gather output (retained)"))
         if not s.reshard_after_forward:
             terms.append(_gathered(step, "fsdp.all_blocks", L * bp, f"unsharded {L} blocks (forward→backward)"))
-        elif instant == "loss" and step.gather_group > 1:
-            # the root's pre-backward hook prefetches the last block's all-gather (measured)
+        elif instant == "loss" and step.gather_group > 1 and step.fsdp_units == "root-kept":
+            # a root holding parameters runs its pre-backward hook on the loss the model returns
+            # and prefetches the last block's all-gather (measured); a head unit's hook runs on
+            # the logits, after the loss's backward
             terms.append(_gathered(step, "fsdp.prefetched_block", bp, "unsharded last block (backward prefetch)"))
         elif instant == "block":
             both = step.gather_group > 1
