@@ -113,6 +113,15 @@ MOMENTS = (
     ),
     MomentSpec(phase="optimizer", label="optimizer step", groups=("states", "grads", "optimizer.step")),
 )
+HEAD_BACKWARD = MomentSpec(
+    phase="backward",
+    label="backward of the LM head, chunk by chunk",
+    groups=("states", "grads.carried", "activations.blocks", "activations.outside", "gathered.head", "loss.head"),
+)
+"""torchtune's chunked output (the head applied per chunk): every chunk's logit gradient waits
+for the head, whose weight gradient autograd sums chunk by chunk out of place (two chunks' and
+their sum live at each add; measured: the held-out torchtune FSDP cases, peak in the head's
+backward)."""
 FORWARD_START = MomentSpec(
     phase="forward",
     label="start of forward (first units' all-gathers copied out)",
@@ -278,13 +287,16 @@ class Step:
     # -- the groups of terms the moments are declared from ------------------------------
     def groups(self) -> dict[str, list[Term]]:
         states = self.param_terms() + self.optimizer_terms() + self.framework.persistent_buffers(self)
-        gathered = {f"gathered.{i}": self.framework.gathered(self, i) for i in ("start", "forward", "loss", "block")}
+        gathered = {
+            f"gathered.{i}": self.framework.gathered(self, i) for i in ("start", "forward", "loss", "head", "block")
+        }
         groups = {
             "states": states,
             **self.grad_groups(),
             **self.activation_groups(),
             **gathered,
             "optimizer.step": self.step_transient(),
+            "loss.head": self.head_backward_terms(),
         }
         if self.job.train.optimizer_in_backward:
             groups.update(self.in_backward_groups())
@@ -556,9 +568,34 @@ class Step:
             return None
         return num_checkpointed(L, loop.ac_every) * loop.ac_every - 1
 
+    def chunked_head(self) -> bool:
+        loop = self.job.train.loop
+        return loop.loss == "chunked-ce" and loop.loss_chunks > 1
+
+    def head_backward_terms(self) -> list[Term]:
+        """``HEAD_BACKWARD``: the logit gradients (compute dtype) and the head weight's gradient
+        summed out of place (the unsharded parameter's dtype)."""
+        if not self.chunked_head():
+            return []
+        m, c = self.job.model, self.policy.compute_bytes
+        tokens, vh = self.job.train.tokens_per_micro_batch, m.vocab_size * m.hidden
+        wbytes = self.gather_bytes if self.framework.id == "fsdp" else self.policy.grad_bytes
+        return [
+            term(
+                A,
+                "loss.head",
+                "logit gradients of every chunk (wait for the head)",
+                f"{c}·b·s·V",
+                c * tokens * m.vocab_size,
+            ),
+            term(G, "loss.head", "head weight gradient: two chunks' and their sum", f"3·{wbytes}·V·h", 3 * wbytes * vh),
+        ]
+
     def moment_specs(self) -> tuple[MomentSpec, ...]:
         """``MOMENTS``, with the moments only some steps have in their place."""
         specs = MOMENTS if self.last_checkpointed() is None else (*MOMENTS[:3], LAST_CHECKPOINTED, *MOMENTS[3:])
+        if self.chunked_head():
+            specs = (*specs[:2], HEAD_BACKWARD, *specs[2:])
         if self.holds_root_grads():
             specs = (*specs[:-1], ROOT_BACKWARD, specs[-1])
         return (FORWARD_START, *specs) if self.framework.id == "fsdp" else specs

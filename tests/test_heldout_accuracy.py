@@ -13,20 +13,11 @@ from memplan.memory import estimate
 TOLERANCE = 0.01
 RECORDS = Path(__file__).resolve().parent.parent / heldout.OUT
 
-_TORCHTUNE = (
-    "torchtune's loop under FSDP full-shard (its chunked output: the LM head applied per chunk inside the "
-    "model, CEWithChunkedOutputLoss outside): the measured peak is in the head's backward, where every chunk's "
-    "logit gradient exists before the first chunk's matmul backward and the head weight's gradient is summed "
-    "chunk by chunk (three V·h tensors at each add); memplan models one chunk's gradient at a time"
-)
 _FSDP = (
     "FSDP full-shard: off by more than 1 % with the loop's conventions and the recipe's FSDP units applied "
     "(`python -m calibrate.heldout --report` has each error); cause not found"
 )
 KNOWN = {
-    "llama-h512-torchtune-fsdp-fp32-acnone-w8-b2s512": _TORCHTUNE,
-    "llama-h384-v128k-torchtune-fsdp-fp32-acnone-w16-b1s128": _TORCHTUNE,
-    "llama-h384-torchtune-fsdp-bf16-acfull-w8-b1s128": _TORCHTUNE,
     "llama-h384-plain-kept-fsdp-mixed-bf16-acnone-g2-b1s128": _FSDP,
     "gpt2-h384-s2048-plain-kept-fsdp-fp32-acnone-w4-b1s2048": _FSDP,
     "mistral-h512-hf-trainer-fsdp-mixed-bf16-acfull-w4-b1s128": _FSDP,

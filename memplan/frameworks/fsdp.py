@@ -161,7 +161,8 @@ def fsdp1_snippet(job, strategy) -> str:
 
 def _outside_blocks(step, instant: str) -> list[tuple[str, int, str]]:
     """(key, parameter count, name) of the units outside the blocks that are gathered at
-    ``instant`` (forward, loss: the loss's forward and backward; block: a block's backward), by
+    ``instant`` (forward, loss: the loss's forward and backward; head: the LM head's backward;
+    block: a block's backward), by
     the recipe's unit layout (``loop.FSDP_UNITS``). FSDP2 reshards a unit after its backward
     (reshard_after_backward) and after forward where reshard_after_forward says so."""
     model, s, units = step.job.model, step.strategy, step.fsdp_units
@@ -169,7 +170,7 @@ def _outside_blocks(step, instant: str) -> list[tuple[str, int, str]]:
     if units != "blocks":
         # root-kept: fully_shard's root default keeps it from forward to the end of backward;
         # all: torchtune's root reshards after forward, gathered again in its pre-backward
-        gathered = units == "root-kept" or kept_after_forward or instant == "block"
+        gathered = units == "root-kept" or kept_after_forward or instant in ("block", "head")
         return [("fsdp.root_unit", step.root_params if gathered else 0, "unsharded root unit (embeddings, head)")]
     # torchtitan / accelerate: [final norm, lm head] (+ a tied embedding) kept after forward,
     # resharded after its backward; the input embedding its own unit; learned positions in the root
@@ -190,7 +191,9 @@ def _forward_start(step) -> list:
     if step.gather_group == 1:
         return []  # a group of one copies the shard in place (wait_for_unshard): nothing retained
     if step.fsdp_units == "blocks":
-        first = model.head_params() + model.embedding_params() if model.tied_embeddings else model.vocab_size * model.hidden
+        first = (
+            model.head_params() + model.embedding_params() if model.tied_embeddings else model.vocab_size * model.hidden
+        )
         kept = not step.strategy.reshard_after_forward
     else:
         first, kept = step.root_params, step.fsdp_units == "root-kept" or not step.strategy.reshard_after_forward
@@ -224,15 +227,19 @@ class FSDP(Framework):
             # until the root's forward returns (torch 2.13 _fsdp_param_group.py wait_for_unshard,
             # _fsdp_state.py _post_forward); a loss computed inside the model runs before that
             # (measured: hf-trainer-fsdp-amp-bf16, the head unit's all-gather output in the peak)
-            last = step.job.model.head_params() if step.fsdp_units == "blocks" else bp
+            last = (
+                next(n for key, n, _ in _outside_blocks(step, "loss") if key == "fsdp.head_unit")
+                if step.fsdp_units == "blocks"
+                else bp
+            )
             what = "head unit" if step.fsdp_units == "blocks" else "last block"
             terms.append(_gathered(step, "fsdp.retained_all_gather", last, f"{what}'s all-gather output (retained)"))
         if not s.reshard_after_forward:
             terms.append(_gathered(step, "fsdp.all_blocks", L * bp, f"unsharded {L} blocks (forward→backward)"))
-        elif instant == "loss" and step.gather_group > 1 and step.fsdp_units == "root-kept":
+        elif step.gather_group > 1 and (instant == "head" or (instant == "loss" and step.fsdp_units == "root-kept")):
             # a root holding parameters runs its pre-backward hook on the loss the model returns
-            # and prefetches the last block's all-gather (measured); a head unit's hook runs on
-            # the logits, after the loss's backward
+            # and prefetches the last block's all-gather (measured); a head unit's hook, or a
+            # root's whose model returns the logits, runs on the logits' gradient, before the head's
             terms.append(_gathered(step, "fsdp.prefetched_block", bp, "unsharded last block (backward prefetch)"))
         elif instant == "block":
             both = step.gather_group > 1
