@@ -82,7 +82,7 @@ def _shard_embedding_and_head(model: nn.Module, kwargs: dict, fully_shard) -> No
     """torchtitan's apply_fsdp and accelerate's fsdp2_prepare_model: the input embedding its
     own unit (resharded after forward as the blocks), [final norm, lm head] one that is not
     (a tied embedding joins the head's unit)."""
-    hf = getattr(model, "hf", model)
+    hf: Any = getattr(model, "hf", model)  # a transformers PreTrainedModel
     embed, head = hf.get_input_embeddings(), hf.get_output_embeddings()
     tied = embed.weight is head.weight
     if not tied:
