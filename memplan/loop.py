@@ -174,12 +174,19 @@ def resolve(recipe: str = "plain", **explicit) -> Resolved:
     return Resolved(loop=Loop(recipe=recipe, **values), conventions=tuple(conventions), elsewhere=elsewhere)
 
 
-def in_force(train: TrainSpec) -> Resolved:
+def in_force(train: TrainSpec, searched: tuple[str, ...] = ()) -> Resolved:
     """The conventions of a step's loop and where each came from: its recipe's, or explicit
-    where the value differs from the recipe's."""
+    where the value differs from the recipe's, or ``searched`` (settings a search chose)."""
     loop, table = train.loop, recipe_rows()[train.recipe]
     explicit = {s: getattr(loop, s) for s in _SETTINGS if getattr(loop, s) != _parse(s, table[s][0])}
     resolved = resolve(train.recipe, **explicit)
+    resolved = replace(
+        resolved,
+        conventions=tuple(
+            replace(c, origin="searched") if c.setting in searched and c.origin == "explicit" else c
+            for c in resolved.conventions
+        ),
+    )
     # a recipe setting the step also carries (the optimizer implementation) is explicit where it differs
     elsewhere = tuple(
         Convention(setting=c.setting, value=str(getattr(train, c.setting)), origin="explicit", source="")

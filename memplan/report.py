@@ -215,14 +215,14 @@ def render_table(
     return "\n".join(lines)
 
 
-def _header(choice: ModelChoice, job) -> str:
+def _header(choice: ModelChoice, job, searched: tuple[str, ...] = ()) -> str:
     c, t = job.cluster, job.train
     model = ("assumed " if choice.assumed else "") + job.model.describe()
     return (
         f"model    {model}\n"
         f"training seq {t.seq_len} × micro-batch {t.micro_batch} × accum {t.grad_accum}, {t.precision}, "
         f"{t.optimizer} ({t.optimizer_impl}), AC {t.activation_checkpointing}, {t.attention} attention\n"
-        f"loop     {in_force(t).describe()}\n"
+        f"loop     {in_force(t, searched).describe()}\n"
         f"cluster  {c.gpus} × {c.gpu_name} {_g(c.gpu_mem_bytes)} GiB ({c.num_nodes} node(s) of "
         f"{c.gpus_per_node}), headroom {c.headroom:.0%}: {_g(c.usable_bytes)} GiB usable"
     )
@@ -643,7 +643,8 @@ def render_recommendation(
 ) -> str:
     """Everything: the pick and its reasons, every rejected option, every matching rule, fixes, launch config."""
     job = (rec.best or rec.options[0]).job
-    lines = [_header(choice, job), "", *recommendation_summary(rec)[:2], "", "Reasons:"]
+    searched = () if "ac" in rec.fixed_axes else ("ac",)  # the loop setting recommend searches
+    lines = [_header(choice, job, searched), "", *recommendation_summary(rec)[:2], "", "Reasons:"]
     lines += [f"  - {reason_text(r, restricted_by)}" for r in rec.reasons]
     if rec.fixes:
         lines += ["", "Nothing fits. Single changes, each with its resulting memory:"]

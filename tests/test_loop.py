@@ -54,6 +54,17 @@ def test_explicit_flags_win_and_say_so():
     assert resolved.describe().endswith("explicit: ac full")
 
 
+def test_a_searched_setting_is_labelled_searched_not_explicit():
+    from click.testing import CliRunner
+
+    from memplan.cli import main
+
+    args = ["recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--gpu", "h100-sxm", "--seq-len", "8192"]
+    searched = CliRunner().invoke(main, [*args, "--recipe", "torchtitan"]).output.splitlines()[2]
+    given = CliRunner().invoke(main, [*args, "--recipe", "torchtitan", "--ac", "full"]).output.splitlines()[2]
+    assert searched.endswith("searched: ac full") and given.endswith("explicit: ac full")
+
+
 def test_recipe_defaults_as_the_frameworks_define_them():
     assert (resolve("torchtitan").loop.ac, resolve("torchtune").loop.loss) == ("op", "chunked-ce")
     assert [r for r in RECIPES if resolve(r).loop.logits == "kept"] == ["plain", "accelerate"]

@@ -75,6 +75,8 @@ class Recommendation:
     """Every option evaluated (the best micro-batch of each combination)."""
     searched: tuple[str, ...] | None = None
     """The strategies the search was restricted to (None: all that run on the GPUs)."""
+    fixed_axes: tuple[str, ...] = ()
+    """The axes given explicitly (options.AXES); the others were searched."""
 
     @property
     def link(self) -> Link:
@@ -175,6 +177,7 @@ def recommend_job(
         fixes=found,
         options=tuple(options),
         searched=allowed,
+        fixed_axes=tuple(fixed),
     )
 
 
