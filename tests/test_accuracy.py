@@ -7,7 +7,7 @@ pytest.importorskip("torch")
 from calibrate.matrix import CASES, measure_case
 from memplan.memory import estimate
 
-TOLERANCE = 0.05
+TOLERANCE = 0.01  # the claimed error is 0.2 %; a case whose error grows past 1 % fails
 
 
 def test_matrix_covers_what_it_must():
