@@ -2,13 +2,25 @@
 
 Defaults until calibration replaces them (tables/overheads.csv, with their sources). CPU jobs
 have none of these.
+
+``reserved`` is ``allocated`` plus what the caching allocator holds beyond the tensors. The
+estimates a user reads (``memplan.estimate``) replay the step through the allocator
+(``with_replayed_allocator``: ``total`` = reserved + CUDA context + communicators); the
+searches, which weigh hundreds of candidates, charge the flat slack fraction instead
+(``overhead_terms``), since one replay costs tens of milliseconds.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from . import catalog
-from .breakdown import Component, Moment, Term
+from .allocator import parse_alloc_conf
+from .breakdown import Component, Estimate, Moment, Term
 from .specs import Job
+
+ALLOCATOR_KEYS = ("allocator.slack", "allocator.excess")
+"""The overhead terms that are the caching allocator's (part of reserved)."""
 
 MIB = 2**20
 
@@ -43,6 +55,31 @@ def overhead_terms(job: Job, peak: Moment) -> list[Term]:
                 "caching-allocator slack",
                 f"{fraction:.0%} of allocated",
                 int(peak.allocated_bytes * fraction),
+                "allocator.slack",
             )
         )
     return terms
+
+
+def reserved_bytes(est: Estimate) -> int:
+    """What ``torch.cuda.max_memory_reserved`` would report: allocated plus the allocator's terms."""
+    return est.allocated_bytes + sum(t.bytes for t in est.overhead if t.key in ALLOCATOR_KEYS)
+
+
+def with_replayed_allocator(est: Estimate, alloc_conf: str = "") -> Estimate:
+    """``est`` with the flat slack replaced by the replay's excess under ``alloc_conf``
+    (a ``PYTORCH_CUDA_ALLOC_CONF`` string); CPU jobs are returned as they are."""
+    if est.job.train.device == "cpu":
+        return est
+    from .alloctrace import reserved
+
+    conf = parse_alloc_conf(alloc_conf)
+    excess = reserved(est.job, conf).excess_bytes
+    term = Term(
+        Component.BUFFERS,
+        "caching-allocator excess (replayed)",
+        f"allocator replay, {conf.text}",
+        excess,
+        "allocator.excess",
+    )
+    return replace(est, overhead=(*fixed_terms(est.job), term))
