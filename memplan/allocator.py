@@ -202,24 +202,24 @@ class CachingAllocator:
         self.reserved = self.allocated = self.active = self.requested = 0
         self.peaks = [0, 0, 0, 0]
         self.retries = 0
+        self.gc_on = fraction_set and conf.garbage_collection_threshold > 0
 
-    # -- counters ----------------------------------------------------------------------
+    # -- counters (increase_stat / decrease_stat) ----------------------------------------
     def _count(self, reserved: int = 0, allocated: int = 0, active: int = 0, requested: int = 0) -> None:
         self.reserved += reserved
         self.allocated += allocated
         self.active += active
         self.requested += requested
         if reserved > 0 or allocated > 0:
-            now = (self.reserved, self.allocated, self.active, self.requested)
-            self.peaks = [max(p, n) for p, n in zip(self.peaks, now)]
+            peaks = self.peaks
+            peaks[0] = max(peaks[0], self.reserved)
+            peaks[1] = max(peaks[1], self.allocated)
+            peaks[2] = max(peaks[2], self.active)
+            peaks[3] = max(peaks[3], self.requested)
 
     def _new_address(self, size: int) -> int:
         addr, self.next_addr = self.next_addr, self.next_addr + size
         return addr
-
-    @property
-    def gc_on(self) -> bool:
-        return self.fraction_set and self.conf.garbage_collection_threshold > 0
 
     # -- malloc ------------------------------------------------------------------------
     def malloc(self, id_: int, request: int, stream: int = 0) -> bool:

@@ -58,30 +58,47 @@ def _sizes(terms: list[Term]) -> list[int]:
     return [t.bytes for t in terms]
 
 
-def _blockwise(term: Term, blocks: int, share: float) -> list[int]:
-    """A whole-model state term as one tensor per block (``share`` of it each) and the rest."""
-    per_block = int(term.bytes * share)
-    return [per_block] * blocks + [term.bytes - per_block * blocks]
+def _pieces(term: Term, model, groups: list[int]) -> list[int]:
+    """``term`` split in proportion to parameter counts, the rest in a last piece."""
+    params = max(model.num_params, 1)
+    sizes = [term.bytes * n // params for n in groups]
+    return sizes + [term.bytes - sum(sizes)]
 
 
-def step_trace(step, blocks: int | None = None, *, steps: int = 2) -> list[Event]:
-    """The events of ``steps`` training steps of ``step``'s job with ``blocks`` blocks (all by
-    default); ``step`` is a ``memory.Step``."""
+def _per_block(term: Term, model) -> list[int]:
+    """A state term (allocated once, never freed) as one tensor per block, as FSDP1's flat
+    parameters, and one for the embedding and head: per-parameter tensors would multiply
+    the events for a rounding difference of at most 2 MiB a tensor."""
+    return _pieces(term, model, [model.block_params()] * model.num_layers + [_root(model)])
+
+
+def _per_parameter(term: Term, model) -> list[int]:
+    """A term freed every step (gradients, foreach temporaries) as one tensor per parameter
+    group of each block (``block_param_counts``: fused qkv, attention out, MLP in, MLP out,
+    norms) and one for the embedding and head: these sizes decide which cached blocks they reuse."""
+    return _pieces(term, model, [*model.block_param_counts().values()] * model.num_layers + [_root(model)])
+
+
+def _root(model) -> int:
+    return model.embedding_params() + model.head_params()
+
+
+def step_trace(step, *, steps: int = 2) -> list[Event]:
+    """The events of ``steps`` training steps of ``step``'s job (a ``memory.Step``)."""
     model = step.job.model
-    L = model.num_layers if blocks is None else blocks
-    share = step.block_params / max(step.params, 1)
+    L = model.num_layers
     groups = step.groups()
     t = _Trace()
     for term in groups["states"]:
-        t.allocs(_blockwise(term, L, share) if term.bytes else [])
+        t.allocs(_per_block(term, model) if term.bytes else [])
     gathered_block = [x for x in groups["gathered.block"] if x.key in ("fsdp.block", "zero3.gathered")]
     # the block buffers: one block's parameters, gathered on the all-gather stream
     gather_bytes = step.gather_bytes * step.block_params if gathered_block else 0
     reduce_bytes = sum(x.bytes for x in groups["gathered.block"] if x.key == "fsdp.block_grads")
     whole = {g: [x for x in groups[g] if x.key not in _BLOCK_KEYS] for g in ("gathered.forward", "gathered.block")}
-    grad_per_block = int(step.grad_terms()[0].bytes * share)
-    grads_total = step.grad_terms()[0].bytes
-    in_backward = step.job.train.optimizer_in_backward
+    grad_pieces = [] if step.job.train.optimizer_in_backward else _per_parameter(step.grad_terms()[0], model)
+    per_block = len(model.block_param_counts())
+    foreach = step.job.train.optimizer_impl == "foreach"
     for _ in range(steps):
         held = t.allocs(_sizes(whole["gathered.forward"]))
         kept = []
@@ -93,10 +110,14 @@ def step_trace(step, blocks: int | None = None, *, steps: int = 2) -> list[Event
             t.sync(COMPUTE)
             previous = gathered
         t.free(previous, (COMPUTE,))
-        outside = t.allocs(_sizes(groups["activations.outside"] + groups["logits.forward"]))
-        loss = t.allocs(_sizes(groups["loss.forward"]))
-        loss_bwd = t.allocs(_sizes(groups["loss.backward"]))
-        t.free(loss + loss_bwd + outside)
+        # the loss as memory.MOMENTS has it: its forward's tensors, then its backward's, the
+        # logits held into backward only where the start-of-backward moment holds them
+        outside = t.allocs(_sizes(groups["activations.outside"]))
+        logits = t.allocs(_sizes(groups["logits.forward"]))
+        t.free(t.allocs(_sizes(groups["loss.forward"])))
+        if not groups["logits.loss"]:
+            t.free(logits)
+        t.free(t.allocs(_sizes(groups["loss.backward"])) + (logits if groups["logits.loss"] else []) + outside)
         grads, previous, reducing = [], [], []
         forward_keys = {x.key for x in whole["gathered.forward"]}
         block_buffers = t.allocs(x.bytes for x in whole["gathered.block"] if x.key not in forward_keys)
@@ -105,7 +126,8 @@ def step_trace(step, blocks: int | None = None, *, steps: int = 2) -> list[Event
             transient = t.allocs(_sizes(step.transient_terms(i)))
             unsharded = t.alloc(reduce_bytes)
             t.free(transient)
-            grads += t.alloc(grad_per_block if not in_backward else 0, REDUCE_SCATTER if reduce_bytes else COMPUTE)
+            grad_stream = REDUCE_SCATTER if reduce_bytes else COMPUTE
+            grads += [j for n in grad_pieces[i * per_block : (i + 1) * per_block] for j in t.alloc(n, grad_stream)]
             t.free(kept[i])
             t.free(previous, (COMPUTE,))
             t.free(reducing, (REDUCE_SCATTER,))
@@ -115,10 +137,18 @@ def step_trace(step, blocks: int | None = None, *, steps: int = 2) -> list[Event
         t.free(previous, (COMPUTE,))
         t.free(reducing, (REDUCE_SCATTER,))
         t.free(block_buffers + held)
-        grads += t.alloc(grads_total - grad_per_block * L if not in_backward else 0)
+        grads += t.allocs(grad_pieces[L * per_block :])
         t.sync(COMPUTE)
         t.sync(REDUCE_SCATTER)
-        t.free(t.allocs(_sizes(groups["optimizer.step"])))
+        # foreach temporaries are one tensor per parameter (_foreach_sqrt over the group)
+        step_sizes = [
+            n
+            for x in groups["optimizer.step"]
+            for n in (
+                _per_parameter(x, model) if x.key == "optimizer.sqrt_temporaries" and foreach else [x.bytes]
+            )
+        ]
+        t.free(t.allocs(step_sizes))
         t.free(grads)  # zero_grad(set_to_none=True)
     return t.events
 
@@ -134,9 +164,15 @@ class Reserved:
     conf: AllocConf
 
 
-def excess_bytes(step, conf: AllocConf = DEFAULT_CONF, blocks: int | None = None) -> int:
+def excess_bytes(step, conf: AllocConf = DEFAULT_CONF) -> int:
     """reserved − allocated at the replay's peaks (never negative)."""
-    result = replay(step_trace(step, blocks), conf)
+    return _excess(tuple(step_trace(step)), conf)
+
+
+@lru_cache(maxsize=256)
+def _excess(events: tuple[Event, ...], conf: AllocConf) -> int:
+    """One replay per distinct trace (hybrid-shard on one node replays full-shard's)."""
+    result = replay(events, conf)
     return max(0, result.peak_reserved_bytes - result.peak_allocated_bytes)
 
 

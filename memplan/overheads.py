@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from . import catalog
-from .allocator import parse_alloc_conf
+from .allocator import AllocConf, parse_alloc_conf
 from .breakdown import Component, Estimate, Moment, Term
 from .specs import Job
 
@@ -64,6 +64,13 @@ def overhead_terms(job: Job, peak: Moment) -> list[Term]:
 def reserved_bytes(est: Estimate) -> int:
     """What ``torch.cuda.max_memory_reserved`` would report: allocated plus the allocator's terms."""
     return est.allocated_bytes + sum(t.bytes for t in est.overhead if t.key in ALLOCATOR_KEYS)
+
+
+def expandable_excess(est: Estimate) -> int:
+    """The replay's excess of ``est``'s job under ``expandable_segments:True``."""
+    from .alloctrace import reserved
+
+    return reserved(est.job, AllocConf(expandable_segments=True)).excess_bytes
 
 
 def with_replayed_allocator(est: Estimate, alloc_conf: str = "") -> Estimate:
