@@ -10,6 +10,7 @@ from memplan.allocator import (
     MIB,
     Alloc,
     AllocConf,
+    CachingAllocator,
     Free,
     Sync,
     allocation_size,
@@ -198,3 +199,62 @@ def test_bad_alloc_conf_is_refused_by_name(text):
     # parseMaxSplitSize: >= kLargeBuffer / 1 MiB; parseGarbageCollectionThreshold: 0 < t < 1
     with pytest.raises(MemplanError, match="alloc-conf"):
         parse_alloc_conf(text)
+
+
+# -- traces synthesized from the analytic model (memplan.alloctrace) ------------------------
+
+from memplan.alloctrace import step_trace  # noqa: E402
+from memplan.api import estimate  # noqa: E402
+from memplan.memory import Step  # noqa: E402
+from memplan.overheads import ALLOCATOR_KEYS, reserved_bytes  # noqa: E402
+
+
+def _estimate(**flags):
+    [est] = estimate(**flags, calibration=None).estimates
+    return est
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(params=1e9, gpus=1, strategy="single"),
+        dict(params=1e9, gpus=1, strategy="single", ac="full"),
+        dict(model="gpt2", micro_batch=8, gpus=1, strategy="single"),
+        dict(params=1e9, gpus=1, strategy="single", precision="fp32", optimizer_impl="single"),
+        dict(params=1e9, gpus=2, strategy="ddp"),
+    ],
+)
+def test_the_trace_holds_the_models_tensors_at_its_peak(flags):
+    # the trace allocates what the moments hold, in step order: its requested peak is the analytic peak
+    est = _estimate(**flags)
+    assert replay(step_trace(Step(est.job))).peak_requested_bytes == est.allocated_bytes
+
+
+def test_the_trace_frees_all_but_the_states_each_step():
+    step = Step(_estimate(params=1e9, gpus=2, strategy="fsdp-full-shard").job)
+    allocator = CachingAllocator()
+    allocator.replay(step_trace(step))
+    # what is left live after two steps is the states, allocated once and never freed
+    assert allocator.requested == sum(t.bytes for t in step.groups()["states"])
+    assert not allocator.waiting  # every cross-stream free reached its stream's Sync
+
+
+def test_reserved_sits_between_allocated_and_total():
+    # DESIGN.md output contract: allocated <= reserved <= total = reserved + context + communicators
+    est = _estimate(params=13e9, gpus=8, strategy="fsdp-full-shard")
+    fixed = sum(t.bytes for t in est.overhead if t.key not in ALLOCATOR_KEYS)
+    assert est.allocated_bytes <= reserved_bytes(est) <= est.total_bytes
+    assert est.total_bytes == reserved_bytes(est) + fixed
+
+
+def test_alloc_conf_changes_the_answer():
+    default = _estimate(params=13e9, gpus=8, strategy="fsdp-full-shard")
+    expandable = _estimate(params=13e9, gpus=8, strategy="fsdp-full-shard", alloc_conf="expandable_segments:True")
+    assert default.allocated_bytes == expandable.allocated_bytes
+    assert reserved_bytes(expandable) < reserved_bytes(default)
+    assert default.total_bytes - expandable.total_bytes == reserved_bytes(default) - reserved_bytes(expandable)
+
+
+def test_cpu_jobs_reserve_what_they_allocate():
+    est = _estimate(params=1e8, gpus=1, strategy="single", device="cpu")
+    assert reserved_bytes(est) == est.allocated_bytes == est.total_bytes
