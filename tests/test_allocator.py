@@ -258,3 +258,30 @@ def test_alloc_conf_changes_the_answer():
 def test_cpu_jobs_reserve_what_they_allocate():
     est = _estimate(params=1e8, gpus=1, strategy="single", device="cpu")
     assert reserved_bytes(est) == est.allocated_bytes == est.total_bytes
+
+
+# -- traces recorded from a real step (calibrate.alloctrace) --------------------------------
+
+
+def test_a_recorded_cpu_step_replays_through_the_allocator(tmp_path):
+    pytest.importorskip("torch")
+    from calibrate.alloctrace import load, record, save
+    from memplan.memory import estimate as estimate_job
+    from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
+
+    job = Job(
+        model=ModelSpec(arch="llama", num_layers=2, hidden=64, num_heads=4, ffn_hidden=128, vocab_size=256),
+        train=TrainSpec(seq_len=32, micro_batch=2, device="cpu", precision="fp32"),
+        cluster=ClusterSpec(),
+        plan=Plan(strategy="single"),
+    )
+    events = record(job)
+    save(events, tmp_path / "trace.jsonl.gz")
+    assert load(tmp_path / "trace.jsonl.gz") == events
+    result = replay(events)
+    # the recorded live bytes peak where the analytic model says (its own CPU measurements agree)
+    assert result.peak_requested_bytes == pytest.approx(estimate_job(job).allocated_bytes, rel=0.01)
+    # every tensor of this model is under kSmallSize: the small pool alone, in kSmallBuffer segments
+    assert all(e.size <= MIB for e in events if isinstance(e, Alloc))
+    assert result.peak_reserved_bytes % (2 * MIB) == 0
+    assert result.peak_requested_bytes <= result.peak_allocated_bytes <= result.peak_reserved_bytes
