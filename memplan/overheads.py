@@ -18,6 +18,7 @@ from . import catalog
 from .allocator import AllocConf, parse_alloc_conf
 from .breakdown import Component, Estimate, Moment, Term
 from .specs import Job
+from .strategies import STRATEGIES
 
 ALLOCATOR_KEYS = ("allocator.slack", "allocator.excess")
 """The overhead terms that are the caching allocator's (part of reserved)."""
@@ -30,14 +31,40 @@ def _mib(key: str) -> int:
     return int(catalog.overheads()[key]) * MIB
 
 
+def _context_bytes(job: Job) -> int:
+    """The CUDA context of the job's GPU generation (tables/cuda_context.csv), else the default."""
+    for row in catalog.read_table("cuda_context.csv"):
+        if job.cluster.gpu_name.startswith(row["gpu_prefix"]):
+            return int(row["context_mib"]) * MIB
+    return _mib("cuda_context_mib")
+
+
+def _nccl_formula(n: int) -> str:
+    """The NCCL term's formula: the default per communicator as channel-peer buffer sets."""
+    table = {row["key"]: int(row["value"]) for row in catalog.read_table("nccl.csv")}
+    per_set = table["ll_buffsize_bytes"] + table["ll128_buffsize_bytes"] + table["simple_buffsize_bytes"]
+    sets = _mib("nccl_mib") / per_set
+    return f"{n} × {sets:.0f} × (LL + LL128 + Simple) {per_set / MIB:.2f} MiB"
+
+
+def communicators(job: Job) -> int:
+    """NCCL communicators each GPU joins: one per process group of the layout (hybrid
+    sharding across nodes: its shard group within the node and its replicate group across)."""
+    if job.cluster.gpus == 1:
+        return 0
+    hybrid = STRATEGIES[job.plan.strategy].shard_group == "node" and job.cluster.num_nodes > 1
+    return 2 if hybrid else 1
+
+
 def fixed_terms(job: Job) -> list[Term]:
     """The overheads that do not follow the allocated bytes; none on CPU."""
     if job.train.device == "cpu":
         return []
     B = Component.BUFFERS
-    terms = [Term(B, "CUDA context + cuBLAS", "documented default", _mib("cuda_context_mib"))]
-    if job.cluster.gpus > 1:
-        terms.append(Term(B, "NCCL buffers", "documented default", _mib("nccl_mib")))
+    terms = [Term(B, "CUDA context + cuBLAS", "documented default", _context_bytes(job))]
+    n = communicators(job)
+    if n:
+        terms.append(Term(B, f"NCCL buffers ({n} communicator{'s' * (n > 1)})", _nccl_formula(n), n * _mib("nccl_mib")))
     return terms
 
 
