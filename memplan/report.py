@@ -138,6 +138,7 @@ def render_csv(estimates: list[Estimate], applied: Applied | None = None) -> str
         "phase",
         *[f"{c}_bytes" for c in COMPONENTS],
         "allocated_bytes",
+        "reserved_bytes",
         "overhead_bytes",
         "total_bytes",
         "host_bytes",
