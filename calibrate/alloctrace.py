@@ -17,6 +17,7 @@ from __future__ import annotations
 import gzip
 import json
 import weakref
+from functools import partial
 from itertools import count
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from memplan.allocator import Alloc, Event, Free
+from memplan.allocator import Alloc, Free
 from memplan.specs import Job
 
 from .measure import _optimizer
@@ -37,7 +38,7 @@ class Recorder(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.events: list[Event] = []
+        self.events: list[Alloc | Free] = []
         self.ids = count()
         self.seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.refs: dict[int, weakref.ref] = {}
@@ -49,9 +50,9 @@ class Recorder(TorchDispatchMode):
         i = next(self.ids)
         self.seen[storage] = i
         self.events.append(Alloc(i, storage.nbytes()))
-        self.refs[i] = weakref.ref(storage, lambda _, i=i: self._freed(i))
+        self.refs[i] = weakref.ref(storage, partial(self._freed, i))
 
-    def _freed(self, i: int) -> None:
+    def _freed(self, i: int, _: weakref.ref) -> None:
         del self.refs[i]
         self.events.append(Free(i))
 
@@ -63,7 +64,7 @@ class Recorder(TorchDispatchMode):
         return out
 
 
-def record(job: Job, *, steps: int = 2) -> list[Event]:
+def record(job: Job, *, steps: int = 2) -> list[Alloc | Free]:
     """The events of ``steps`` training steps of ``job`` on one CPU device (no wrapper)."""
     train = job.train
     torch.manual_seed(0)
@@ -83,14 +84,14 @@ def record(job: Job, *, steps: int = 2) -> list[Event]:
     return recorder.events
 
 
-def save(events: list[Event], path: Path) -> None:
+def save(events: list[Alloc | Free], path: Path) -> None:
     """One JSON list per event (``["a", id, size]`` or ``["f", id]``), gzip-compressed."""
     with gzip.open(path, "wt") as f:
         for e in events:
             f.write(json.dumps(["a", e.id, e.size] if isinstance(e, Alloc) else ["f", e.id]) + "\n")
 
 
-def load(path: Path) -> list[Event]:
+def load(path: Path) -> list[Alloc | Free]:
     with gzip.open(path, "rt") as f:
         rows = [json.loads(line) for line in f]
     return [Alloc(r[1], r[2]) if r[0] == "a" else Free(r[1]) for r in rows]

@@ -125,7 +125,19 @@ def allocation_size(size: int) -> int:
 
 
 class _Block:
-    __slots__ = ("addr", "size", "stream", "small", "allocated", "prev", "next", "expandable", "mapped", "pending", "gc_base")
+    __slots__ = (
+        "addr",
+        "allocated",
+        "expandable",
+        "gc_base",
+        "mapped",
+        "next",
+        "pending",
+        "prev",
+        "size",
+        "small",
+        "stream",
+    )
 
     def __init__(self, addr: int, size: int, stream: int, small: bool, *, expandable: bool = False):
         self.addr, self.size, self.stream, self.small = addr, size, stream, small
@@ -145,6 +157,14 @@ class _Block:
 
     def free_to_use(self) -> bool:
         return not self.allocated and not self.pending
+
+
+def _room(block: _Block | None, size: int) -> int:
+    """``has_available_address_space``: free or unmapped bytes from ``block`` on, up to ``size``."""
+    room = 0
+    while room < size and block is not None and block.free_to_use():
+        room, block = room + block.size, block.next
+    return room
 
 
 class _Pool:
@@ -327,10 +347,7 @@ class CachingAllocator:
                 continue
             if c.prev is not None and c.prev.free_to_use():
                 c = c.prev
-            room, b = 0, c
-            while room < size and b is not None and b.free_to_use():
-                room, b = room + b.size, b.next
-            if room >= size:
+            if _room(c, size) >= size:
                 return c
         # address space of 1 1/8 of the GPU: in the replay, enough never to run out
         span = 2**50

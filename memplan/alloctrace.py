@@ -103,6 +103,7 @@ def step_trace(step, *, steps: int = 2) -> list[Event]:
         held = t.allocs(_sizes(whole["gathered.forward"]))
         kept = []
         previous: list[int] = []
+        reducing: list[int] = []
         for i in range(L):
             gathered = t.alloc(gather_bytes, ALL_GATHER)
             kept.append(t.allocs(s.bytes for s in step.kept(i)))
@@ -118,7 +119,8 @@ def step_trace(step, *, steps: int = 2) -> list[Event]:
         if not groups["logits.loss"]:
             t.free(logits)
         t.free(t.allocs(_sizes(groups["loss.backward"])) + (logits if groups["logits.loss"] else []) + outside)
-        grads, previous, reducing = [], [], []
+        grads: list[int] = []
+        previous, reducing = [], []
         forward_keys = {x.key for x in whole["gathered.forward"]}
         block_buffers = t.allocs(x.bytes for x in whole["gathered.block"] if x.key not in forward_keys)
         for i in reversed(range(L)):
@@ -144,9 +146,7 @@ def step_trace(step, *, steps: int = 2) -> list[Event]:
         step_sizes = [
             n
             for x in groups["optimizer.step"]
-            for n in (
-                _per_parameter(x, model) if x.key == "optimizer.sqrt_temporaries" and foreach else [x.bytes]
-            )
+            for n in (_per_parameter(x, model) if x.key == "optimizer.sqrt_temporaries" and foreach else [x.bytes])
         ]
         t.free(t.allocs(step_sizes))
         t.free(grads)  # zero_grad(set_to_none=True)
