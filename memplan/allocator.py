@@ -225,17 +225,10 @@ class CachingAllocator:
         self.gc_on = fraction_set and conf.garbage_collection_threshold > 0
 
     # -- counters (increase_stat / decrease_stat) ----------------------------------------
-    def _count(self, reserved: int = 0, allocated: int = 0, active: int = 0, requested: int = 0) -> None:
-        self.reserved += reserved
-        self.allocated += allocated
-        self.active += active
-        self.requested += requested
-        if reserved > 0 or allocated > 0:
-            peaks = self.peaks
-            peaks[0] = max(peaks[0], self.reserved)
-            peaks[1] = max(peaks[1], self.allocated)
-            peaks[2] = max(peaks[2], self.active)
-            peaks[3] = max(peaks[3], self.requested)
+    def _reserve(self, nbytes: int) -> None:
+        """Segments mapped (positive) or given back (negative)."""
+        self.reserved += nbytes
+        self.peaks[0] = max(self.peaks[0], self.reserved)
 
     def _new_address(self, size: int) -> int:
         addr, self.next_addr = self.next_addr, self.next_addr + size
@@ -244,7 +237,8 @@ class CachingAllocator:
     # -- malloc ------------------------------------------------------------------------
     def malloc(self, id_: int, request: int, stream: int = 0) -> bool:
         """``DeviceCachingAllocator::malloc``; False: out of memory."""
-        self._process_events()
+        if self.waiting:
+            self._process_events()
         size = round_size(request)
         pool = self.pools[is_small(size)]
         block = self._get_free_block(pool, size, stream)
@@ -260,7 +254,13 @@ class CachingAllocator:
             return False
         block = self._alloc_found_block(pool, block, size)
         self.live[id_] = (block, request)
-        self._count(allocated=block.size, active=block.size, requested=request)
+        self.allocated += block.size
+        self.active += block.size
+        self.requested += request
+        peaks = self.peaks
+        peaks[1] = max(peaks[1], self.allocated)
+        peaks[2] = max(peaks[2], self.active)
+        peaks[3] = max(peaks[3], self.requested)
         return True
 
     def _retry(self, pool: _Pool, size: int, stream: int) -> _Block | None:
@@ -331,7 +331,7 @@ class CachingAllocator:
         segment = allocation_size(size)
         if not self._fits_limit(segment):
             return None
-        self._count(reserved=segment)
+        self._reserve(segment)
         return _Block(self._new_address(segment), segment, stream, pool.small)
 
     # -- expandable segments -------------------------------------------------------------
@@ -376,7 +376,7 @@ class CachingAllocator:
         self._merge(block, block.prev, pool)
         self._merge(block, block.next, pool)
         pool.insert(block)
-        self._count(reserved=mapped)
+        self._reserve(mapped)
         return True
 
     def _try_allocate_expandable(self, pool: _Pool, size: int, stream: int) -> _Block | None:
@@ -418,7 +418,7 @@ class CachingAllocator:
         self._merge(block, block.prev, pool)
         self._merge(block, block.next, pool)
         pool.unmapped[(block.stream, block.addr)] = block
-        self._count(reserved=-(end - start))
+        self._reserve(-(end - start))
 
     # -- free --------------------------------------------------------------------------
     def free(self, id_: int, used_on: Iterable[int] = ()) -> None:
@@ -426,8 +426,10 @@ class CachingAllocator:
         complete (``insert_events``); ``recordStream`` ignores the allocation's own stream."""
         block, request = self.live.pop(id_)
         block.allocated = False
-        self._count(allocated=-block.size, requested=-request)
-        block.pending = {s for s in used_on if s != block.stream}
+        self.allocated -= block.size
+        self.requested -= request
+        if used_on:
+            block.pending = {s for s in used_on if s != block.stream}
         if block.pending:
             self.waiting.append(block)
         else:
@@ -449,7 +451,7 @@ class CachingAllocator:
     def _free_block(self, block: _Block) -> None:
         """``free_block``: merge with free neighbours of the segment, then cache."""
         pool = self.pools[block.small]
-        self._count(active=-block.size)
+        self.active -= block.size
         self._merge(block, block.prev, pool)
         self._merge(block, block.next, pool)
         pool.insert(block)
@@ -476,7 +478,7 @@ class CachingAllocator:
     def _release(self, pool: _Pool, block: _Block) -> None:
         """``release_block``: cudaFree a whole cached segment."""
         pool.erase(block)
-        self._count(reserved=-block.size)
+        self._reserve(-block.size)
 
     def _release_available(self, pool: _Pool, size: int, stream: int) -> bool:
         """``release_available_cached_blocks``: with max_split_size set, free cached oversize
@@ -538,11 +540,12 @@ class CachingAllocator:
     def replay(self, events: Iterable[Event]) -> Replay:
         oom = False
         for event in events:
-            if isinstance(event, Alloc):
-                if not self.malloc(event.id, event.size, event.stream):
+            kind = type(event)
+            if kind is Alloc:
+                if not self.malloc(*event):
                     oom = True
                     break
-            elif isinstance(event, Free):
+            elif kind is Free:
                 self.free(event.id, event.used_on)
             else:
                 self.sync(event.stream)
