@@ -540,15 +540,14 @@ class CachingAllocator:
     def replay(self, events: Iterable[Event]) -> Replay:
         oom = False
         for event in events:
-            kind = type(event)
-            if kind is Alloc:
+            if type(event) is Alloc:
                 if not self.malloc(*event):
                     oom = True
                     break
-            elif kind is Free:
-                self.free(event.id, event.used_on)
+            elif type(event) is Free:
+                self.free(*event)
             else:
-                self.sync(event.stream)
+                self.sync(*event)
         reserved, allocated, active, requested = self.peaks
         return Replay(
             peak_reserved_bytes=reserved,

@@ -18,7 +18,6 @@ from . import catalog
 from .allocator import AllocConf, parse_alloc_conf
 from .breakdown import Component, Estimate, Moment, Term
 from .specs import Job
-from .strategies import STRATEGIES
 
 ALLOCATOR_KEYS = ("allocator.slack", "allocator.excess")
 """The overhead terms that are the caching allocator's (part of reserved)."""
@@ -39,21 +38,12 @@ def _context_bytes(job: Job) -> int:
     return _mib("cuda_context_mib")
 
 
-def _nccl_formula(n: int) -> str:
+def _nccl_formula() -> str:
     """The NCCL term's formula: the default per communicator as channel-peer buffer sets."""
     table = {row["key"]: int(row["value"]) for row in catalog.read_table("nccl.csv")}
     per_set = table["ll_buffsize_bytes"] + table["ll128_buffsize_bytes"] + table["simple_buffsize_bytes"]
     sets = _mib("nccl_mib") / per_set
-    return f"{n} × {sets:.0f} × (LL + LL128 + Simple) {per_set / MIB:.2f} MiB"
-
-
-def communicators(job: Job) -> int:
-    """NCCL communicators each GPU joins: one per process group of the layout (hybrid
-    sharding across nodes: its shard group within the node and its replicate group across)."""
-    if job.cluster.gpus == 1:
-        return 0
-    hybrid = STRATEGIES[job.plan.strategy].shard_group == "node" and job.cluster.num_nodes > 1
-    return 2 if hybrid else 1
+    return f"{sets:.0f} × (LL + LL128 + Simple) {per_set / MIB:.2f} MiB"
 
 
 def fixed_terms(job: Job) -> list[Term]:
@@ -62,9 +52,10 @@ def fixed_terms(job: Job) -> list[Term]:
         return []
     B = Component.BUFFERS
     terms = [Term(B, "CUDA context + cuBLAS", "documented default", _context_bytes(job))]
-    n = communicators(job)
-    if n:
-        terms.append(Term(B, f"NCCL buffers ({n} communicator{'s' * (n > 1)})", _nccl_formula(n), n * _mib("nccl_mib")))
+    if job.cluster.gpus > 1:
+        # one communicator: hybrid sharding's replicate group across nodes would be a second,
+        # which would make memory grow with the GPU count (min_gpus bisects on the opposite)
+        terms.append(Term(B, "NCCL buffers", _nccl_formula(), _mib("nccl_mib")))
     return terms
 
 

@@ -285,3 +285,29 @@ def test_a_recorded_cpu_step_replays_through_the_allocator(tmp_path):
     assert all(e.size <= MIB for e in events if isinstance(e, Alloc))
     assert result.peak_reserved_bytes % (2 * MIB) == 0
     assert result.peak_requested_bytes <= result.peak_allocated_bytes <= result.peak_reserved_bytes
+
+
+# -- communicator and context tables ----------------------------------------------------------
+
+
+def test_nccl_buffer_sizes_are_the_products_of_init_cc():
+    from memplan import catalog
+
+    table = {row["key"]: int(row["value"]) for row in catalog.read_table("nccl.csv")}
+    assert table["simple_buffsize_bytes"] == 1 << 22  # DEFAULT_BUFFSIZE
+    assert table["ll_buffsize_bytes"] == 8 * 512 * 8 * 16  # LINES_PER_THREAD x MAX_NTHREADS x STEPS x 16 B
+    assert table["ll128_buffsize_bytes"] == 120 * 640 * 8 * 8  # ELEMS_PER_THREAD x MAX_NTHREADS x STEPS x 8 B
+    assert all(len(row["source"]) > 40 for row in catalog.read_table("nccl.csv"))
+
+
+def test_the_context_follows_the_gpu_generation_with_a_published_figure(monkeypatch):
+    from memplan import catalog, overheads
+
+    read = catalog.read_table
+    rows = [dict(row, context_mib="1000") for row in read("cuda_context.csv")]
+    monkeypatch.setattr(catalog, "read_table", lambda name: rows if name == "cuda_context.csv" else read(name))
+    job = _estimate(params=1e9, gpus=1, strategy="single").job
+    [v100] = overheads.fixed_terms(job.with_(gpu_name=rows[0]["gpu_prefix"] + "-16gb"))
+    [other] = overheads.fixed_terms(job.with_(gpu_name="h100-sxm"))
+    assert v100.bytes == 1000 * MIB
+    assert other.bytes == int(catalog.overheads()["cuda_context_mib"]) * MIB
