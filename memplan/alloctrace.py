@@ -5,7 +5,8 @@ The model knows every tensor of a step, its size and when it lives (``memory.Ste
 trace allocates and frees them in step order, one tensor per saved activation of each block:
 model states (one tensor per block and one for the rest of the model, as FSDP1's flat
 parameters), forward block by block, the loss, backward block by block (the block's
-transients, its gradients, its activations freed), the optimizer step, and ``zero_grad``.
+transients, its gradients per parameter group, its activations freed), the optimizer step
+(foreach temporaries per parameter group), and ``zero_grad``.
 Two steps run, since the second starts from the first's cache. Parameters gathered by FSDP
 or ZeRO-3 come from the all-gather stream and are recorded on the compute stream, gradients
 handed to the reduce-scatter are recorded on its stream: both return to the pool one block
@@ -14,8 +15,8 @@ later (``Sync``), as the streams catch up.
 ``reserved`` is the analytic peak plus what the replay adds beyond its own allocated peak
 (fragmentation, rounding, frees waiting on another stream). Every block is replayed: the
 excess is not linear in the number of blocks (the peak moves between forward, loss and
-backward as blocks are added): four blocks scaled up to 32 missed the 7B FSDP case by 0.3 GiB,
-to 28 blocks the 3B single-GPU case by 6 GiB (measured while building this), so no scaling.
+backward as blocks are added): with an earlier version of this trace, four blocks scaled up
+to 32 missed the 7B FSDP case by 0.3 GiB and to 28 the 3B single-GPU case by 6 GiB, so none.
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ def excess_bytes(step, conf: AllocConf = DEFAULT_CONF) -> int:
     return _excess(tuple(step_trace(step)), conf)
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=32)
 def _excess(events: tuple[Event, ...], conf: AllocConf) -> int:
     """One replay per distinct trace (hybrid-shard on one node replays full-shard's)."""
     result = replay(events, conf)
