@@ -124,7 +124,8 @@ CLUSTER_OPTIONS = [
         "--alloc-conf",
         default=default("alloc_conf"),
         help="PYTORCH_CUDA_ALLOC_CONF of the job (expandable_segments:True, max_split_size_mb:N, "
-        "garbage_collection_threshold:F): the caching allocator's replay follows it for reserved.",
+        "garbage_collection_threshold:F): the caching allocator's replay behind the reserved of "
+        "estimate and explain follows it (the searches charge a flat slack).",
     ),
 ]
 PLAN_OPTIONS = [
