@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from .breakdown import Estimate
 from .inputs import ModelChoice, build_jobs
 from .memory import estimate as estimate_job
+from .overheads import with_replayed_allocator
 from .request import FIELDS, Request, default, unknown_keyword
 
 if TYPE_CHECKING:
@@ -290,7 +291,7 @@ def estimate(
 
     request = Request.of(request, **inputs)
     choice, jobs = _jobs(request)
-    estimates = tuple(estimate_job(job) for job in jobs)
+    estimates = tuple(with_replayed_allocator(estimate_job(job), request.cluster.alloc_conf) for job in jobs)
     decision = Decision(
         priority=priority,
         interconnect=interconnect,

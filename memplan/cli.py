@@ -120,6 +120,13 @@ CLUSTER_OPTIONS = [
     click.option(
         "--headroom", type=float, default=default("headroom"), show_default=True, help="Fraction of memory kept free."
     ),
+    click.option(
+        "--alloc-conf",
+        default=default("alloc_conf"),
+        help="PYTORCH_CUDA_ALLOC_CONF of the job (expandable_segments:True, max_split_size_mb:N, "
+        "garbage_collection_threshold:F): the caching allocator's replay behind the reserved of "
+        "estimate and explain follows it (the searches charge a flat slack).",
+    ),
 ]
 PLAN_OPTIONS = [
     click.option("--strategy", type=_choice(("all", *STRATEGIES)), default=default("strategy"), show_default=True),

@@ -2,13 +2,25 @@
 
 Defaults until calibration replaces them (tables/overheads.csv, with their sources). CPU jobs
 have none of these.
+
+``reserved`` is ``allocated`` plus what the caching allocator holds beyond the tensors. The
+estimates a user reads (``memplan.estimate``) replay the step through the allocator
+(``with_replayed_allocator``: ``total`` = reserved + CUDA context + communicators); the
+searches, which weigh hundreds of candidates, charge the flat slack fraction instead
+(``overhead_terms``), since one replay costs tens of milliseconds.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from . import catalog
-from .breakdown import Component, Moment, Term
+from .allocator import AllocConf, parse_alloc_conf
+from .breakdown import Component, Estimate, Moment, Term
 from .specs import Job
+
+ALLOCATOR_KEYS = ("allocator.slack", "allocator.excess")
+"""The overhead terms that are the caching allocator's (part of reserved)."""
 
 MIB = 2**20
 
@@ -18,14 +30,32 @@ def _mib(key: str) -> int:
     return int(catalog.overheads()[key]) * MIB
 
 
+def _context_bytes(job: Job) -> int:
+    """The CUDA context of the job's GPU generation (tables/cuda_context.csv), else the default."""
+    for row in catalog.read_table("cuda_context.csv"):
+        if job.cluster.gpu_name.startswith(row["gpu_prefix"]):
+            return int(row["context_mib"]) * MIB
+    return _mib("cuda_context_mib")
+
+
+def _nccl_formula() -> str:
+    """The NCCL term's formula: the default per communicator as channel-peer buffer sets."""
+    table = {row["key"]: int(row["value"]) for row in catalog.read_table("nccl.csv")}
+    per_set = table["ll_buffsize_bytes"] + table["ll128_buffsize_bytes"] + table["simple_buffsize_bytes"]
+    sets = _mib("nccl_mib") / per_set
+    return f"{sets:.0f} × (LL + LL128 + Simple) {per_set / MIB:.2f} MiB"
+
+
 def fixed_terms(job: Job) -> list[Term]:
     """The overheads that do not follow the allocated bytes; none on CPU."""
     if job.train.device == "cpu":
         return []
     B = Component.BUFFERS
-    terms = [Term(B, "CUDA context + cuBLAS", "documented default", _mib("cuda_context_mib"))]
+    terms = [Term(B, "CUDA context + cuBLAS", "documented default", _context_bytes(job))]
     if job.cluster.gpus > 1:
-        terms.append(Term(B, "NCCL buffers", "documented default", _mib("nccl_mib")))
+        # one communicator: hybrid sharding's replicate group across nodes would be a second,
+        # which would make memory grow with the GPU count (min_gpus bisects on the opposite)
+        terms.append(Term(B, "NCCL buffers", _nccl_formula(), _mib("nccl_mib")))
     return terms
 
 
@@ -43,6 +73,38 @@ def overhead_terms(job: Job, peak: Moment) -> list[Term]:
                 "caching-allocator slack",
                 f"{fraction:.0%} of allocated",
                 int(peak.allocated_bytes * fraction),
+                "allocator.slack",
             )
         )
     return terms
+
+
+def reserved_bytes(est: Estimate) -> int:
+    """What ``torch.cuda.max_memory_reserved`` would report: allocated plus the allocator's terms."""
+    return est.allocated_bytes + sum(t.bytes for t in est.overhead if t.key in ALLOCATOR_KEYS)
+
+
+def expandable_excess(est: Estimate) -> int:
+    """The replay's excess of ``est``'s job under ``expandable_segments:True``."""
+    from .alloctrace import reserved
+
+    return reserved(est.job, AllocConf(expandable_segments=True)).excess_bytes
+
+
+def with_replayed_allocator(est: Estimate, alloc_conf: str = "") -> Estimate:
+    """``est`` with the flat slack replaced by the replay's excess under ``alloc_conf``
+    (a ``PYTORCH_CUDA_ALLOC_CONF`` string); CPU jobs are returned as they are."""
+    if est.job.train.device == "cpu":
+        return est
+    from .alloctrace import reserved
+
+    conf = parse_alloc_conf(alloc_conf)
+    excess = reserved(est.job, conf).excess_bytes
+    term = Term(
+        Component.BUFFERS,
+        "caching-allocator excess (replayed)",
+        f"allocator replay, {conf.text}",
+        excess,
+        "allocator.excess",
+    )
+    return replace(est, overhead=(*fixed_terms(est.job), term))

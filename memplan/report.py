@@ -14,6 +14,7 @@ from .calibration import Applied, Corrected
 from .decide import FRAMEWORKS, Fix, Reason, Recommendation, Rejected, RuleVerdict, framework_strategies
 from .inputs import ModelChoice
 from .loop import in_force
+from .overheads import expandable_excess, reserved_bytes
 from .strategies import STRATEGIES
 from .units import gib
 
@@ -51,6 +52,7 @@ def estimate_dict(est: Estimate, relative_throughput: float | None = None) -> di
         "bytes": {
             **{c.value: by[c] for c in Component},
             "allocated": est.allocated_bytes,
+            "reserved": reserved_bytes(est),
             "overhead": est.overhead_bytes,
             "total": est.total_bytes,
         },
@@ -136,6 +138,7 @@ def render_csv(estimates: list[Estimate], applied: Applied | None = None) -> str
         "phase",
         *[f"{c}_bytes" for c in COMPONENTS],
         "allocated_bytes",
+        "reserved_bytes",
         "overhead_bytes",
         "total_bytes",
         "host_bytes",
@@ -179,13 +182,14 @@ def render_table(
             est.phase,
             *(_g(by[c]) for c in Component),
             _g(est.allocated_bytes),
+            _g(reserved_bytes(est)),
             _g(est.overhead_bytes),
             _g(est.total_bytes),
         ]
         if isinstance(final, Corrected):
             row.append(f"{_g(final.total_bytes)} ± {_g(final.band_bytes)}")
         rows.append(row + ["yes" if final.fits else "NO", _g(final.headroom_bytes)])
-    headers = ["strategy", "peak in", *COMPONENTS, "allocated", "overhead", "total"]
+    headers = ["strategy", "peak in", *COMPONENTS, "allocated", "reserved", "overhead", "total"]
     headers += ["calibrated total"] if applied else []
     headers += ["fits", "headroom"]
     if relative:
@@ -209,6 +213,7 @@ def render_table(
         "",
         fits_line(estimates, finals),
         *native_note(estimates),
+        *fragmentation_line(estimates),
     ]
     if rec:
         lines += ["", *recommendation_summary(rec)]
@@ -244,6 +249,26 @@ def native_note(estimates: list[Estimate]) -> list[str]:
     ]
 
 
+def fragmentation_line(estimates: list[Estimate]) -> list[str]:
+    """What the caching allocator holds beyond the tensors where it holds most, and what
+    expandable_segments:True would hold there."""
+    worst = max(estimates, key=lambda e: reserved_bytes(e) - e.allocated_bytes)
+    excess = reserved_bytes(worst) - worst.allocated_bytes
+    if not excess:
+        return []
+    alternative = expandable_excess(worst)
+    verdict = (
+        f"expandable_segments:True would hold {_g(alternative)} GiB (saves {_g(excess - alternative)})"
+        if alternative < excess
+        else "expandable_segments:True would not lower it"
+    )
+    where = f"most under {worst.job.plan.strategy}: " if len(estimates) > 1 else ""
+    return [
+        f"reserved: the caching allocator's peak (replayed); fragmentation costs {where}"
+        f"{_g(excess)} GiB beyond the tensors; {verdict}."
+    ]
+
+
 def fits_line(estimates: list[Estimate], finals=None) -> str:
     pairs = list(zip(estimates, finals or estimates))
     fit = [e.job.plan.strategy for e, f in pairs if f.fits]
@@ -274,11 +299,14 @@ def render_explain(choice: ModelChoice, est: Estimate) -> str:
             for t in moment.terms
         ]
     lines += ["", f"allocated (peak) = {est.allocated_bytes:,} B = {_g(est.allocated_bytes)} GiB"]
+    reserved = reserved_bytes(est)
+    lines += [f"reserved (caching allocator's peak, replayed) = {reserved:,} B = {_g(reserved)} GiB"]
     lines += [f"  + {t.name:<44} {t.formula:<28} {t.bytes:>16,} B" for t in est.overhead]
     lines += [
         f"total = {est.total_bytes:,} B = {_g(est.total_bytes)} GiB; usable {_g(job.cluster.usable_bytes)} GiB"
         f" -> {'fits' if est.fits else 'does NOT fit'} (headroom {_g(est.headroom_bytes)} GiB)"
     ]
+    lines += fragmentation_line([est])
     if est.host_bytes:
         lines.append(f"host RAM for offloaded states: {_g(est.host_bytes)} GiB per GPU")
     return "\n".join(lines)

@@ -179,8 +179,14 @@ class ClusterRequest:
     """A GPU of tables/gpus.csv (``"h100-sxm"``): its memory, speed and links."""
     headroom: float = ClusterSpec.headroom
     """Fraction of each GPU's memory kept free."""
+    alloc_conf: str = ""
+    """The ``PYTORCH_CUDA_ALLOC_CONF`` the job runs with (``"expandable_segments:True"``): what the
+    caching allocator's replay follows for ``reserved``."""
 
     def __post_init__(self):
+        from .allocator import parse_alloc_conf
+
+        parse_alloc_conf(self.alloc_conf)
         if self.gpu is not None and self.gpu_mem is not None:
             raise InputError(
                 lambda n: f"give {n('gpu')} NAME or {n('gpu_mem')} SIZE, not both",

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from memplan.api import estimate
+from memplan.overheads import reserved_bytes
 from memplan.units import GIB
 
 CSV = Path(__file__).resolve().parents[2] / "shared" / "published" / "measured_memory.csv"
@@ -126,8 +127,45 @@ def test_estimate_against_published_peak(source, strategy, flags):
         measured = float(row["measured_gib"]) * GIB
         [est] = estimate(**flags, calibration=None).estimates
         assert est.job.model.num_params == int(row["params"])
-        # max_reserved includes the allocator's slack; max_allocated is tensor bytes alone
-        predicted = est.allocated_bytes * (1.1 if "reserved" in row["measure_kind"] else 1.0)
+        # max_reserved is the allocator's pool (replayed); max_allocated is tensor bytes alone
+        predicted = reserved_bytes(est) if "reserved" in row["measure_kind"] else est.allocated_bytes
         assert predicted == pytest.approx(measured, rel=TOLERANCE[trust]), (
             f"{row['model']}: {predicted / GIB:.1f} GiB estimated vs {measured / GIB:.1f} GiB {row['measure_kind']}"
         )
+
+
+# -- reserved against allocated: the rows that give both for the same run --------------------
+# llama-recipes #120 gives max_allocated in the row and max_reserved / peak_active in its notes
+# (alt_measure). Both rows miss: torch's peak_active (59 and 52 GiB) is 17 and 10 GiB over its
+# max_allocated (42), blocks FSDP1 freed that wait on its all-gather / reduce-scatter streams'
+# events; the synthesized trace returns them one block later (memplan.alloctrace), and holds
+# 3.3 GiB beyond its tensors where the run held 21 and 16.
+_70B = EXPRESSIBLE[0][2]
+RESERVED_MISSED = [
+    ("'pure_bf16'", _70B, "reserved 43.8 GiB against 63: -30 %"),
+    ("'pure_bf16 + anyprecisionAdamW'", _70B, "reserved 43.8 GiB against 58: -25 %"),
+]
+
+
+def _alt_reserved_bytes(row) -> int:
+    alt = row["notes"].split("max_reserved=")[1]
+    return int(alt.split(" GiB")[0]) * GIB
+
+
+@pytest.mark.parametrize(
+    "block,flags",
+    [pytest.param(b, f, marks=pytest.mark.xfail(strict=True, reason=why), id=b) for b, f, why in RESERVED_MISSED],
+)
+def test_reserved_against_published_reserved(block, flags):
+    [row] = [r for r in published_rows() if "issue #120" in r["source"] and r["source"].endswith(f"block {block}")]
+    trust = row["notes"].split(".")[0].removeprefix("trust:")
+    [est] = estimate(**flags, calibration=None).estimates
+    assert reserved_bytes(est) == pytest.approx(_alt_reserved_bytes(row), rel=TOLERANCE[trust])
+
+
+def test_the_replay_reserves_more_than_the_tensors_where_the_runs_did():
+    # the direction both #120 rows show (reserved 1.38-1.50 x allocated); the size is the xfail above
+    rows = [r for r in published_rows() if "issue #120" in r["source"]]
+    [est] = estimate(**_70B, calibration=None).estimates
+    assert all(_alt_reserved_bytes(r) > float(r["measured_gib"]) * GIB for r in rows)
+    assert reserved_bytes(est) > est.allocated_bytes

@@ -1,0 +1,97 @@
+"""Record the allocation and free events of a real training step, in order, with their sizes:
+the trace ``memplan.allocator`` replays.
+
+Every tensor an operator returns (a ``TorchDispatchMode`` sees forward, backward and the
+optimizer step) is looked at for its storage; a storage seen for the first time is an
+allocation, and a weak reference to it reports its free when the storage dies, as torch's
+MemTracker (``torch.distributed._tools.mem_tracker``) tracks storages. Parameters, which
+exist before the first step, are allocated at the head of the trace. On CPU this is the
+order and the sizes the caching allocator would see on a GPU for the same single-device
+step (one stream: CPU has no others).
+
+    python -m calibrate.alloctrace --layers 2 --hidden 64 --out trace.jsonl.gz
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import weakref
+from functools import partial
+from itertools import count
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from memplan.allocator import Alloc, Free
+from memplan.specs import Job
+
+from .measure import _optimizer
+from .workloads import build_model, make_batch
+
+
+class Recorder(TorchDispatchMode):
+    """Storage births and deaths of every tensor operators produce, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[Alloc | Free] = []
+        self.ids = count()
+        self.seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.refs: dict[int, weakref.ref] = {}
+
+    def see(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        if storage in self.seen or storage.nbytes() == 0:
+            return
+        i = next(self.ids)
+        self.seen[storage] = i
+        self.events.append(Alloc(i, storage.nbytes()))
+        self.refs[i] = weakref.ref(storage, partial(self._freed, i))
+
+    def _freed(self, i: int, _: weakref.ref) -> None:
+        del self.refs[i]
+        self.events.append(Free(i))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self.see(leaf)
+        return out
+
+
+def record(job: Job, *, steps: int = 2) -> list[Alloc | Free]:
+    """The events of ``steps`` training steps of ``job`` on one CPU device (no wrapper)."""
+    train = job.train
+    torch.manual_seed(0)
+    model = build_model(job.model, attention=train.attention, ac=train.activation_checkpointing)
+    inputs, labels = make_batch(job.model, micro_batch=train.micro_batch, seq_len=train.seq_len, device="cpu")
+    optimizer = _optimizer(model, job)
+    recorder = Recorder()
+    for p in model.parameters():
+        recorder.see(p)
+    with recorder:
+        for _ in range(steps):
+            loss, logits = model(inputs, labels)
+            loss.backward()
+            del loss, logits
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return recorder.events
+
+
+def save(events: list[Alloc | Free], path: Path) -> None:
+    """One JSON list per event (``["a", id, size]`` or ``["f", id]``), gzip-compressed."""
+    with gzip.open(path, "wt") as f:
+        for e in events:
+            f.write(json.dumps(["a", e.id, e.size] if isinstance(e, Alloc) else ["f", e.id]) + "\n")
+
+
+def load(path: Path) -> list[Alloc | Free]:
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f]
+    return [Alloc(r[1], r[2]) if r[0] == "a" else Free(r[1]) for r in rows]
