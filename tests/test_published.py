@@ -169,3 +169,20 @@ def test_the_replay_reserves_more_than_the_tensors_where_the_runs_did():
     [est] = estimate(**_70B, calibration=None).estimates
     assert all(_alt_reserved_bytes(r) > float(r["measured_gib"]) * GIB for r in rows)
     assert reserved_bytes(est) > est.allocated_bytes
+
+
+# torchtitan's published Llama-3.1-8B runs (benchmarks/llama3_h100_202412_torchtitan.md in
+# pytorch/torchtitan, Dec 2024, Tables 1 and 3: FSDP, local batch 2, seq 8192, selective (op)
+# AC, H100 with 96 GB HBM2e): torchtitan logs max_reserved (components/metrics.py
+# DeviceMemoryMonitor), so memplan's replayed reserved is what compares; the allocated this
+# derives (published reserved × memplan's allocated / reserved) is within the same fraction.
+# Not in ../shared/published: outside the data set's trust grades, held to the loop issue's 10 %.
+TORCHTITAN_8B = [(8, 82.4), (128, 67.0)]
+
+
+@pytest.mark.parametrize("gpus,reserved_gib", TORCHTITAN_8B, ids=[f"{g}-gpus" for g, _ in TORCHTITAN_8B])
+def test_torchtitan_recipe_against_torchtitans_published_reserved(gpus, reserved_gib):
+    flags = dict(model="llama-3.1-8b", gpus=gpus, gpu_mem="96GB", seq_len=8192, micro_batch=2)
+    [est] = estimate(**flags, recipe="torchtitan", strategy="fsdp-full-shard", calibration=None).estimates
+    assert est.job.train.activation_checkpointing == "op" and est.job.train.logits == "freed"
+    assert reserved_bytes(est) == pytest.approx(reserved_gib * GIB, rel=0.10)
