@@ -381,10 +381,11 @@ def loop_fields(case: Case) -> dict:
     }
 
 
-def _execute(case: Case, timeout_s: float) -> dict:
+def execute_child(case, timeout_s: float, *, module: str = "calibrate.heldout") -> dict:
+    """The outcome of ``python -m MODULE --case ID --result FILE`` run in a child process."""
     with tempfile.TemporaryDirectory(prefix="heldout-") as tmp:
         result, log = Path(tmp, "result.json"), Path(tmp, "log.txt")
-        command = [sys.executable, "-m", "calibrate.heldout", "--case", case.id, "--result", str(result)]
+        command = [sys.executable, "-m", module, "--case", case.id, "--result", str(result)]
         env = dict(
             os.environ,
             PYTHONPATH=os.pathsep.join(
@@ -416,7 +417,7 @@ def sweep(cases=CASES, *, out=OUT, timeout_s: float = TIMEOUT_S) -> None:
         if record_id(case) in done:
             continue
         start = time.perf_counter()
-        record = make_record(case, _execute(case, timeout_s), time.perf_counter() - start)
+        record = make_record(case, execute_child(case, timeout_s), time.perf_counter() - start)
         records.append(out, record)
         print(f"{record['status']:7} {record['wall_s']:6.1f} s  {case.id}", flush=True)
 
