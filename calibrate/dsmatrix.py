@@ -128,22 +128,50 @@ def _run(case: Case) -> records.Run:
 # --- the child: one case in this process ---------------------------------------------
 
 
-def _host_storages(engine, job: Job) -> dict[int, int]:
-    """Storages (by data pointer) DeepSpeed keeps on the offload side, with their bytes."""
+HOST_ATTRIBUTES = {
+    "optimizer": (
+        # stage_1_and_2.py with cpu_offload: the fp32 partition (its .grad the fp32 gradient
+        # partition), the bf16 copy-back buffer, the gradient staging buffer
+        "single_partition_of_fp32_groups",
+        "param_buffer_of_bit16_for_cpu_offload_groups",
+        "temp_grad_buffer_for_cpu_offload",
+        # stage3.py with offload_optimizer: the fp32 partition and the gradient partitions' flat buffer
+        "fp32_partitioned_groups_flat",
+        "grad_partitions_flat_buffer",
+    ),
+    "params": ("fp16_partitioned_groups_flat", "param_groups_fp16_flat_cpu_memory", "lp_param_contiguous_pin_buffer"),
+}
+"""The ZeRO optimizer's attributes that live on the offload device (``"cpu"``) per offload kind."""
+
+
+def _tensors(value):
     import torch
 
+    if torch.is_tensor(value):
+        yield value
+        if value.grad is not None:
+            yield value.grad
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _host_storages(engine, job: Job) -> dict[int, int]:
+    """Storages (by data pointer) DeepSpeed keeps on the offload side, with their bytes."""
     optimizer = engine.optimizer
-    tensors: list[torch.Tensor] = []
-    if job.plan.offload in ("optimizer", "all"):
-        inner = optimizer.optimizer
-        for group in inner.param_groups:
-            for p in group["params"]:
-                tensors.append(p)
-                if p.grad is not None:
-                    tensors.append(p.grad)
-                tensors.extend(v for v in inner.state.get(p, {}).values() if torch.is_tensor(v))
-    if job.plan.offload in ("params", "all"):
-        tensors.extend(p.ds_tensor for p in engine.module.parameters())
+    kinds = {"optimizer": ("optimizer", "all"), "params": ("params", "all")}
+    tensors = []
+    for kind, offloads in kinds.items():
+        if job.plan.offload not in offloads:
+            continue
+        tensors += [t for name in HOST_ATTRIBUTES[kind] for t in _tensors(getattr(optimizer, name, None))]
+        if kind == "optimizer":
+            tensors += list(_tensors(optimizer.optimizer.state))
+        else:
+            tensors += [p.ds_tensor for p in engine.module.parameters()]
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}
 
 
