@@ -339,11 +339,15 @@ def make_record(case: Case, outcome: dict, wall_s: float) -> dict:
         error=outcome.get("error"),
         wall_s=wall_s,
     )
-    loop = heldout.loop_fields(case)
-    loop["loop_source"] = (
-        f"deepspeed {metadata.version('deepspeed')} DeepSpeedEngine: loss = engine(input_ids, labels).loss; "
-        "engine.backward(loss); engine.step()"
-    )
+    from .loops import LOOPS
+
+    loop = {
+        "loop": LOOPS[case.loop].conventions(case.ac),
+        "loop_source": f"deepspeed {metadata.version('deepspeed')} DeepSpeedEngine: "
+        "loss = engine(input_ids, labels).loss; engine.backward(loss); engine.step()",
+        "case": case.id,
+        "hf_model_type": case.hf_type,
+    }
     extra = {k: outcome[k] for k in ("host_bytes", "tracker_peak_bytes") if k in outcome}
     return record | {"id": record_id(case), "ds_config": json.loads(emit(case.job, "deepspeed"))} | loop | extra
 
