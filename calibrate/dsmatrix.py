@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
@@ -246,44 +246,12 @@ def measure(case: Case) -> dict:
     return {"measurement": dataclasses.asdict(m), "host_bytes": host_bytes, "tracker_peak_bytes": peak}
 
 
-def _rank(rank: int, world: int, port: int, case_id: str, results) -> None:
-    import traceback
-
+def _measure_rank(case_id: str) -> dict:
+    """This gloo rank's measurement (a rank of ``heldout.run_ranks``); DeepSpeed asserts LOCAL_RANK."""
     import torch.distributed as dist
 
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        results.put((rank, measure(BY_ID[case_id]), None))
-    except BaseException as exc:  # reported to the parent with its traceback
-        results.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _measure_local(case: Case) -> dict:
-    import torch.multiprocessing as mp
-
-    from . import launch
-
-    world = case.job.cluster.gpus
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = launch._free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, case.id, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    out = {}
-    while not results.empty():
-        rank, result, error = results.get()
-        if error:
-            raise RuntimeError(f"rank {rank} failed: {error}")
-        out[rank] = result
-    if len(out) != world:
-        raise RuntimeError(f"ranks {sorted(set(range(world)) - set(out))} exited without reporting")
-    return out[0]
+    os.environ.update(LOCAL_RANK=str(dist.get_rank()), RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()))
+    return measure(BY_ID[case_id])
 
 
 def _measure_emulated(case: Case) -> dict:
@@ -307,7 +275,10 @@ def measure_case(case: Case) -> dict:
     os.environ["DS_ACCELERATOR"] = "cpu"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        result = _measure_local(case) if case.mode == "local" else _measure_emulated(case)
+        if case.mode == "local":
+            result = heldout.run_ranks(case.job.cluster.gpus, _measure_rank, case.id)
+        else:
+            result = _measure_emulated(case)
         return {"status": "ok", "error": None, **result}
     except BaseException as exc:  # an outcome, whatever went wrong: the sweep goes on
         return {
@@ -419,36 +390,8 @@ def render_report(recs: list[dict]) -> str:
     )
 
 
-def sweep(cases=CASES, *, out=OUT, timeout_s: float = TIMEOUT_S) -> None:
-    """Measure every case ``out`` holds no ok record of, appending its record as it ends."""
-    done = {r["id"] for r in records.read([out]) if r["status"] == "ok"} if Path(out).exists() else set()
-    for case in cases:
-        if record_id(case) in done:
-            continue
-        start = time.perf_counter()
-        outcome = heldout.execute_child(case, timeout_s, module="calibrate.dsmatrix")
-        record = make_record(case, outcome, time.perf_counter() - start)
-        records.append(out, record)
-        print(f"{record['status']:7} {record['wall_s']:6.1f} s  {case.id}", flush=True)
-
-
 def main(argv=None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m calibrate.dsmatrix", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=OUT)
-    parser.add_argument("--report", action="store_true", help="print the table of the records and exit")
-    parser.add_argument("--case", help="(child) measure this one case here")
-    parser.add_argument("--result", help="(child) where to write the case's outcome")
-    parser.add_argument("--only", nargs="*", help="measure only these case ids")
-    parser.add_argument("--timeout", type=float, default=TIMEOUT_S)
-    args = parser.parse_args(argv)
-    if args.report:
-        print(render_report(heldout.latest(records.read([args.out]))))
-    elif args.case:
-        Path(args.result).write_text(json.dumps(measure_case(BY_ID[args.case])), encoding="utf-8")
-    else:
-        sweep([BY_ID[i] for i in args.only] if args.only else CASES, out=args.out, timeout_s=args.timeout)
+    heldout.main(argv, matrix=sys.modules[__name__])
 
 
 if __name__ == "__main__":
