@@ -194,7 +194,10 @@ def _engine(case: Case, model):
 
 
 def measure(case: Case) -> dict:
-    """Build, initialise and train the case's model; measure the last step (rank 0's view)."""
+    """Build, initialise and train the case's model; measure the last step (rank 0's view).
+    The host storages are those seen after either step's backward or step (by data pointer)."""
+    import dataclasses
+
     import torch
     import torch.distributed as dist
 
@@ -241,8 +244,6 @@ def measure(case: Case) -> dict:
         emulated=case.mode == "emulate",
         phase_peaks={k: v - host_bytes for k, v in phase_peaks.items()},
     )
-    import dataclasses
-
     return {"measurement": dataclasses.asdict(m), "host_bytes": host_bytes, "tracker_peak_bytes": peak}
 
 
