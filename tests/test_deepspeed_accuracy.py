@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from calibrate import dsmatrix, heldout, records
+from memplan import catalog
+from memplan.frameworks.deepspeed import tensor_numels
 from memplan.memory import estimate
 
 TOLERANCE = 0.02
@@ -37,6 +39,15 @@ def test_estimate_within_2_percent(record):
 @pytest.mark.parametrize("record", [r for r in _records() if r.get("host_bytes")], ids=lambda r: r["case"])
 def test_offloaded_host_bytes_within_2_percent(record):
     assert abs(dsmatrix.host_error_pct(record)) <= 100 * TOLERANCE
+
+
+MODELS = {m.name: m for m in (*catalog.models().values(), *(c.job.model for c in dsmatrix.CASES))}
+
+
+@pytest.mark.parametrize("model", MODELS.values(), ids=MODELS)
+def test_the_tensors_zero3_persists_are_cut_from_the_model_s_own_parameters(model):
+    """ZeRO-3's persistence threshold applies per tensor: the list must add up to the spec's count."""
+    assert sum(tensor_numels(model)) == model.num_params
 
 
 @pytest.mark.slow

@@ -62,19 +62,22 @@ def config(job, strategy) -> dict:
 
 
 def tensor_numels(model) -> list[int]:
-    """Elements of each parameter tensor of a Hugging Face decoder of the spec's shapes
-    (modeling_llama.py: separate q/k/v; modeling_gpt2.py, modeling_gpt_neox.py: fused qkv)."""
+    """Elements of each parameter tensor of the Hugging Face model of the spec's shapes
+    (modeling_llama.py, modeling_vit.py: q, k, v apart; modeling_gpt2.py, modeling_gpt_neox.py: fused)."""
     h, kv, f, bias = model.hidden, model.kv_hidden, model.ffn_hidden, model.linear_bias
-    if model.arch == "llama":
-        block = [h * h, h * kv, h * kv, h * h, h * f, h * f, f * h, h, h]
-        block += [h, kv, kv] if model.qkv_bias or bias else []
-        block += [h, f, f, h] if bias else []
-    else:
-        block = [h * (h + 2 * kv), h * h, h * f, f * h, h, h, h, h]
-        block += [h + 2 * kv, h, f, h] if bias else []
+    apart = model.arch in ("llama", "vit")
+    attn = [h * h, h * kv, h * kv] if apart else [h * (h + 2 * kv)]
+    attn_bias = ([h, kv, kv] if apart else [h + 2 * kv]) if model.qkv_bias or bias else []
+    mlp = [h * f, h * f, f * h] if model.gated_mlp else [h * f, f * h]
+    mlp_bias = ([f, f, h] if model.gated_mlp else [f, h]) if bias else []
     norm = [h] if model.arch == "llama" else [h, h]
-    root = [model.vocab_size * h, *([model.max_positions * h] if model.max_positions else []), *norm]
-    return block * model.num_layers + root + ([] if model.tied_embeddings else [model.vocab_size * h])
+    block = attn + attn_bias + [h * h] + ([h] if bias else []) + mlp + mlp_bias + 2 * norm
+    if model.arch == "vit":  # patch conv (+ bias), class token, positions; classifier (+ bias)
+        root = [model.image_channels * model.patch_size**2 * h, h, h, model.max_positions * h]
+        return block * model.num_layers + root + norm + [h * model.vocab_size, model.vocab_size]
+    positions = [model.max_positions * h] if model.max_positions else []
+    head = [] if model.tied_embeddings else [model.vocab_size * h]
+    return block * model.num_layers + [model.vocab_size * h, *positions, *norm, *head]
 
 
 def config_json(job, strategy) -> str:
