@@ -295,57 +295,69 @@ def _measure_emulated(case: Case):
         dist.destroy_process_group()
 
 
-def _rank(rank: int, world: int, port: int, case_id: str, results) -> None:
+def _loop_measurement(case_id: str) -> dict:
+    """This rank's measurement of the case's loop (a rank of ``run_ranks``)."""
     import dataclasses
-    import traceback
-
-    import torch.distributed as dist
 
     from . import loops
 
     case = BY_ID[case_id]
+    m = loops.run(
+        case.job,
+        loops.LOOPS[case.loop],
+        hf_type=case.hf_type,
+        ac=case.ac,
+        emulated=False,
+        steps=STEPS,
+        warmup=WARMUP,
+    )
+    return dataclasses.asdict(m)
+
+
+def _rank(rank: int, world: int, port: int, work, case_id: str, results) -> None:
+    import traceback
+
+    import torch.distributed as dist
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        m = loops.run(
-            case.job,
-            loops.LOOPS[case.loop],
-            hf_type=case.hf_type,
-            ac=case.ac,
-            emulated=False,
-            steps=STEPS,
-            warmup=WARMUP,
-        )
-        results.put((rank, dataclasses.asdict(m), None))
+        results.put((rank, work(case_id), None))
     except BaseException as exc:  # reported to the parent with its traceback
-        results.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))
+        results.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
     finally:
         dist.destroy_process_group()
 
 
-def _measure_local(case: Case):
+def run_ranks(world: int, work, case_id: str):
+    """``work(case_id)`` (a module-level function) on ``world`` spawned gloo ranks; rank 0's result."""
     import torch.multiprocessing as mp
 
-    from . import launch, measure
+    from . import launch
 
-    world = case.job.cluster.gpus
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     port = launch._free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, case.id, results)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, work, case_id, results)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
         p.join()
     out = {}
     while not results.empty():
-        rank, measurement, error = results.get()
+        rank, result, error = results.get()
         if error:
             raise RuntimeError(f"rank {rank} failed: {error}")
-        out[rank] = measure.Measurement(**measurement)
+        out[rank] = result
     if len(out) != world:
         raise RuntimeError(f"ranks {sorted(set(range(world)) - set(out))} exited without reporting")
     return out[0]
+
+
+def _measure_local(case: Case):
+    from . import measure
+
+    return measure.Measurement(**run_ranks(case.job.cluster.gpus, _loop_measurement, case.id))
 
 
 def measure_case(case: Case) -> dict:
@@ -383,10 +395,11 @@ def loop_fields(case: Case) -> dict:
     }
 
 
-def _execute(case: Case, timeout_s: float) -> dict:
+def execute_child(case, timeout_s: float, *, module: str = "calibrate.heldout") -> dict:
+    """The outcome of ``python -m MODULE --case ID --result FILE`` run in a child process."""
     with tempfile.TemporaryDirectory(prefix="heldout-") as tmp:
         result, log = Path(tmp, "result.json"), Path(tmp, "log.txt")
-        command = [sys.executable, "-m", "calibrate.heldout", "--case", case.id, "--result", str(result)]
+        command = [sys.executable, "-m", module, "--case", case.id, "--result", str(result)]
         env = dict(
             os.environ,
             PYTHONPATH=os.pathsep.join(
@@ -411,14 +424,23 @@ def make_record(case: Case, outcome: dict, wall_s: float) -> dict:
     return record | {"id": record_id(case)} | loop_fields(case)
 
 
-def sweep(cases=CASES, *, out=OUT, timeout_s: float = TIMEOUT_S) -> None:
-    """Measure every case ``out`` holds no ok record of, appending its record as it ends."""
+def _module_name(module) -> str:
+    """The importable name of a matrix module, also when it runs as ``__main__`` (``python -m``)."""
+    return getattr(module.__spec__, "name", module.__name__)
+
+
+def sweep(cases=CASES, *, out=OUT, timeout_s: float = TIMEOUT_S, matrix=None) -> None:
+    """Measure every case ``out`` holds no ok record of, appending its record as it ends.
+    ``matrix``: the module whose cases, records and child these are (this one by default;
+    calibrate.dsmatrix has the same functions)."""
+    m = matrix or sys.modules[__name__]
     done = {r["id"] for r in records.read([out]) if r["status"] == "ok"} if Path(out).exists() else set()
     for case in cases:
-        if record_id(case) in done:
+        if m.record_id(case) in done:
             continue
         start = time.perf_counter()
-        record = make_record(case, _execute(case, timeout_s), time.perf_counter() - start)
+        outcome = execute_child(case, timeout_s, module=_module_name(m))
+        record = m.make_record(case, outcome, time.perf_counter() - start)
         records.append(out, record)
         print(f"{record['status']:7} {record['wall_s']:6.1f} s  {case.id}", flush=True)
 
@@ -510,25 +532,29 @@ def render_report(recs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
+def main(argv=None, matrix=None) -> None:
+    """The command line of this matrix, or of ``matrix`` (a module with the same functions)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m calibrate.heldout", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=OUT)
+    m = matrix or sys.modules[__name__]
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {_module_name(m)}", description=(m.__doc__ or "").split("\n\n")[0]
+    )
+    parser.add_argument("--out", default=m.OUT)
     parser.add_argument("--report", action="store_true", help="print the table of the records and exit")
     parser.add_argument("--case", help="(child) measure this one case here")
     parser.add_argument("--result", help="(child) where to write the case's outcome")
     parser.add_argument("--only", nargs="*", help="measure only these case ids")
-    parser.add_argument("--timeout", type=float, default=TIMEOUT_S)
+    parser.add_argument("--timeout", type=float, default=m.TIMEOUT_S)
     args = parser.parse_args(argv)
     if args.report:
-        print(render_report(latest(records.read([args.out]))))
+        print(m.render_report(latest(records.read([args.out]))))
     elif args.case:
-        outcome = measure_case(BY_ID[args.case])
+        outcome = m.measure_case(m.BY_ID[args.case])
         Path(args.result).write_text(json.dumps(outcome), encoding="utf-8")
     else:
-        cases = [BY_ID[i] for i in args.only] if args.only else CASES
-        sweep(cases, out=args.out, timeout_s=args.timeout)
+        cases = [m.BY_ID[i] for i in args.only] if args.only else m.CASES
+        sweep(cases, out=args.out, timeout_s=args.timeout, matrix=m)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """How the harness wraps a model with each framework, keyed by the framework ids of
-``memplan.frameworks`` (memplan itself never imports torch). A framework with no entry here
-(DeepSpeed) is not driven by the harness."""
+``memplan.frameworks`` (memplan itself never imports torch). DeepSpeed has no entry here: its
+engine owns the step (``engine.backward``, ``engine.step``), so it runs in its own loop,
+``calibrate.dsmatrix``, with the config memplan emits."""
 
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ def wrap(model: nn.Module, job: Job, emulated: bool) -> nn.Module:
     strategy, policy = STRATEGIES[job.plan.strategy], POLICIES[job.train.precision]
     if strategy.framework not in WRAPPERS:
         raise Unsupported(
-            f"{strategy.id} needs {FRAMEWORKS[strategy.framework].label}, which this harness does not drive"
+            f"{strategy.id} needs {FRAMEWORKS[strategy.framework].label}, which this harness does not wrap "
+            "(DeepSpeed runs in calibrate.dsmatrix)"
         )
     if not strategy.runs_natively(policy.id):
         raise Unsupported(f"{policy.id} under {strategy.id} has no native torch implementation")

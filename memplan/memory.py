@@ -178,7 +178,7 @@ class Step:
         moves_states = fw.offload_moves_states and offload != "none"
         self.states_on_host = moves_states or offload in ("optimizer", "all")
         self.params_on_host = moves_states or offload in ("params", "all")
-        self.grads_on_host = fw.offload_moves_states and self.params_on_host
+        self.grads_on_host = fw.grads_on_host(self)
         self.shard_master = fw.shard_is_master and pol.master
         self.casts_block_inputs = self.shard_master and pol.compute_bytes < 4
         self.gather_bytes = pol.compute_bytes if pol.master else pol.param_bytes
@@ -267,13 +267,15 @@ class Step:
             ]
         if train.optimizer_impl == "single":
             # _single_tensor_adam: exp_avg_sq.sqrt() / bias_correction2_sqrt, two copies of one tensor
-            largest = self.local(self.largest_param(), sharded)
+            flat = self.framework.steps_flat_partition
+            largest = self.local(self.params if flat else self.largest_param(), sharded)
+            what = f"P{self.div(sharded)} (one flat partition)" if flat else "largest tensor"
             return [
                 term(
                     B,
                     "optimizer.sqrt_temporaries",
                     "single-tensor sqrt(v) temporaries",
-                    f"2·{pol.state_bytes}·largest tensor",
+                    f"2·{pol.state_bytes}·{what}",
                     2 * pol.state_bytes * largest,
                 )
             ]
@@ -306,7 +308,7 @@ class Step:
 
     def grad_groups(self) -> dict[str, list[Term]]:
         model, grads = self.job.model, self.grad_terms()
-        if self.job.train.grad_accum > 1:
+        if self.job.train.grad_accum > 1 or self.framework.grads_held(self):
             # with accumulation, earlier micro-batches' gradients are live all through the step
             return {"grads": grads, "grads.carried": grads, "grads.last_block": grads, "grads.first_block": grads}
         # the input embedding's gradient comes last, after the first block's backward (a tied
@@ -623,8 +625,10 @@ class Step:
         on_gpu = Step(self.job.with_(offload="none"))
         terms = on_gpu.optimizer_terms() if self.states_on_host else []
         if self.params_on_host:
-            terms += on_gpu.param_terms() + (on_gpu.grad_terms() if self.grads_on_host else [])
-        return terms + self.offloaded_activation_terms()
+            terms += on_gpu.param_terms()
+        if self.grads_on_host:
+            terms += on_gpu.grad_terms()
+        return terms + self.framework.host_buffers(self) + self.offloaded_activation_terms()
 
 
 def model_states(job: Job, policy: Policy | None = None) -> dict[Component, int]:

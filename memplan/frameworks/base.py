@@ -48,12 +48,26 @@ class Framework:
     block_grads_after_reduce: ClassVar[bool] = False
     """A block's sharded gradients exist only after its reduce-scatter (inside its backward
     they are the unsharded gradients of ``gathered``)."""
+    steps_flat_partition: ClassVar[bool] = False
+    """The optimizer steps one flat tensor of the local partition, not the model's tensors."""
     emitters: ClassVar[dict[str, Emitter]] = {}
     """``--emit`` kinds this framework writes, beyond accelerate and torchrun."""
 
     def persistent_buffers(self, step: Step) -> list[Term]:
         """Buffers held for the whole step."""
         return []
+
+    def grads_on_host(self, step: Step) -> bool:
+        """The gradients live in host RAM (with the states that offloading moves there)."""
+        return self.offload_moves_states and step.params_on_host
+
+    def host_buffers(self, step: Step) -> list[Term]:
+        """The framework's own buffers in host RAM when it offloads."""
+        return []
+
+    def grads_held(self, step: Step) -> bool:
+        """The gradients' storage is allocated before the step and held through it."""
+        return False
 
     def gathered(self, step: Step, instant: str) -> list[Term]:
         """Unsharded parameters and gradient buffers held at ``instant``: forward, loss

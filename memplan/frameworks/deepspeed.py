@@ -61,6 +61,25 @@ def config(job, strategy) -> dict:
     return config
 
 
+def tensor_numels(model) -> list[int]:
+    """Elements of each parameter tensor of the Hugging Face model of the spec's shapes
+    (modeling_llama.py, modeling_vit.py: q, k, v apart; modeling_gpt2.py, modeling_gpt_neox.py: fused)."""
+    h, kv, f, bias = model.hidden, model.kv_hidden, model.ffn_hidden, model.linear_bias
+    apart = model.arch in ("llama", "vit")
+    attn = [h * h, h * kv, h * kv] if apart else [h * (h + 2 * kv)]
+    attn_bias = ([h, kv, kv] if apart else [h + 2 * kv]) if model.qkv_bias or bias else []
+    mlp = [h * f, h * f, f * h] if model.gated_mlp else [h * f, f * h]
+    mlp_bias = ([f, f, h] if model.gated_mlp else [f, h]) if bias else []
+    norm = [h] if model.arch == "llama" else [h, h]
+    block = attn + attn_bias + [h * h] + ([h] if bias else []) + mlp + mlp_bias + 2 * norm
+    if model.arch == "vit":  # patch conv (+ bias), class token, positions; classifier (+ bias)
+        root = [model.image_channels * model.patch_size**2 * h, h, h, model.max_positions * h]
+        return block * model.num_layers + root + norm + [h * model.vocab_size, model.vocab_size]
+    positions = [model.max_positions * h] if model.max_positions else []
+    head = [] if model.tied_embeddings else [model.vocab_size * h]
+    return block * model.num_layers + [model.vocab_size * h, *positions, *norm, *head]
+
+
 def config_json(job, strategy) -> str:
     return json.dumps(config(job, strategy), indent=2) + "\n"
 
@@ -72,6 +91,100 @@ class DeepSpeed(Framework):
     # precision mode, and `--emit deepspeed` writes only these
     native_precisions = ("fp32", "mixed-bf16", "mixed-fp16")
     emitters: ClassVar[dict[str, Emitter]] = {"deepspeed": config_json}
+    # stage_1_and_2.py single_partition_of_fp32_groups, stage3.py fp32_partitioned_groups_flat:
+    # the client optimizer's param groups are the flat fp32 partitions
+    steps_flat_partition = True
+
+    def grads_held(self, step) -> bool:
+        # stage3.py (line 791): grad_partitions_flat_buffer, every gradient partition, allocated at init
+        return step.strategy.shards_params and not step.grads_on_host
+
+    def grads_on_host(self, step) -> bool:
+        # stage3.py (line 333): with offload_optimizer that buffer is allocated on the host
+        return step.strategy.shards_params and step.states_on_host
+
+    def host_buffers(self, step) -> list:
+        """With offload_optimizer (measured: the offload cases' host bytes, found on the engine)."""
+        if not step.states_on_host:
+            return []
+        sharded, div = step.local(step.params, True), step.div(True)
+        # stage_1_and_2.py initialize_optimizer_states (line 937), stage3.py (line 1342): the fp32
+        # gradient partition the host optimizer steps with
+        terms = [term(B, "deepspeed.host_fp32_grads", "fp32 gradient partition (host)", f"4·P{div}", 4 * sharded)]
+        if not step.policy.master:
+            # stage_1_and_2.py (line 560), stage3.py (line 1160): offloaded, the fp32 partition is a copy
+            terms.append(self._fp32_partition_clone(step))
+        if not step.strategy.shards_params:
+            nbytes, largest = step.gather_bytes, step.largest_param()
+            terms += [
+                # stage_1_and_2.py (line 567): the low-precision copy of the partition written back to the device
+                term(
+                    B,
+                    "deepspeed.host_bit16_partition",
+                    "bit16 partition copy-back buffer",
+                    f"{nbytes}·P{div}",
+                    nbytes * sharded,
+                ),
+                # stage_1_and_2.py (line 653): temp_grad_buffer_for_cpu_offload, one largest parameter
+                term(
+                    B,
+                    "deepspeed.host_grad_staging",
+                    "gradient staging buffer",
+                    f"{nbytes}·largest tensor",
+                    nbytes * largest,
+                ),
+            ]
+        return terms
+
+    def persistent_buffers(self, step) -> list:
+        terms = []
+        if step.strategy.shards_params:
+            # stage3.py DeepSpeedZeroOptimizer_Stage3.__init__ (0.19.8, line 782): the ipg bucket is
+            # allocated once, at reduce_bucket_size elements, and held (measured: ZeRO-3's forward peak)
+            terms.append(self._ipg_buckets(step, 1))
+            terms += self._persistent_params(step)
+        if not step.policy.master and not step.states_on_host and not step.strategy.shards_params:
+            # stage_1_and_2.py (line 560): the fp32 master partition is a clone even when the
+            # parameters are fp32 (stage3.py line 1162 shares the flat fp32 partition instead)
+            terms.append(self._fp32_partition_clone(step))
+        return terms
+
+    def _fp32_partition_clone(self, step):
+        return term(
+            B,
+            "deepspeed.fp32_partition",
+            "fp32 partition (cloned from fp32 parameters)",
+            f"4·P{step.div(True)}",
+            4 * step.local(step.params, True),
+        )
+
+    def _persistent_params(self, step) -> list:
+        """parameter_offload.py mark_persistent_parameters: a tensor of at most
+        stage3_param_persistence_threshold elements stays gathered on every rank."""
+        # measured: they stay on the device with offload_param too
+        threshold = deepspeed_defaults()["stage3_param_persistence_threshold"]
+        model = step.job.model
+        count = sum(n for n in tensor_numels(model) if n <= threshold)
+        return [
+            term(
+                B,
+                "zero3.persistent_params",
+                f"persistent parameters (tensors of ≤ {threshold:.0e} elements, gathered)",
+                f"{step.gather_bytes}·{count:,}",
+                step.gather_bytes * count,
+            )
+        ]
+
+    def _ipg_buckets(self, step, count: int):
+        """``count`` ipg buckets of reduce_bucket_size elements in the compute dtype (``self.dtype``)."""
+        bucket, nbytes = deepspeed_defaults()["reduce_bucket_size"], step.gather_bytes
+        return term(
+            B,
+            "zero.ipg_bucket",
+            "ipg reduce bucket" + ("s (overlap_comm double-buffers)" if count > 1 else ""),
+            f"{count}·{nbytes}·reduce_bucket_size ({bucket:.0e})",
+            count * nbytes * bucket,
+        )
 
     def gathered(self, step, instant: str) -> list:
         ds, bp = deepspeed_defaults(), step.block_params
@@ -88,18 +201,10 @@ class DeepSpeed(Framework):
                     step.gather_bytes * (live + prefetch),
                 )
             )
-        if instant != "forward":
-            # backward() allocates an ipg bucket of reduce_bucket_size elements (contiguous_gradients)
-            bucket, nbytes = ds["reduce_bucket_size"], step.policy.grad_bytes
-            terms.append(
-                term(
-                    B,
-                    "zero.ipg_bucket",
-                    "ipg reduce bucket",
-                    f"{nbytes}·reduce_bucket_size ({bucket:.0e})",
-                    nbytes * bucket,
-                )
-            )
+        elif instant != "forward":
+            # stage_1_and_2.py setup_buckets (line 3256), called by the first gradient's hook and
+            # released by the backward epilogue: buf_0, and buf_1 when overlap_comm (the config's)
+            terms.append(self._ipg_buckets(step, 2))
         return terms
 
     def step_buffers(self, step) -> list:
