@@ -120,7 +120,9 @@ def main(runs_path, index, out, result, resume, max_host_mem_bytes, record_exit_
         _write_result(result, outcome)
     else:
         wall_s = time.perf_counter() - start_s
-        records.append(out, records.make_record(run, **outcome, wall_s=wall_s, slurm_job_id=os.environ.get(SLURM_JOB_ENV)))
+        records.append(
+            out, records.make_record(run, **outcome, wall_s=wall_s, slurm_job_id=os.environ.get(SLURM_JOB_ENV))
+        )
     if outcome["status"] != "ok":
         click.echo(f"{run.describe()}: {outcome['status']}: {outcome['error'].splitlines()[0]}", err=True)
 

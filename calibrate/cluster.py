@@ -164,7 +164,7 @@ def sbatch_script(plan: ClusterPlan) -> str:
 {_resources(plan)}
 #SBATCH --time={_slurm_time(wall_s)}
 #SBATCH --output={shlex.quote(str(plan.out_dir / "slurm-%j.out"))}
-# memplan calibrate, cluster mode: {len(plan.indices)} run(s) on {plan.num_nodes} node(s) × {plan.gpus_per_node} rank(s);
+# memplan calibrate, cluster mode: {len(plan.indices)} run(s), {plan.num_nodes} node(s) × {plan.gpus_per_node} rank(s);
 # each run's rank 0 appends a record to {plan.records_path}
 {listing}
 set -u
@@ -209,7 +209,9 @@ class Progress:
     num_runs: int
 
     def line(self) -> str:
-        return f"Slurm job {self.state.job_id}: {self.state.state}, {self.num_recorded} of {self.num_runs} runs recorded"
+        return (
+            f"Slurm job {self.state.job_id}: {self.state.state}, {self.num_recorded} of {self.num_runs} runs recorded"
+        )
 
 
 def job_records(plan: ClusterPlan, job_id: str) -> dict[str, dict]:

@@ -52,13 +52,13 @@ def install() -> None:
     if all(shutil.which(c) for c in COMMANDS):
         return
     env = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, capture_output=True)
-    subprocess.run(
+    for args in (
+        ["apt-get", "update", "-qq"],
         ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
-        check=True,
-        env=env,
-        capture_output=True,
-    )
+    ):
+        proc = subprocess.run(args, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
 
 
 def free_ports(count: int) -> list[int]:

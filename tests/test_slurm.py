@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
+import slurm_cluster
 from click.testing import CliRunner
 
-import slurm_cluster
 from calibrate import records
 from memplan.cli import main
 
@@ -31,10 +31,11 @@ pytestmark = pytest.mark.slurm
 
 # two nodes × one CPU rank: the multi-node path (torchrun --nnodes 2), the calibrate
 # workloads at their smallest
-TINY = (
-    "--arch llama --layers 2 --hidden 64 --heads 4 --ffn 128 --vocab 256 --seq-len 32 --micro-batch 2 "
-    "--precision fp32 --device cpu --nodes 2 --gpus-per-node 1 --steps 2 --warmup 1 --timeout 120 --poll 0.5"
-).split()
+TINY = [
+    *("--arch", "llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "128", "--vocab", "256"),
+    *("--seq-len", "32", "--micro-batch", "2", "--precision", "fp32", "--device", "cpu"),
+    *("--nodes", "2", "--gpus-per-node", "1", "--steps", "2", "--warmup", "1", "--timeout", "120", "--poll", "0.5"),
+]
 STRATEGIES = ("ddp", "fsdp-full-shard", "fsdp-shard-grad-op")
 
 
@@ -78,11 +79,9 @@ def history(tmp_path) -> list[list[tuple[str, str]]]:
     """(status, Slurm job id) of each record of each run, runs in runs.jsonl's order."""
     calib = tmp_path / "calib"
     num_runs = len((calib / "runs.jsonl").read_text().splitlines())
+    keys = [records.read_run(calib / "runs.jsonl", i).key for i in range(num_runs)]
     recorded = records.read([calib / "records.jsonl"], warn=pytest.fail)
-    return [
-        [(r["status"], r["slurm_job_id"]) for r in recorded if records.record_key(r) == records.read_run(calib / "runs.jsonl", i).key]
-        for i in range(num_runs)
-    ]
+    return [[(r["status"], r["slurm_job_id"]) for r in recorded if records.record_key(r) == key] for key in keys]
 
 
 def job_ids(tmp_path) -> list[str]:
@@ -138,8 +137,9 @@ def test_the_time_limit_ends_a_sweep_and_resume_completes_it(slurm, tmp_path):
 def test_a_batch_environment_without_torch_fails_every_run_and_resume_runs_them_on_two_nodes(slurm, tmp_path):
     bare = tmp_path / "bare"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", bare], check=True)
-    system_path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if Path(sys.executable).parent != Path(p))
-    result = submit(tmp_path, 2, PATH=f"{bare / 'bin'}{os.pathsep}{system_path}")
+    # the environment's bin directory (torchrun, python with torch) off PATH, the bare one first
+    others = [p for p in os.environ["PATH"].split(os.pathsep) if Path(p) != Path(sys.executable).parent]
+    result = submit(tmp_path, 2, PATH=os.pathsep.join([str(bare / "bin"), *others]))
     (job,) = job_ids(tmp_path)
     assert f"Slurm job {job} FAILED" in result.stdout
     assert history(tmp_path) == [[("failed", job)], [("failed", job)]]
