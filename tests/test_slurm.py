@@ -6,7 +6,8 @@ time every finished run's record survives, every unfinished one is recorded with
 status and the Slurm job id, and ``--submit --resume`` completes the sweep.
 
 A fault hits one run of a sweep through a ``torchrun`` earlier on the job's PATH that sets
-``CALIBRATE_FAULT`` (calibrate.launch) for that run's index, then runs the real one.
+``CALIBRATE_FAULT`` (calibrate.launch) for that run's index, then runs the real one. The
+time-limit sweep runs beside the others (each job takes one CPU of each node).
 """
 
 import os
@@ -27,7 +28,9 @@ from click.testing import CliRunner
 from calibrate import records
 from memplan.cli import main
 
-pytestmark = pytest.mark.slurm
+# the time-limit sweep waits out Slurm's least limit, a minute: it starts with the first test
+# (fixture time_limited) and its test, the last, collects it
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("time_limited")]
 
 # two nodes × one CPU rank: the multi-node path (torchrun --nnodes 2), the calibrate
 # workloads at their smallest
@@ -53,13 +56,18 @@ def slurm():
     shutil.rmtree(root, ignore_errors=True)
 
 
-def submit(tmp_path, num_runs: int, *extra, **env):
-    """``memplan calibrate cluster --submit`` of the first ``num_runs`` STRATEGIES; env: for sbatch."""
+def cluster_args(tmp_path, num_runs: int, *extra) -> list[str]:
+    """``calibrate cluster --submit`` of the first ``num_runs`` STRATEGIES into tmp_path/calib."""
     grid = tmp_path / "grid.yaml"
     grid.write_text(f"strategy: [{', '.join(STRATEGIES[:num_runs])}]\n")
     args = ["calibrate", "cluster", *TINY, "--grid", grid, "--out", tmp_path / "calib", "--submit", *extra]
+    return list(map(str, args))
+
+
+def submit(tmp_path, num_runs: int, *extra, **env):
+    """Submit, follow and record (env: for sbatch, hence the job); the command's result."""
     env = {"MASTER_PORT": str(slurm_cluster.free_ports(1)[0])} | env
-    result = CliRunner().invoke(main, list(map(str, args)), env=env)
+    result = CliRunner().invoke(main, cluster_args(tmp_path, num_runs, *extra), env=env)
     assert result.exit_code == 0, result.output
     return result
 
@@ -123,17 +131,6 @@ def test_a_rank_dies_then_the_job_is_cancelled_and_resume_completes_the_sweep(sl
     assert history(tmp_path) == [[("ok", job)], [("failed", job), ("ok", second)], [("cancelled", job), ("ok", second)]]
 
 
-def test_the_time_limit_ends_a_sweep_and_resume_completes_it(slurm, tmp_path):
-    # SBATCH_TIMELIMIT overrides the script's --time (man sbatch, INPUT ENVIRONMENT VARIABLES):
-    # one minute, Slurm's least
-    result = submit(tmp_path, 2, PATH=faulty_torchrun(tmp_path, {1: "hang:0"}), SBATCH_TIMELIMIT="1")
-    (job,) = job_ids(tmp_path)
-    assert f"Slurm job {job} TIMEOUT" in result.stdout
-    assert history(tmp_path) == [[("ok", job)], [("timeout", job)]]
-    second = resume(tmp_path, 2, num_unsettled=1)
-    assert history(tmp_path) == [[("ok", job)], [("timeout", job), ("ok", second)]]
-
-
 def test_a_batch_environment_without_torch_fails_every_run_and_resume_runs_them_on_two_nodes(slurm, tmp_path):
     bare = tmp_path / "bare"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", bare], check=True)
@@ -152,3 +149,33 @@ def test_a_batch_environment_without_torch_fails_every_run_and_resume_runs_them_
     assert " NumNodes=2 " in job.stdout and " NodeList=n[1-2] " in job.stdout
     again = submit(tmp_path, 2, "--resume")
     assert "nothing to submit" in again.stdout
+
+
+@pytest.fixture(scope="module")
+def time_limited(slurm, tmp_path_factory):
+    """A sweep of two runs whose second hangs, submitted with a one-minute limit in a process
+    of its own: SBATCH_TIMELIMIT overrides the script's --time (man sbatch, INPUT
+    ENVIRONMENT VARIABLES)."""
+    tmp_path = tmp_path_factory.mktemp("time_limited")
+    env = os.environ | {
+        "PATH": faulty_torchrun(tmp_path, {1: "hang:0"}),
+        "SBATCH_TIMELIMIT": "1",
+        "MASTER_PORT": str(slurm_cluster.free_ports(1)[0]),
+    }
+    command = [sys.executable, "-c", "from memplan.cli import main; main()", *cluster_args(tmp_path, 2)]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield tmp_path, proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
+def test_the_time_limit_ends_a_sweep_and_resume_completes_it(time_limited):
+    tmp_path, proc = time_limited
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    (job,) = job_ids(tmp_path)
+    assert f"Slurm job {job} TIMEOUT" in stdout
+    assert history(tmp_path) == [[("ok", job)], [("timeout", job)]]
+    second = resume(tmp_path, 2, num_unsettled=1)
+    assert history(tmp_path) == [[("ok", job)], [("timeout", job), ("ok", second)]]
