@@ -50,9 +50,9 @@ class ClusterPlan:
     num_nodes: int
     gpus_per_node: int
     timeout_s: int
-    resume: bool = False
-    indices: tuple[int, ...] = ()
+    indices: tuple[int, ...]
     """The runs the script runs, by line of runs.jsonl (``cluster_plan``: all of them)."""
+    resume: bool = False
 
     @property
     def runs_path(self) -> Path:
