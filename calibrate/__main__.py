@@ -31,6 +31,8 @@ from . import records
 
 TIMEOUT_EXIT_CODES = (124, 137)
 """GNU timeout's exit status, and 128 + SIGKILL when it had to kill."""
+SLURM_JOB_ENV = "SLURM_JOB_ID"
+"""Set by Slurm in a job's every process: the record names the job that made it."""
 
 
 def _recorded_since(out, run: records.Run, since_epoch_s: float) -> bool:
@@ -49,8 +51,12 @@ def _record_exit(run: records.Run, out, exit_code: int, since_epoch_s: float) ->
         return
     status = "timeout" if exit_code in TIMEOUT_EXIT_CODES else "failed"
     error = f"torchrun exited with code {exit_code} before rank 0 recorded the run"
+    wall_s = time.time() - since_epoch_s
     records.append(
-        out, records.make_record(run, status=status, measurement=None, error=error, wall_s=time.time() - since_epoch_s)
+        out,
+        records.make_record(
+            run, status=status, measurement=None, error=error, wall_s=wall_s, slurm_job_id=os.environ.get(SLURM_JOB_ENV)
+        ),
     )
 
 
@@ -113,7 +119,10 @@ def main(runs_path, index, out, result, resume, max_host_mem_bytes, record_exit_
     if result:
         _write_result(result, outcome)
     else:
-        records.append(out, records.make_record(run, **outcome, wall_s=time.perf_counter() - start_s))
+        wall_s = time.perf_counter() - start_s
+        records.append(
+            out, records.make_record(run, **outcome, wall_s=wall_s, slurm_job_id=os.environ.get(SLURM_JOB_ENV))
+        )
     if outcome["status"] != "ok":
         click.echo(f"{run.describe()}: {outcome['status']}: {outcome['error'].splitlines()[0]}", err=True)
 

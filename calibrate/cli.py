@@ -29,6 +29,8 @@ RUN_ONLY_FLAGS = (
     "max_host_mem",
     "nodes",
     "layers_scaled",
+    "submit",
+    "poll_s",
 )
 
 
@@ -160,6 +162,63 @@ def _write_cluster(runs, *, out, timeout_s, resume):
     )
 
 
+def _failure_line(run, record) -> str:
+    return f"{run.describe()}: {record['status']}: {record['error'].splitlines()[0]}"
+
+
+def _show_progress():
+    """Print a job's progress line when it changes (rewritten in place on a terminal)."""
+    shown = {"line": None}
+    tty = sys.stderr.isatty()
+
+    def show(progress):
+        line = progress.line()
+        if line != shown["line"]:
+            click.echo(f"\r\033[K{line}" if tty else line, err=True, nl=not tty)
+            shown["line"] = line
+
+    return show
+
+
+def _submit_cluster(runs, *, out, timeout_s, resume, poll_s):
+    from . import cluster, slurm
+    from .runs import SweepSummary
+
+    if poll_s <= 0:
+        raise MemplanError(f"--poll must be a positive number of seconds, got {poll_s:g}")
+    plan = cluster.cluster_plan(runs, out_dir=out, timeout_s=timeout_s)
+    if resume:
+        plan = cluster.unsettled(plan)
+    if not plan.indices:
+        click.echo(f"all {len(plan.runs)} runs are recorded ok or oom in {plan.records_path}; nothing to submit")
+        return
+    cluster.write(plan)
+    job_id = slurm.submit(plan.script_path)
+    click.echo(
+        f"submitted {plan.script_path} as Slurm job {job_id}: {len(plan.indices)} run(s); "
+        f"output in {plan.out_dir / f'slurm-{job_id}.out'}",
+        err=True,
+    )
+    try:
+        state = cluster.follow(plan, job_id, poll_s=poll_s, on_progress=_show_progress())
+    except KeyboardInterrupt:
+        raise MemplanError(
+            f"stopped following Slurm job {job_id}; it goes on (scancel {job_id} stops it), "
+            f"its runs append to {plan.records_path}"
+        ) from None
+    if sys.stderr.isatty():
+        click.echo(err=True)
+    cluster.record_unfinished(plan, state)
+    recorded = cluster.job_records(plan, job_id)
+    summary = SweepSummary(num_planned=len(plan.runs), num_skipped_recorded=len(plan.runs) - len(plan.indices))
+    for i in plan.indices:
+        record = recorded[plan.runs[i].key]
+        summary.statuses[record["status"]] += 1
+        if record["status"] != "ok":
+            click.echo(_failure_line(plan.runs[i], record), err=True)
+    click.echo(f"{state.describe()}; {summary.line(plan.records_path)}")
+
+
 def _run_sweep(runs, *, out, timeout_s, resume, max_host_mem_bytes):
     from .runs import sweep
 
@@ -177,7 +236,7 @@ def _run_sweep(runs, *, out, timeout_s, resume, max_host_mem_bytes):
 
         def on_end(run, record):
             if record and record["status"] != "ok":
-                failures.append(f"{run.describe()}: {record['status']}: {record['error'].splitlines()[0]}")
+                failures.append(_failure_line(run, record))
             bar.update(1, run)
 
         summary = sweep(
@@ -195,7 +254,22 @@ def _run_sweep(runs, *, out, timeout_s, resume, max_host_mem_bytes):
 
 
 def _execute(
-    ctx, *, mode, out, steps, warmup, timeout_s, resume, workload, grid, max_host_mem, nodes, layers_scaled, **flags
+    ctx,
+    *,
+    mode,
+    out,
+    steps,
+    warmup,
+    timeout_s,
+    resume,
+    workload,
+    grid,
+    max_host_mem,
+    nodes,
+    layers_scaled,
+    submit=False,
+    poll_s=None,
+    **flags,
 ):
     if timeout_s <= 0:
         raise MemplanError(f"--timeout must be a positive number of seconds, got {timeout_s:g}")
@@ -210,6 +284,9 @@ def _execute(
         nodes=nodes,
         layers_scaled=layers_scaled,
     )
+    if submit:
+        _submit_cluster(runs, out=out, timeout_s=timeout_s, resume=resume, poll_s=poll_s)
+        return
     if mode == "cluster":
         _write_cluster(runs, out=out, timeout_s=timeout_s, resume=resume)
         return
@@ -247,13 +324,29 @@ def run(ctx, **params):
 @calibrate.command()
 @job_options
 @_sweep_options
+@click.option(
+    "--submit",
+    is_flag=True,
+    help="Submit the script with sbatch and follow the job until it ends; each run it leaves "
+    "unfinished is recorded (cancelled, timeout, failed) with the job id. With --resume: only the "
+    "runs without an ok or oom record.",
+)
+@click.option(
+    "--poll",
+    "poll_s",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="With --submit: seconds between two looks at the job (scontrol show job).",
+)
 @click.pass_context
 @user_errors
 def cluster(ctx, **params):
-    """Write DIR/calibrate.sbatch and print the torchrun commands (same as run --mode cluster).
+    """Write DIR/calibrate.sbatch and print the torchrun commands (same as run --mode cluster);
+    with --submit, run it on Slurm and gather the records in DIR/records.jsonl.
 
     Example: memplan calibrate cluster --model llama-2-7b --strategy fsdp-full-shard --nodes 2
-    --gpus-per-node 8 --out calib/
+    --gpus-per-node 8 --out calib/ --submit
     """
     _execute(ctx, mode="cluster", **params)
 

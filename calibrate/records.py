@@ -16,10 +16,11 @@ A record (``schema`` 1)::
     estimate      memplan's estimate of the same spec: allocated_bytes, total_bytes, phase,
                   by_component (params, gradients, optimizer, activations, buffers); null,
                   with estimate_error, when memplan refuses the spec
-    status        ok | oom | timeout | failed
+    status        ok | oom | timeout | failed | cancelled (its Slurm job was cancelled first)
     error         the error text (null when ok)
     measurement   calibrate.measure.Measurement as a dict (null unless ok)
     device, torch_version, host, finished_at (UTC, ISO 8601), wall_s
+    slurm_job_id  the Slurm job that ran (or left unfinished) the run; only in cluster mode
 
 Example usage::
 
@@ -43,7 +44,7 @@ from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
 SCHEMA = 1
 MODES = ("local", "emulate", "cluster")
-STATUSES = ("ok", "oom", "timeout", "failed")
+STATUSES = ("ok", "oom", "timeout", "failed", "cancelled")
 WORKLOADS = ("native", "hf")
 _SPEC_TYPES = {"model": ModelSpec, "train": TrainSpec, "cluster": ClusterSpec, "plan": Plan}
 _LOOP_DEFAULTS = {
@@ -183,7 +184,15 @@ def torch_version() -> str | None:
         return None
 
 
-def make_record(run: Run, *, status: str, measurement: dict | None, error: str | None, wall_s: float) -> dict:
+def make_record(
+    run: Run,
+    *,
+    status: str,
+    measurement: dict | None,
+    error: str | None,
+    wall_s: float,
+    slurm_job_id: str | None = None,
+) -> dict:
     """The record of one finished run (any status)."""
     import datetime
     import socket
@@ -212,6 +221,8 @@ def make_record(run: Run, *, status: str, measurement: dict | None, error: str |
     }
     if estimate_error:
         record["estimate_error"] = estimate_error
+    if slurm_job_id:
+        record["slurm_job_id"] = slurm_job_id
     return record
 
 

@@ -2,6 +2,7 @@
 process group), every failure recorded while the sweep goes on, --resume, corrupt record
 files, the report, and the cluster dry run whose torchrun command really runs."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -23,6 +24,12 @@ from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 MODEL = ["--arch", "llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "128"]
 TRAIN = ["--seq-len", "32", "--micro-batch", "2", "--precision", "fp32", "--device", "cpu", "--gpus", "2"]
 TINY = [*MODEL, "--vocab", "256", *TRAIN]
+TINY_JOB = Job(
+    model=ModelSpec(arch="llama", num_layers=2, hidden=64, num_heads=4, ffn_hidden=128, vocab_size=256),
+    train=TrainSpec(seq_len=32, micro_batch=2, precision="fp32", device="cpu"),
+    cluster=ClusterSpec(gpus=2),
+    plan=Plan(strategy="ddp"),
+)
 RUN_KEYS = {
     "schema",
     "id",
@@ -366,14 +373,8 @@ def test_cluster_dry_run_writes_a_slurm_script_and_its_torchrun_command_runs(tmp
 
 
 def test_cluster_fallback_records_a_torchrun_that_died(tmp_path):
-    job = Job(
-        model=ModelSpec(arch="llama", num_layers=2, hidden=64, num_heads=4, ffn_hidden=128, vocab_size=256),
-        train=TrainSpec(seq_len=32, micro_batch=2, precision="fp32", device="cpu"),
-        cluster=ClusterSpec(gpus=2),
-        plan=Plan(strategy="ddp"),
-    )
     runs = tmp_path / "runs.jsonl"
-    records.write_runs(runs, [records.Run(job=job, mode="cluster")])
+    records.write_runs(runs, [records.Run(job=TINY_JOB, mode="cluster")])
     out = tmp_path / "records.jsonl"
     fallback = [
         sys.executable,
@@ -409,3 +410,37 @@ def test_every_calibrate_command_has_help():
     for command in ("run", "cluster", "report"):
         result = calibrate(command, "--help")
         assert result.exit_code == 0 and "Usage" in result.output
+
+
+def test_cluster_submit_needs_sbatch_on_path_and_a_positive_poll(tmp_path):
+    args = ("cluster", *TINY, "--strategy", "ddp", "--out", tmp_path, "--submit")
+    result = CliRunner().invoke(main, ["calibrate", *map(str, args)], env={"PATH": str(tmp_path)})
+    assert result.exit_code == 2 and result.output.startswith("Error: sbatch is not on PATH")
+    result = calibrate(*args, "--poll", 0)
+    assert result.exit_code == 2 and "--poll must be a positive number of seconds, got 0" in result.output
+
+
+def test_cluster_resume_submits_the_runs_without_an_ok_or_oom_record(tmp_path):
+    from calibrate import cluster
+
+    statuses = ("ok", "oom", "timeout", "failed", "cancelled")
+    runs = [records.Run(job=TINY_JOB, mode="cluster", steps=steps) for steps in range(3, 3 + len(statuses) + 1)]
+    plan = cluster.cluster_plan(runs, out_dir=tmp_path, timeout_s=60)
+    for run, status in zip(runs, statuses):
+        records.append(
+            plan.records_path, records.make_record(run, status=status, measurement=None, error="x", wall_s=0)
+        )
+    # the last run has no record at all
+    assert cluster.unsettled(plan).indices == tuple(
+        i for i, s in enumerate(statuses + (None,)) if s not in ("ok", "oom")
+    )
+
+
+def test_a_cluster_script_asks_slurm_for_gpus_only_for_cuda_runs(tmp_path):
+    from calibrate import cluster
+
+    for device, line in (("cpu", "#SBATCH --cpus-per-task=2"), ("cuda", "#SBATCH --gpus-per-node=2")):
+        train = dataclasses.replace(TINY_JOB.train, device=device)
+        run = records.Run(job=dataclasses.replace(TINY_JOB, train=train), mode="cluster")
+        script = cluster.sbatch_script(cluster.cluster_plan([run], out_dir=tmp_path, timeout_s=60))
+        assert line in script.splitlines() and "--gpus-per-node" not in script.replace(line, "")
