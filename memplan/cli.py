@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import click
 
-from . import loop, specs
+from . import layout, loop, specs
 from .errors import FLAGS, MemplanError
 from .request import default
 from .strategies import STRATEGIES
@@ -126,6 +126,33 @@ PLAN_OPTIONS = [
     click.option("--offload", type=_choice(specs.OFFLOADS), default=default("offload"), show_default=True),
 ]
 
+LAYOUT_OPTIONS = [
+    click.option("--tp", type=int, default=default("tp"), show_default=True, help="Tensor parallel degree."),
+    click.option(
+        "--sp/--no-sp",
+        default=default("sp"),
+        show_default=True,
+        help="Sequence parallel norms and dropout (with --tp).",
+    ),
+    click.option("--cp", type=int, default=default("cp"), show_default=True, help="Context parallel degree."),
+    click.option("--pp", type=int, default=default("pp"), show_default=True, help="Pipeline parallel degree."),
+    click.option("--pp-schedule", type=_choice(layout.PP_SCHEDULES), default=default("pp_schedule"), show_default=True),
+    click.option(
+        "--pp-microbatches",
+        type=int,
+        default=default("pp_microbatches"),
+        help="Micro-batches per pipeline step [default: pp].",
+    ),
+    click.option(
+        "--pp-virtual",
+        type=int,
+        default=default("pp_virtual"),
+        show_default=True,
+        help="Stages per rank (interleaved).",
+    ),
+    click.option("--ep", type=int, default=default("ep"), show_default=True, help="Expert parallel degree (MoE)."),
+]
+
 
 def _apply(options):
     def decorate(f):
@@ -167,7 +194,7 @@ DECISION_OPTIONS = [
 
 
 def job_options(f):
-    return _apply(MODEL_OPTIONS + TRAIN_OPTIONS + CLUSTER_OPTIONS + PLAN_OPTIONS)(f)
+    return _apply(MODEL_OPTIONS + TRAIN_OPTIONS + CLUSTER_OPTIONS + PLAN_OPTIONS + LAYOUT_OPTIONS)(f)
 
 
 def decision_options(f):

@@ -1,0 +1,171 @@
+"""One rank of the device mesh as ``memory.Step`` sees a job: the data-parallel step of the
+rank's share of the model (its pipeline stage's layers, its TP slice of each), with the
+micro-batches its pipeline schedule keeps in flight and the pipeline's receive buffers."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from ..activations import model_saved, shapes
+from ..breakdown import Component, Estimate, Term
+from ..frameworks.base import term
+from ..memory import Step, loop_notes
+from ..overheads import overhead_terms
+from ..specs import Job
+from . import pipeline, tensor
+from .pipeline import Stage
+
+A, B = Component.ACTIVATIONS, Component.BUFFERS
+_OUTSIDE = ("activations.outside", "loss.forward", "loss.backward", "logits.forward", "logits.loss", "logits.block")
+
+
+def stage_job(job: Job, stage: Stage) -> Job:
+    """The data-parallel job one rank runs: its stage's largest chunk of layers (the unit one
+    micro-batch goes through at a time) on the dp GPUs its strategy shards over."""
+    layout, cluster = job.layout, job.cluster
+    per_node = max(1, cluster.gpus_per_node // (layout.tp * layout.cp))
+    dp_cluster = replace(cluster, gpus=job.dp, gpus_per_node=math.gcd(job.dp, per_node))
+    model = replace(job.model, num_layers=max(stage.chunk_layers))
+    return Job(model=model, train=job.train, cluster=dp_cluster, plan=job.plan)
+
+
+class RankStep(Step):
+    """``Step`` on one rank: parameters counted per TP slice and stage, saved tensors sharded
+    (``tensor.shard_saved``), the stage's earlier micro-batches in flight, its receive buffers."""
+
+    def __init__(self, job: Job, stage: Stage):
+        super().__init__(stage_job(job, stage))
+        self.layout, self.stage, self.whole = job.layout, stage, job
+        model, tp = job.model, job.layout.tp
+        self.block_params = tensor.block_params(model, tp)
+        self.root_params = (tensor.embedding_params(model, tp) if stage.first else 0) + (
+            tensor.head_params(model, tp) if stage.last else 0
+        )
+        self.params = stage.layers * self.block_params + self.root_params
+
+    def pending_params(self) -> int:
+        return tensor.embedding_params(self.whole.model, self.layout.tp) if self.stage.first else 0
+
+    def largest_param(self) -> int:
+        m, tp = self.whole.model, self.layout.tp
+        vocab = m.vocab_size * m.hidden // tp if self.stage.first or self.stage.last else 0
+        return max(vocab, m.hidden * m.ffn_hidden // tp, m.hidden * m.hidden // tp)
+
+    def kept(self, index: int):
+        return tensor.shard_saved(super().kept(index), self.layout)
+
+    def transient_terms(self, index: int) -> list[Term]:
+        return tensor.shard_saved(super().transient_terms(index), self.layout)
+
+    def stream_bytes(self) -> int:
+        """One micro-batch's residual stream on this rank: what a stage sends and receives."""
+        x = shapes(self.job.model, self.job.train)
+        return x.r * x.tokens * x.h // (self.layout.tp if self.layout.sp else 1)
+
+    def block_terms(self, indices: range, *, first: bool = False) -> list[Term]:
+        terms = super().block_terms(indices, first=first)
+        stage, one = self.stage, self.job.model.num_layers
+        others = stage.in_flight_layers - one
+        if others > 0:
+            per_block = sum(s.bytes for s in self.kept(0))
+            terms.append(
+                term(
+                    A,
+                    "pipeline.in_flight",
+                    f"kept activations of {others} blocks of earlier micro-batches in flight",
+                    f"{others} × (kept per block)",
+                    others * per_block,
+                )
+            )
+        sends = stage.in_flight - (1 if stage.last else 0)
+        if sends > 0:
+            # the stage's output stays in fwd_cache until its backward (stage.py forward_one_chunk)
+            terms.append(
+                term(
+                    A,
+                    "pipeline.outputs",
+                    f"stage outputs of {sends} micro-batches (kept for backward)",
+                    f"{sends}·r·b·s·h",
+                    sends * self.stream_bytes(),
+                )
+            )
+        return terms
+
+    def grad_groups(self) -> dict[str, list[Term]]:
+        groups = super().grad_groups()
+        if not self.stage.carries_grads:
+            return groups
+        grads = self.grad_terms()
+        return {key: grads if key.startswith("grads") else value for key, value in groups.items()}
+
+    def activation_groups(self) -> dict[str, list[Term]]:
+        groups = super().activation_groups()
+        pre, _post = model_saved(self.job.model, self.job.train)
+        before = {s.name for s in pre}
+        for key in groups:
+            if key in _OUTSIDE or key.startswith("logits."):
+                kept = [t for t in groups[key] if (self.stage.first if t.name in before else self.stage.last)]
+                groups[key] = tensor.shard_saved(kept, self.layout)
+        return groups
+
+    def groups(self) -> dict[str, list[Term]]:
+        groups = super().groups()
+        groups["states"] = groups["states"] + self.receive_buffers()
+        return groups
+
+    def receive_buffers(self) -> list[Term]:
+        """stage.py allocates, per micro-batch, an activation buffer for every stage but the
+        first and a gradient buffer for every stage but the last, for the whole step."""
+        if self.layout.pp == 1:
+            return []
+        v, m = self.layout.pp_virtual, self.layout.microbatches
+        buffers = 2 * v - self.stage.first - self.stage.last
+        return [
+            term(
+                B,
+                "pipeline.receive_buffers",
+                f"receive buffers of {buffers} stage ends × {m} micro-batches",
+                f"{buffers}·{m}·r·b·s·h",
+                buffers * m * self.stream_bytes(),
+            )
+        ]
+
+
+@dataclass(frozen=True)
+class LayoutEstimate(Estimate):
+    """The estimate of the worst pipeline rank, with every rank's beside it."""
+
+    stages: tuple[Estimate, ...] = ()
+    worst_stage: int = 0
+
+
+def _rank_estimate(job: Job, stage: Stage) -> Estimate:
+    step = RankStep(job, stage)
+    moments = step.moments()
+    peak = max(moments, key=lambda m: m.allocated_bytes)
+    return Estimate(
+        job=job,
+        peak=peak,
+        moments=tuple(moments),
+        overhead=tuple(overhead_terms(job, peak)),
+        host_bytes=sum(t.bytes for t in step.host_terms()),
+        notes=loop_notes(job),
+    )
+
+
+def estimate_layout(job: Job) -> LayoutEstimate:
+    """Every pipeline rank's estimate; the result is the worst (the peak across the mesh)."""
+    ranks = tuple(_rank_estimate(job, s) for s in pipeline.stages(job.layout, job.model.num_layers))
+    worst = max(range(len(ranks)), key=lambda i: ranks[i].allocated_bytes)
+    w = ranks[worst]
+    return LayoutEstimate(
+        job=job,
+        peak=w.peak,
+        moments=w.moments,
+        overhead=w.overhead,
+        host_bytes=w.host_bytes,
+        notes=w.notes,
+        stages=ranks,
+        worst_stage=worst,
+    )
