@@ -59,7 +59,43 @@ def estimate_dict(est: Estimate, relative_throughput: float | None = None) -> di
         "headroom_bytes": est.headroom_bytes,
         "relative_throughput": relative_throughput,
         "notes": list(est.notes),
+        **layout_dict(est),
     }
+
+
+def layout_dict(est: Estimate) -> dict:
+    """The layout and every pipeline rank's peak, for a job with a layout (nothing otherwise)."""
+    if est.job.layout.is_data_parallel:
+        return {}
+    stages = getattr(est, "stages", ())
+    return {
+        "layout": {**asdict(est.job.layout), "dp": est.job.dp},
+        "worst_stage": getattr(est, "worst_stage", 0),
+        "stages": [
+            {
+                "pp_rank": i,
+                "phase": s.phase,
+                "peak_moment": s.peak.label,
+                "allocated": s.allocated_bytes,
+                "total": s.total_bytes,
+            }
+            for i, s in enumerate(stages)
+        ],
+    }
+
+
+def stage_lines(estimates: list[Estimate]) -> list[str]:
+    """Under a pipeline, the worst stage of each strategy and every stage's total."""
+    lines = []
+    for est in estimates:
+        stages = getattr(est, "stages", ())
+        if len(stages) > 1:
+            each = ", ".join(_g(s.total_bytes) for s in stages)
+            lines.append(
+                f"worst pipeline stage ({est.job.plan.strategy}): rank {getattr(est, 'worst_stage', 0)} of "
+                f"{len(stages)}; total GiB by stage: {each}"
+            )
+    return lines
 
 
 def calibrated_dict(c: Corrected) -> dict:
@@ -209,6 +245,7 @@ def render_table(
         "",
         fits_line(estimates, finals),
         *native_note(estimates),
+        *stage_lines(estimates),
     ]
     if rec:
         lines += ["", *recommendation_summary(rec)]
@@ -218,6 +255,7 @@ def render_table(
 def _header(choice: ModelChoice, job) -> str:
     c, t = job.cluster, job.train
     model = ("assumed " if choice.assumed else "") + job.model.describe()
+    layout = "" if job.layout.is_data_parallel else f"\nlayout   {job.layout.describe()} × dp {job.dp} (per rank below)"
     return (
         f"model    {model}\n"
         f"training seq {t.seq_len} × micro-batch {t.micro_batch} × accum {t.grad_accum}, {t.precision}, "
@@ -225,6 +263,7 @@ def _header(choice: ModelChoice, job) -> str:
         f"loop     {in_force(t).describe()}\n"
         f"cluster  {c.gpus} × {c.gpu_name} {_g(c.gpu_mem_bytes)} GiB ({c.num_nodes} node(s) of "
         f"{c.gpus_per_node}), headroom {c.headroom:.0%}: {_g(c.usable_bytes)} GiB usable"
+        f"{layout}"
     )
 
 

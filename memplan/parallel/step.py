@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from ..activations import model_saved, shapes
 from ..breakdown import Component, Estimate, Term
 from ..frameworks.base import term
+from ..checkpointing import checkpointed
 from ..memory import Step, loop_notes
 from ..overheads import overhead_terms
 from ..specs import Job
@@ -37,6 +39,7 @@ class RankStep(Step):
     def __init__(self, job: Job, stage: Stage):
         super().__init__(stage_job(job, stage))
         self.layout, self.stage, self.whole = job.layout, stage, job
+        self._sharded: dict[bool, list] = {}
         model, tp = job.model, job.layout.tp
         self.block_params = tensor.block_params(model, tp)
         self.root_params = (tensor.embedding_params(model, tp) if stage.first else 0) + (
@@ -53,7 +56,10 @@ class RankStep(Step):
         return max(vocab, m.hidden * m.ffn_hidden // tp, m.hidden * m.hidden // tp)
 
     def kept(self, index: int):
-        return tensor.shard_saved(super().kept(index), self.layout)
+        policy = checkpointed(index, self.job.train.loop.ac_every)
+        if policy not in self._sharded:
+            self._sharded[policy] = tensor.shard_saved(super().kept(index), self.layout)
+        return self._sharded[policy]
 
     def transient_terms(self, index: int) -> list[Term]:
         return tensor.shard_saved(super().transient_terms(index), self.layout)
@@ -157,6 +163,21 @@ def _rank_estimate(job: Job, stage: Stage) -> Estimate:
 def estimate_layout(job: Job) -> LayoutEstimate:
     """Every pipeline rank's estimate; the result is the worst (the peak across the mesh)."""
     ranks = tuple(_rank_estimate(job, s) for s in pipeline.stages(job.layout, job.model.num_layers))
+    return _worst_of(job, ranks, range(len(ranks)))
+
+
+@lru_cache(maxsize=4096)
+def worst_estimate(job: Job) -> LayoutEstimate:
+    """The worst rank alone, for the layout search: among ranks 1 … pp−2 (no embedding, no head)
+    rank 1 holds the most, as it has the most micro-batches in flight under every schedule and
+    the earliest stages take the layers left over (``pipeline.split_layers``); so the worst is
+    rank 0, rank 1 or the last (tests/test_parallel.py checks it against ``estimate_layout``)."""
+    stages = pipeline.stages(job.layout, job.model.num_layers)
+    indices = sorted({0, min(1, len(stages) - 1), len(stages) - 1})
+    return _worst_of(job, tuple(_rank_estimate(job, stages[i]) for i in indices), indices)
+
+
+def _worst_of(job: Job, ranks: tuple[Estimate, ...], indices) -> LayoutEstimate:
     worst = max(range(len(ranks)), key=lambda i: ranks[i].allocated_bytes)
     w = ranks[worst]
     return LayoutEstimate(
@@ -167,5 +188,5 @@ def estimate_layout(job: Job) -> LayoutEstimate:
         host_bytes=w.host_bytes,
         notes=w.notes,
         stages=ranks,
-        worst_stage=worst,
+        worst_stage=list(indices)[worst],
     )

@@ -13,8 +13,11 @@ saves is ``activations.block_saved``'s list; each entry is sharded one of three 
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
+from typing import TypeVar
 
 from ..activations import Saved
+from ..breakdown import Term
 from ..layout import Layout
 from ..specs import ModelSpec
 
@@ -56,7 +59,10 @@ whole without it."""
 # tables, the head's input) is whole on every TP rank
 
 
-def _divisor(saved: Saved, layout: Layout) -> int:
+_Item = TypeVar("_Item", Saved, Term)
+
+
+def _divisor(saved: Saved | Term, layout: Layout) -> int:
     if saved.name.startswith(HEADS):
         return layout.tp
     if saved.name.startswith(SEQUENCE) and layout.sp:
@@ -64,13 +70,21 @@ def _divisor(saved: Saved, layout: Layout) -> int:
     return 1
 
 
-def shard_saved(saved: list[Saved], layout: Layout) -> list[Saved]:
-    """One TP rank's share of saved tensors (``activations`` lists them for the whole model)."""
+def shard_saved(saved: list[_Item], layout: Layout) -> list[_Item]:
+    """One TP rank's share of saved tensors or their terms (``activations`` lists them for the
+    whole model)."""
+    if layout.tp == 1:
+        return saved
+    return list(_sharded(tuple(saved), layout))
+
+
+@lru_cache(maxsize=8192)  # the layout search asks for the same lists under every strategy and AC
+def _sharded(saved: tuple, layout: Layout) -> tuple:
     out = []
     for s in saved:
         k = _divisor(s, layout)
         out.append(s if k == 1 else replace(s, formula=f"({s.formula})/{k}", bytes=s.bytes // k))
-    return out
+    return tuple(out)
 
 
 def block_params(model: ModelSpec, tp: int) -> int:
