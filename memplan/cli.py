@@ -314,7 +314,7 @@ def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
 @decision_options
 @click.option(
     "--emit",
-    type=_choice(("fsdp2", "fsdp1", "accelerate", "deepspeed", "torchrun")),
+    type=_choice(("fsdp2", "fsdp1", "accelerate", "deepspeed", "torchrun", "torchtitan")),
     help="Print the launch configuration of the recommendation in this form (fsdp2, fsdp1 and "
     "deepspeed search only the strategies they write).",
 )
@@ -325,8 +325,13 @@ def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
     "the ones it writes].",
 )
 @click.option("--format", "fmt", type=_choice(("table", "json")), default="table", show_default=True)
+@click.option(
+    "--search-layout",
+    is_flag=True,
+    help="Search the mesh too: tp within the node, pp and its schedule, the dp strategy, AC, micro-batch.",
+)
 @user_errors
-def recommend(priority, interconnect, bw, calibration, emit, framework, fmt, **flags):
+def recommend(priority, interconnect, bw, calibration, emit, framework, fmt, search_layout, **flags):
     """The best option that fits (strategy, precision, AC, offload, micro-batch), why, what was
     rejected, and which documented rules the arithmetic agrees with or contradicts.
 
@@ -340,6 +345,9 @@ def recommend(priority, interconnect, bw, calibration, emit, framework, fmt, **f
     from .emit import WRITES
     from .emit import emit as emit_text
 
+    if search_layout:
+        click.echo(_layout_pick(flags, interconnect, bw, emit, fmt))
+        return
     writes = WRITES.get(emit)  # --emit fsdp2 | fsdp1 | deepspeed: search only what it writes
     source = ", ".join([f"--framework {framework}"] * bool(framework) + [f"--emit {emit}"] * bool(writes)) or None
     choice, rec = api.recommend(
@@ -362,6 +370,20 @@ def recommend(priority, interconnect, bw, calibration, emit, framework, fmt, **f
         click.echo(json.dumps({**report.recommendation_dict(rec, source), "launch": launch}, indent=2))
     else:
         click.echo(report.render_recommendation(choice, rec, launch, source))
+
+
+def _layout_pick(flags: dict, interconnect, bw, emit, fmt) -> str:
+    """``recommend --search-layout``: the layout search's pick, why, and its launch form."""
+    from . import report
+    from .decide.layouts import search_layouts
+    from .emit import emit as emit_text
+    from .inputs import build_jobs
+    from .throughput import link_for
+
+    choice, jobs = build_jobs(_request({**flags, "strategy": "fsdp-full-shard"}))
+    pick = search_layouts(jobs[0], link_for(jobs[0], interconnect=interconnect, bw_gbs=bw))
+    launch = emit_text(pick.best.job, emit) if emit and pick.best else None
+    return report.render_layout_pick(choice, pick, launch, fmt)
 
 
 @main.command("min-gpus")

@@ -723,3 +723,33 @@ def min_gpus_dict(choice: ModelChoice, result) -> dict:
         "by_strategy": result.by_strategy,
         "calibrated_total_bytes": result.corrected.total_bytes if result.corrected else None,
     }
+
+
+def render_layout_pick(choice: ModelChoice, pick, launch: str | None, fmt: str) -> str:
+    """``recommend --search-layout``: the layout picked, its worst stage, and why."""
+    best = pick.best
+    if fmt == "json":
+        body = {
+            "layout": None if best is None else estimate_dict(best.estimate),
+            "tokens_per_s_per_gpu": None if best is None else best.step.tokens_per_s,
+            "step_s": None if best is None else best.step.step_s,
+            "searched": pick.searched,
+            "fitting": pick.fitting,
+            "reasons": pick.reasons(),
+            "launch": launch,
+        }
+        return json.dumps(body, indent=2)
+    lines = [_header(choice, (best or pick.data_parallel).job), ""]
+    if best is None:
+        lines.append("Nothing fits among the layouts searched.")
+    else:
+        est = best.estimate
+        lines.append(f"Recommended layout: {best.describe()}")
+        lines.append(
+            f"  {_g(est.total_bytes)} GiB per GPU on the worst rank ({_g(est.usable_bytes)} usable), "
+            f"{best.step.tokens_per_s:,.0f} tokens/s per GPU predicted, step {best.step.step_s:.3f} s"
+        )
+    lines += ["Why:", *(f"  - {r}" for r in pick.reasons())]
+    if launch:
+        lines += ["", launch.rstrip("\n")]
+    return "\n".join(lines)

@@ -12,7 +12,7 @@ from ..layout import Layout
 from ..memory import estimate
 from ..parallel.step import worst_estimate
 from ..specs import Job
-from ..throughput import Link, StepTime, bubble_fraction, step_time
+from ..throughput import Link, StepTime, bubble_fraction, default, step_time
 
 DP_STRATEGIES = ("fsdp-full-shard", "fsdp-hybrid-shard", "ddp")
 """The data-parallel dimension as torchtitan runs it: FSDP2, HSDP or DDP."""
@@ -62,8 +62,9 @@ class LayoutPick:
         dp = self.data_parallel
         gib = 2**30
         lines = [
-            f"{dp.job.plan.strategy} alone over {dp.job.cluster.gpus} GPUs needs {dp.estimate.total_bytes / gib:.1f} GiB "
-            f"per GPU even with AC full at micro-batch 1; {dp.estimate.usable_bytes / gib:.1f} GiB usable"
+            f"{dp.job.plan.strategy} alone over {dp.job.cluster.gpus} GPUs needs "
+            f"{dp.estimate.total_bytes / gib:.1f} GiB per GPU even with AC full at micro-batch 1; "
+            f"{dp.estimate.usable_bytes / gib:.1f} GiB usable"
             + ("" if not dp.fits else " (it fits, and is the baseline the layouts beat)")
         ]
         best = self.best
@@ -84,7 +85,8 @@ class LayoutPick:
                 f"{getattr(best.estimate, 'worst_stage', 0)} at {best.estimate.total_bytes / gib:.1f} GiB"
             )
         lines.append(
-            f"fastest of {self.fitting} fitting layouts among {self.searched} searched: "
+            f"fastest of {self.fitting} fitting layouts among {self.searched} searched that keep "
+            f"{default('safe_headroom_fraction'):.0%} of the memory free: "
             f"{best.step.tokens_per_s:,.0f} tokens/s per GPU predicted"
         )
         return lines
@@ -114,6 +116,12 @@ def _layouts(job: Job) -> list[Layout]:
 def _option(job: Job, link: Link) -> LayoutOption:
     found = estimate(job) if job.layout.pp == 1 else worst_estimate(job)
     return LayoutOption(estimate=found, step=step_time(job, link))
+
+
+def _rank(option: LayoutOption) -> tuple:
+    """A layout with the safe margin of headroom first (as ``options.rank`` prefers), then the fastest."""
+    tight = option.estimate.headroom_bytes < default("safe_headroom_fraction") * option.estimate.usable_bytes
+    return (tight, -option.step.tokens_per_s)
 
 
 def search_layouts(job: Job, link: Link) -> LayoutPick:
@@ -146,5 +154,5 @@ def search_layouts(job: Job, link: Link) -> LayoutPick:
         train=replace(job.train, activation_checkpointing="full", micro_batch=1),
         layout=Layout(),
     )
-    best = max(fitting, key=lambda o: o.step.tokens_per_s, default=None)
+    best = min(fitting, key=_rank, default=None)
     return LayoutPick(best=best, data_parallel=_option(baseline_job, link), searched=searched, fitting=len(fitting))

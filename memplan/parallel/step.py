@@ -10,8 +10,8 @@ from functools import lru_cache
 
 from ..activations import model_saved, shapes
 from ..breakdown import Component, Estimate, Term
-from ..frameworks.base import term
 from ..checkpointing import checkpointed
+from ..frameworks.base import term
 from ..memory import Step, loop_notes
 from ..overheads import overhead_terms
 from ..specs import Job
