@@ -21,6 +21,11 @@ RECORDS = Path(__file__).resolve().parent.parent / parallel_cases.OUT
 LLAMA = ModelSpec(num_layers=8, hidden=512, num_heads=8, num_kv_heads=4, ffn_hidden=1408, vocab_size=4096)
 
 
+KNOWN: dict[str, str] = {}
+"""Records the model does not yet meet within 2 %, each with what is known (strict xfails: a fixed
+one must leave the list)."""
+
+
 def _records() -> list[dict]:
     return [json.loads(line) for line in RECORDS.read_text().splitlines()]
 
@@ -29,7 +34,18 @@ def _job(gpus=8, strategy="fsdp-full-shard", **layout) -> Job:
     return Job(model=LLAMA, cluster=ClusterSpec(gpus=gpus), plan=Plan(strategy=strategy), layout=Layout(**layout))
 
 
-@pytest.mark.parametrize("rec", _records(), ids=lambda r: r["case"])
+def _record_params():
+    return [
+        pytest.param(
+            r,
+            id=r["case"],
+            marks=[pytest.mark.xfail(strict=True, reason=KNOWN[r["case"]])] if r["case"] in KNOWN else [],
+        )
+        for r in _records()
+    ]
+
+
+@pytest.mark.parametrize("rec", _record_params())
 def test_matrix_record_within_tolerance(rec):
     """The worst rank's estimate against the worst rank measured."""
     est = estimate(parallel_cases.job_of(rec))

@@ -25,6 +25,9 @@ class Stage:
     """Chunk forwards whose activations are kept at once at the rank's peak."""
     carries_grads: bool
     """A forward runs after the first backward: gradients are live beside the in-flight activations."""
+    losses_in_flight: int = 1
+    """Micro-batches whose logits and loss the last stage holds at once: all of them under GPipe
+    (every loss before any backward), one under the 1F1B family (each backward follows its loss)."""
 
     @property
     def layers(self) -> int:
@@ -72,6 +75,7 @@ def stages(layout: Layout, layers: int) -> list[Stage]:
                 last=rank == layout.pp - 1,
                 in_flight=held,
                 carries_grads=layout.microbatches * layout.pp_virtual > held,
+                losses_in_flight=layout.microbatches if layout.pp_schedule == "gpipe" else 1,
             )
         )
     return out

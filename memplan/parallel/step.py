@@ -62,7 +62,18 @@ class RankStep(Step):
         return self._sharded[policy]
 
     def transient_terms(self, index: int) -> list[Term]:
-        return tensor.shard_saved(super().transient_terms(index), self.layout)
+        terms = tensor.shard_saved(super().transient_terms(index), self.layout)
+        if self.sends():
+            # a stage's backward starts from the received output gradient (its buffer) and makes
+            # the gradient of its last block's input beside it (measured: one more b·s·h at the peak)
+            terms = terms + [
+                term(A, "pipeline.grad_in", "gradient through the stage's blocks", "r·b·s·h", self.stream_bytes())
+            ]
+        return terms
+
+    def sends(self) -> bool:
+        """Whether some chunk of this rank sends its output on (all but the last stage)."""
+        return not self.stage.last or self.layout.pp_virtual > 1
 
     def stream_bytes(self) -> int:
         """One micro-batch's residual stream on this rank: what a stage sends and receives."""
@@ -84,7 +95,9 @@ class RankStep(Step):
                     others * per_block,
                 )
             )
-        sends = stage.in_flight - (1 if stage.last else 0)
+        tables = self.rotary_tables(stage.in_flight - stage.first)
+        terms += [tables] if tables.bytes else []
+        sends = stage.in_flight - (stage.losses_in_flight if stage.last else 0)
         if sends > 0:
             # the stage's output stays in fwd_cache until its backward (stage.py forward_one_chunk)
             terms.append(
@@ -98,12 +111,58 @@ class RankStep(Step):
             )
         return terms
 
+    def rotary_tables(self, chunks: int) -> Term:
+        """The reference model builds its rotary tables in every stage's forward, and each
+        micro-batch in flight keeps them (the first stage's first are ``model_saved``'s)."""
+        pre = model_saved(self.job.model, self.job.train)[0]
+        one = sum(s.bytes for s in pre if s.name.startswith("rotary"))
+        return term(
+            A, "pipeline.rotary", f"rotary tables of {chunks} chunks in flight", f"{chunks}·2·4·s·d", chunks * one
+        )
+
+    def other_losses(self) -> list[Term]:
+        """GPipe's last stage: the logits and loss of the micro-batches whose backward has not begun."""
+        others = self.stage.losses_in_flight - 1
+        if not self.stage.last or others < 1:
+            return []
+        x = shapes(self.job.model, self.job.train)
+        # the logits in fwd_cache and the loss's log_softmax output, per micro-batch, 1/tp with loss parallel
+        per = (x.c + 4) * x.tokens * x.V // self.layout.tp
+        return [
+            term(
+                A,
+                "pipeline.losses",
+                f"logits and log_softmax of {others} micro-batches",
+                f"{others}·(c + 4)·b·s·V",
+                others * per,
+            )
+        ]
+
     def grad_groups(self) -> dict[str, list[Term]]:
         groups = super().grad_groups()
+        grads = self.grad_terms() + self.whole_embedding_grad()
         if not self.stage.carries_grads:
-            return groups
-        grads = self.grad_terms()
+            return {**groups, "grads": grads}
         return {key: grads if key.startswith("grads") else value for key, value in groups.items()}
+
+    def whole_embedding_grad(self) -> list[Term]:
+        """The vocabulary-parallel embedding's gradient is made whole on every TP rank (measured on
+        the TP × PP cases of the matrix: one V·h gradient on the first stage where 1/tp of it was
+        expected); without data parallel to reduce-scatter it, it stays so until the step."""
+        m, tp = self.whole.model, self.layout.tp
+        if tp == 1 or not self.stage.first or self.whole.dp > 1:
+            return []
+        extra = m.vocab_size * m.hidden * (tp - 1) // tp
+        nbytes = self.policy.grad_bytes
+        return [
+            term(
+                Component.GRADIENTS,
+                "grads",
+                "embedding gradient, whole on each TP rank",
+                f"{nbytes}·V·h·(tp−1)/tp",
+                nbytes * extra,
+            )
+        ]
 
     def activation_groups(self) -> dict[str, list[Term]]:
         groups = super().activation_groups()
@@ -113,6 +172,10 @@ class RankStep(Step):
             if key in _OUTSIDE or key.startswith("logits."):
                 kept = [t for t in groups[key] if (self.stage.first if t.name in before else self.stage.last)]
                 groups[key] = tensor.shard_saved(kept, self.layout)
+        if self.layout.tp > 1:
+            groups["loss.backward"] = tensor.loss_parallel_backward(groups["loss.backward"], self.layout)
+        for key in ("activations.blocks", "activations.last_block"):
+            groups[key] = groups[key] + self.other_losses()
         return groups
 
     def groups(self) -> dict[str, list[Term]]:

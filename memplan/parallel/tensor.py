@@ -105,3 +105,14 @@ def embedding_params(model: ModelSpec, tp: int) -> int:
 def head_params(model: ModelSpec, tp: int) -> int:
     """The output side on a TP rank: the final norm whole, the head split over the vocabulary."""
     return model.head_params() - (0 if model.tied_embeddings else model.vocab_size * model.hidden * (tp - 1) // tp)
+
+
+def loss_parallel_backward(terms: list[Term], layout: Layout) -> list[Term]:
+    """Loss parallel's backward (torch/distributed/tensor/parallel/loss.py,
+    ``_nll_loss_and_log_softmax_backward``) holds three vocabulary-wide tensors at once (the
+    zeros it scatters into, ``exp(x)`` and their sum) where eager cross-entropy holds two (the
+    nll and log_softmax gradients)."""
+    return [
+        replace(t, formula=f"3/2·{t.formula}", bytes=t.bytes * 3 // 2) if t.name.startswith("loss gradients") else t
+        for t in terms
+    ]
