@@ -54,5 +54,13 @@ def write_report(path: Path) -> None:
             f"{r['measured_stage']} | {r['estimated_mib']:.2f} | {r['estimated_stage']} | {r['error_pct']:+.1f} % |"
         )
     worst = max(abs(r["error_pct"]) for r in table)
-    lines += ["", f"{len(table)} cases; largest error {worst:.1f} %."]
+    within = sum(abs(r["error_pct"]) <= 2 for r in table)
+    lines += ["", f"{len(table)} cases, {within} within 2 %; largest error {worst:.1f} %."]
+    first = path.with_suffix(".first.md")
+    if first.exists():
+        lines += [
+            "",
+            f"The first table, measured before any model change, is `{first.name}` (the model as it was "
+            "then, on the same records).",
+        ]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -291,7 +291,7 @@ class Step:
         # the input embedding's gradient comes last, after the first block's backward (a tied
         # embedding already has it from the head)
         pending = self.pending_params()
-        own = self.block_params if self.framework.block_grads_after_reduce else 0
+        own = self.own_block_grads()
         what = "params (all but the input embedding" + (" and the first block)" if own else ")")
         groups = {
             "grads": grads,
@@ -306,6 +306,10 @@ class Step:
                 self.root_params + after * self.block_params, f"embedding/head params and {after} blocks"
             )
         return groups
+
+    def own_block_grads(self) -> int:
+        """Parameters of the first block whose gradients are not yet counted inside its backward."""
+        return self.block_params if self.framework.block_grads_after_reduce else 0
 
     def pending_params(self) -> int:
         """The input embedding's parameters, whose gradient comes last (none apart when tied)."""

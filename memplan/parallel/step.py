@@ -12,6 +12,7 @@ from ..activations import model_saved, shapes
 from ..breakdown import Component, Estimate, Term
 from ..checkpointing import checkpointed
 from ..frameworks.base import term
+from ..layout import MULTI_STAGE
 from ..memory import Step, loop_notes
 from ..overheads import overhead_terms
 from ..specs import Job
@@ -49,6 +50,12 @@ class RankStep(Step):
 
     def pending_params(self) -> int:
         return tensor.embedding_params(self.whole.model, self.layout.tp) if self.stage.first else 0
+
+    def own_block_grads(self) -> int:
+        # a stage of few blocks peaks inside its first micro-batch's backward, when the block's own
+        # gradients are mostly still to come (measured: pp4-1f1b-m4, one block per stage, holds
+        # only the down projection's gradient at its peak)
+        return self.block_params
 
     def largest_param(self) -> int:
         m, tp = self.whole.model, self.layout.tp
@@ -109,7 +116,29 @@ class RankStep(Step):
                     sends * self.stream_bytes(),
                 )
             )
-        return terms
+        return terms + self.unwaited_sends()
+
+    def unwaited_sends(self) -> list[Term]:
+        """The multi-stage runtime (``_PipelineScheduleRuntime._step_microbatches``) waits for its
+        sends only at the end of the step, so every output and input gradient sent so far stays
+        alive: at the last steady-state step, the outputs of all forwards but those in flight and
+        the input gradients of the backwards done by the rank's non-first chunks."""
+        layout, stage = self.layout, self.stage
+        if layout.pp_schedule not in MULTI_STAGE:
+            return []
+        m, v = layout.microbatches, layout.pp_virtual
+        outputs = max(0, m * (v - stage.last) - stage.in_flight)
+        grads = (m * v - stage.in_flight) * (v - stage.first) // v
+        count = outputs + grads
+        return [
+            term(
+                A,
+                "pipeline.unwaited_sends",
+                f"{count} sent tensors not yet waited for",
+                f"{count}·r·b·s·h",
+                count * self.stream_bytes(),
+            )
+        ]
 
     def rotary_tables(self, chunks: int) -> Term:
         """The reference model builds its rotary tables in every stage's forward, and each
@@ -142,7 +171,9 @@ class RankStep(Step):
         groups = super().grad_groups()
         grads = self.grad_terms() + self.whole_embedding_grad()
         if not self.stage.carries_grads:
-            return {**groups, "grads": grads}
+            # in the last block's backward only the head's gradients exist: none on a stage without it
+            head = self.grad_share(self.root_params - self.pending_params(), "head params")
+            return {**groups, "grads": grads, "grads.last_block": head}
         return {key: grads if key.startswith("grads") else value for key, value in groups.items()}
 
     def whole_embedding_grad(self) -> list[Term]:
