@@ -159,10 +159,10 @@ def comm_seconds(job: Job, link: Link) -> float:
     """
     strategy = STRATEGIES[job.plan.strategy]
     policy = POLICIES[job.train.precision]
-    # under a layout the strategy runs over dp ranks, each holding 1/(tp·pp) of the parameters
+    # under a layout the strategy runs over dp × cp ranks, each holding 1/(tp·pp) of the parameters
     layout = job.layout
-    p, n = job.model.num_params // (layout.tp * layout.pp), job.dp
-    k = max(1, job.cluster.gpus_per_node // (layout.tp * layout.cp))
+    p, n = job.model.num_params // (layout.tp * layout.pp), job.dp * layout.cp
+    k = max(1, job.cluster.gpus_per_node // layout.tp)
     reduce_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}.get(job.train.reduce_dtype or "", policy.grad_bytes)
     grads, weights = p * reduce_bytes, p * policy.param_bytes
     micro = job.train.grad_accum * layout.microbatches

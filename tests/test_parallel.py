@@ -212,3 +212,17 @@ def test_live_rerun_matches_the_record(case):
     rec = next(r for r in _records() if r["case"] == case)
     ranks = parallel.measure(parallel_cases.CASES[case])
     assert max(r["peak_allocated_bytes"] for r in ranks) == pytest.approx(rec["measured_bytes"], rel=0.005)
+
+
+def test_context_parallel_splits_the_sequence_and_says_it_is_modelled():
+    from memplan.parallel import context
+    from memplan.parallel.step import RankStep
+
+    whole = _job(gpus=8, cp=1)
+    split = _job(gpus=8, cp=2)
+    stage = pipeline.stages(split.layout, LLAMA.num_layers)[0]
+    kept = [sum(s.bytes for s in RankStep(j, stage).kept(0)) for j in (whole, split)]
+    assert kept[1] * 2 == kept[0]  # every kept tensor of a llama block is linear in the sequence
+    assert context.NOTE in estimate(split).notes
+    # the CP ranks hold the same parameters: FSDP shards them over dp × cp = 8 as without CP
+    assert estimate(split).by_component["params"] == estimate(whole).by_component["params"]

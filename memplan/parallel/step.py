@@ -16,7 +16,7 @@ from ..layout import MULTI_STAGE
 from ..memory import Step, loop_notes
 from ..overheads import overhead_terms
 from ..specs import Job
-from . import pipeline, tensor
+from . import context, pipeline, tensor
 from .pipeline import Stage
 
 A, B = Component.ACTIVATIONS, Component.BUFFERS
@@ -27,10 +27,14 @@ def stage_job(job: Job, stage: Stage) -> Job:
     """The data-parallel job one rank runs: its stage's largest chunk of layers (the unit one
     micro-batch goes through at a time) on the dp GPUs its strategy shards over."""
     layout, cluster = job.layout, job.cluster
-    per_node = max(1, cluster.gpus_per_node // (layout.tp * layout.cp))
-    dp_cluster = replace(cluster, gpus=job.dp, gpus_per_node=math.gcd(job.dp, per_node))
+    # the CP ranks hold the same parameters: the strategy shards over dp × cp (torchtitan's dp_shard_cp mesh)
+    ranks = job.dp * layout.cp
+    per_node = max(1, cluster.gpus_per_node // layout.tp)
+    dp_cluster = replace(cluster, gpus=ranks, gpus_per_node=math.gcd(ranks, per_node))
     model = replace(job.model, num_layers=max(stage.chunk_layers))
-    return Job(model=model, train=job.train, cluster=dp_cluster, plan=job.plan)
+    # context parallel: each rank runs the step on its 1/cp of the sequence (context.py)
+    train = replace(job.train, seq_len=job.train.seq_len // layout.cp) if layout.cp > 1 else job.train
+    return Job(model=model, train=train, cluster=dp_cluster, plan=job.plan)
 
 
 class RankStep(Step):
@@ -70,6 +74,7 @@ class RankStep(Step):
 
     def transient_terms(self, index: int) -> list[Term]:
         terms = tensor.shard_saved(super().transient_terms(index), self.layout)
+        terms = terms + context.ring_buffers(self.job.model, self.job.train, self.layout)
         if self.sends():
             # a stage's backward starts from the received output gradient (its buffer) and makes
             # the gradient of its last block's input beside it (measured: one more b·s·h at the peak)
@@ -250,7 +255,7 @@ def _rank_estimate(job: Job, stage: Stage) -> Estimate:
         moments=tuple(moments),
         overhead=tuple(overhead_terms(job, peak)),
         host_bytes=sum(t.bytes for t in step.host_terms()),
-        notes=loop_notes(job),
+        notes=loop_notes(job) + ((context.NOTE,) if job.layout.cp > 1 else ()),
     )
 
 
