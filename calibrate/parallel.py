@@ -68,7 +68,7 @@ def _meter() -> _CpuMeter:
 # -- the model on one rank ---------------------------------------------------------------
 
 
-def apply_tp(model: CausalLM, mesh, *, sp: bool) -> None:
+def apply_tp(model: StageModel, mesh, *, sp: bool) -> None:
     """torchtitan's apply_tp (llama3/parallelize.py) on the reference llama's module names."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -234,15 +234,23 @@ class _nothing:
 
 def _pipeline(job: Job, modules, local: list[int], mesh):
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+    from torch.distributed.pipelining.stage import _PipelineStageBase
 
     layout = job.layout
     group = mesh["pp"].get_group()
-    stages = [
+    stages: list[_PipelineStageBase] = [
         PipelineStage(mod, index, layout.stages, torch.device("cpu"), group=group)
         for mod, index in zip(modules, local, strict=True)
     ]
     m = layout.microbatches
+    schedule: PipelineScheduleMulti | PipelineScheduleSingle
     if layout.pp_schedule == "interleaved-1f1b":
         schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=_loss)
     else:
