@@ -179,15 +179,40 @@ def test_405b_on_512_h100_gets_a_layout_that_fits():
     assert not pick.best.job.layout.is_data_parallel
 
 
+def _installed_source(module: str):
+    """A module's source parsed, without importing it (torch and torchtitan take seconds to import)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(module.split(".")[0])
+    if spec is None or spec.submodule_search_locations is None:
+        pytest.skip(f"{module} is not installed")
+    path = Path(spec.submodule_search_locations[0], *module.split(".")[1:]).with_suffix(".py")
+    return ast.parse(path.read_text())
+
+
+def _dataclass_fields(tree, name: str) -> set[str]:
+    import ast
+
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def _schedule_names(tree) -> set[str]:
+    """The keys of ``get_schedule_class``'s map (torch/distributed/pipelining/schedules.py)."""
+    import ast
+
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "get_schedule_class")
+    table = next(n for n in ast.walk(fn) if isinstance(n, ast.Dict))
+    return {k.value for k in table.keys if isinstance(k, ast.Constant)}
+
+
 def test_torchtitan_toml_uses_torchtitans_own_fields():
-    configs = pytest.importorskip("torchtitan.config.configs")
-    import dataclasses
-
     import tomllib
-    from torch.distributed.pipelining.schedules import get_schedule_class
 
-    from memplan.emit import emit
+    from memplan.emit import TORCHTITAN_SCHEDULES, emit
 
+    configs = _installed_source("torchtitan.config.configs")
     job = Job(
         model=LLAMA,
         cluster=ClusterSpec(gpus=64),
@@ -195,10 +220,13 @@ def test_torchtitan_toml_uses_torchtitans_own_fields():
         layout=Layout(tp=2, pp=2, pp_schedule="interleaved-1f1b", pp_virtual=2, pp_microbatches=4),
     )
     toml = tomllib.loads(emit(job, "torchtitan"))
-    for section, cls in (("parallelism", configs.ParallelismConfig), ("training", configs.TrainingConfig)):
-        assert set(toml[section]) <= {f.name for f in dataclasses.fields(cls)}
+    for section, cls in (("parallelism", "ParallelismConfig"), ("training", "TrainingConfig")):
+        assert set(toml[section]) <= _dataclass_fields(configs, cls)
     par = toml["parallelism"]
-    assert get_schedule_class(par["pipeline_parallel_schedule"]).__name__ == "ScheduleInterleaved1F1B"
+    assert set(TORCHTITAN_SCHEDULES.values()) <= _schedule_names(
+        _installed_source("torch.distributed.pipelining.schedules")
+    )
+    assert par["pipeline_parallel_schedule"] == "Interleaved1F1B"
     mesh = par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"]
     assert mesh * par["tensor_parallel_degree"] * par["pipeline_parallel_degree"] == 64
     assert toml["activation_checkpoint"]["mode"] in ("none", "selective", "full")
