@@ -34,6 +34,7 @@ def inputs_dict(choice: ModelChoice, est: Estimate) -> dict:
         "train": {k: getattr(job.train, k) for k in job.train.__dataclass_fields__},
         "cluster": {k: getattr(job.cluster, k) for k in job.cluster.__dataclass_fields__},
         "loop": [asdict(c) for c in loop.conventions + loop.elsewhere],
+        **({} if job.layout.is_data_parallel else {"layout": {**asdict(job.layout), "dp": job.dp}}),
     }
 
 

@@ -217,6 +217,11 @@ class RankStep(Step):
     def groups(self) -> dict[str, list[Term]]:
         groups = super().groups()
         groups["states"] = groups["states"] + self.receive_buffers()
+        if self.layout.tp > 1:
+            # FSDP2's root prefetches the last block's all-gather when backward starts from plain
+            # outputs; from loss parallel's DTensor logits it does not (measured: dp2-tp2-fsdp
+            # holds no prefetched block at its peak, the start of backward)
+            groups["gathered.loss"] = [t for t in groups["gathered.loss"] if t.key != "fsdp.prefetched_block"]
         return groups
 
     def receive_buffers(self) -> list[Term]:
