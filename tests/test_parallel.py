@@ -247,3 +247,11 @@ def test_context_parallel_splits_the_sequence_and_says_it_is_modelled():
     assert context.NOTE in estimate(split).notes
     # the CP ranks hold the same parameters: FSDP shards them over dp × cp = 8 as without CP
     assert estimate(split).by_component["params"] == estimate(whole).by_component["params"]
+
+
+def test_layout_search_tries_context_parallel_on_long_sequences_only():
+    from memplan.decide import layouts
+
+    short, long = (replace(_job(), train=TrainSpec(seq_len=s)) for s in (8192, layouts.LONG_SEQUENCE))
+    assert {lay.cp for lay in layouts._layouts(short)} == {1}
+    assert {lay.cp for lay in layouts._layouts(long)} == set(layouts.CP_DEGREES)

@@ -19,6 +19,9 @@ DP_STRATEGIES = ("fsdp-full-shard", "fsdp-hybrid-shard", "ddp")
 AC_SEARCHED = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4)
 PP_DEGREES = (1, 2, 4, 8, 16)
+CP_DEGREES = (1, 2, 4)
+LONG_SEQUENCE = 32768
+"""Sequences from which the search tries context parallel."""
 MICROBATCHES_PER_STAGE = 4
 """Pipeline micro-batches searched: 4 per rank, the bubble (pp−1)/(4·pp·V) under 1F1B."""
 
@@ -77,6 +80,11 @@ class LayoutPick:
                 f"TP {layout.tp} within the node ({per_node} GPUs): each rank holds 1/{layout.tp} of every block, "
                 "its per-layer collectives stay on the intra-node link"
             )
+        if layout.cp > 1:
+            lines.append(
+                f"CP {layout.cp}: each rank holds 1/{layout.cp} of the {job.train.seq_len}-token sequence's "
+                "activations, K and V passed round the ring"
+            )
         if layout.pp > 1:
             lines.append(
                 f"PP {layout.pp} ({layout.pp_schedule}, {layout.microbatches} micro-batches"
@@ -98,18 +106,24 @@ def _tp_degrees(job: Job) -> list[int]:
     return [t for t in (1, 2, 4, 8) if t <= per_node and all(n % t == 0 for n in sizes)]
 
 
+def _cp_degrees(job: Job) -> list[int]:
+    """Context parallel for long sequences only (torchtitan's long-context runs), within the node beside TP."""
+    s = job.train.seq_len
+    return [c for c in CP_DEGREES if c == 1 or (s >= LONG_SEQUENCE and s % (2 * c) == 0)]
+
+
 def _layouts(job: Job) -> list[Layout]:
     out = []
-    for tp, pp in itertools.product(_tp_degrees(job), PP_DEGREES):
-        if job.cluster.gpus % (tp * pp) or pp > job.model.num_layers:
+    for tp, cp, pp in itertools.product(_tp_degrees(job), _cp_degrees(job), PP_DEGREES):
+        if job.cluster.gpus % (tp * cp * pp) or pp > job.model.num_layers or tp * cp > job.cluster.gpus_per_node:
             continue
         m = MICROBATCHES_PER_STAGE * pp
         if pp == 1:
-            out.append(Layout(tp=tp))
+            out.append(Layout(tp=tp, cp=cp))
             continue
-        out.append(Layout(tp=tp, pp=pp, pp_microbatches=m))
+        out.append(Layout(tp=tp, cp=cp, pp=pp, pp_microbatches=m))
         if job.model.num_layers >= 2 * pp:
-            out.append(Layout(tp=tp, pp=pp, pp_microbatches=m, pp_schedule="interleaved-1f1b", pp_virtual=2))
+            out.append(Layout(tp=tp, cp=cp, pp=pp, pp_microbatches=m, pp_schedule="interleaved-1f1b", pp_virtual=2))
     return out
 
 

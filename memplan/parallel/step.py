@@ -250,6 +250,16 @@ class LayoutEstimate(Estimate):
     worst_stage: int = 0
 
 
+def layout_notes(layout) -> tuple[str, ...]:
+    """What the layout's estimate models without a measurement behind it."""
+    notes = (context.NOTE,) if layout.cp > 1 else ()
+    if layout.pp > 1 and layout.pp_schedule == "zero-bubble":
+        notes += (
+            "the zero-bubble schedule's micro-batches in flight are modelled from torch's schedule, not measured",
+        )
+    return notes
+
+
 def _rank_estimate(job: Job, stage: Stage) -> Estimate:
     step = RankStep(job, stage)
     moments = step.moments()
@@ -260,7 +270,7 @@ def _rank_estimate(job: Job, stage: Stage) -> Estimate:
         moments=tuple(moments),
         overhead=tuple(overhead_terms(job, peak)),
         host_bytes=sum(t.bytes for t in step.host_terms()),
-        notes=loop_notes(job) + ((context.NOTE,) if job.layout.cp > 1 else ()),
+        notes=loop_notes(job) + layout_notes(job.layout),
     )
 
 
