@@ -15,6 +15,7 @@ rank's peak live bytes over the last of three steps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -176,7 +177,7 @@ def run_rank(job: Job) -> dict:
     m = layout.microbatches
     batch = train.micro_batch * m
     ids = torch.randint(0, job.model.vocab_size, (batch, train.seq_len))
-    loss_ctx = loss_parallel if layout.tp > 1 else _nothing
+    loss_ctx = loss_parallel if layout.tp > 1 else contextlib.nullcontext
     with meter:
         full = CausalLM(job.model, attention=train.attention)
         counts = split_layers(job.model.num_layers, layout.stages)
@@ -195,8 +196,7 @@ def run_rank(job: Job) -> dict:
                 stage.seq_factor = layout.tp if layout.sp else 1
             modules.append(_data_parallel(stage, list(stage.layers), job, mesh))
         del full
-        params = [p for mod in modules for p in mod.parameters()]
-        optimizer = _optimizer(_Params(params), job)
+        optimizer = _optimizer(nn.ModuleList(modules), job)
         step = _pipeline(job, modules, local, mesh) if layout.pp > 1 else None
         for i in range(STEPS):
             if i == STEPS - 1:
@@ -213,23 +213,6 @@ def run_rank(job: Job) -> dict:
             optimizer.zero_grad(set_to_none=True)
         peak = meter.peak()
     return {"rank": dist.get_rank(), "pp_rank": pp_rank, "peak_allocated_bytes": peak}
-
-
-class _Params(nn.Module):
-    def __init__(self, params):
-        super().__init__()
-        self.params = params
-
-    def parameters(self, recurse: bool = True):
-        return iter(self.params)
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
 
 
 def _pipeline(job: Job, modules, local: list[int], mesh):
