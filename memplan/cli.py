@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import click
 
-from . import loop, specs
+from . import layout, loop, specs
 from .errors import FLAGS, MemplanError
 from .request import default
 from .strategies import STRATEGIES
@@ -133,6 +133,33 @@ PLAN_OPTIONS = [
     click.option("--offload", type=_choice(specs.OFFLOADS), default=default("offload"), show_default=True),
 ]
 
+LAYOUT_OPTIONS = [
+    click.option("--tp", type=int, default=default("tp"), show_default=True, help="Tensor parallel degree."),
+    click.option(
+        "--sp/--no-sp",
+        default=default("sp"),
+        show_default=True,
+        help="Sequence parallel norms and dropout (with --tp).",
+    ),
+    click.option("--cp", type=int, default=default("cp"), show_default=True, help="Context parallel degree."),
+    click.option("--pp", type=int, default=default("pp"), show_default=True, help="Pipeline parallel degree."),
+    click.option("--pp-schedule", type=_choice(layout.PP_SCHEDULES), default=default("pp_schedule"), show_default=True),
+    click.option(
+        "--pp-microbatches",
+        type=int,
+        default=default("pp_microbatches"),
+        help="Micro-batches per pipeline step [default: pp].",
+    ),
+    click.option(
+        "--pp-virtual",
+        type=int,
+        default=default("pp_virtual"),
+        show_default=True,
+        help="Stages per rank (interleaved).",
+    ),
+    click.option("--ep", type=int, default=default("ep"), show_default=True, help="Expert parallel degree (MoE)."),
+]
+
 
 def _apply(options):
     def decorate(f):
@@ -174,7 +201,7 @@ DECISION_OPTIONS = [
 
 
 def job_options(f):
-    return _apply(MODEL_OPTIONS + TRAIN_OPTIONS + CLUSTER_OPTIONS + PLAN_OPTIONS)(f)
+    return _apply(MODEL_OPTIONS + TRAIN_OPTIONS + CLUSTER_OPTIONS + PLAN_OPTIONS + LAYOUT_OPTIONS)(f)
 
 
 def decision_options(f):
@@ -294,7 +321,7 @@ def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
 @decision_options
 @click.option(
     "--emit",
-    type=_choice(("fsdp2", "fsdp1", "accelerate", "deepspeed", "torchrun")),
+    type=_choice(("fsdp2", "fsdp1", "accelerate", "deepspeed", "torchrun", "torchtitan")),
     help="Print the launch configuration of the recommendation in this form (fsdp2, fsdp1 and "
     "deepspeed search only the strategies they write).",
 )
@@ -305,8 +332,13 @@ def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
     "the ones it writes].",
 )
 @click.option("--format", "fmt", type=_choice(("table", "json")), default="table", show_default=True)
+@click.option(
+    "--search-layout",
+    is_flag=True,
+    help="Search the mesh too: tp within the node, pp and its schedule, the dp strategy, AC, micro-batch.",
+)
 @user_errors
-def recommend(priority, interconnect, bw, calibration, emit, framework, fmt, **flags):
+def recommend(priority, interconnect, bw, calibration, emit, framework, fmt, search_layout, **flags):
     """The best option that fits (strategy, precision, AC, offload, micro-batch), why, what was
     rejected, and which documented rules the arithmetic agrees with or contradicts.
 
@@ -320,6 +352,9 @@ def recommend(priority, interconnect, bw, calibration, emit, framework, fmt, **f
     from .emit import WRITES
     from .emit import emit as emit_text
 
+    if search_layout:
+        click.echo(_layout_pick(flags, interconnect, bw, emit, fmt))
+        return
     writes = WRITES.get(emit)  # --emit fsdp2 | fsdp1 | deepspeed: search only what it writes
     source = ", ".join([f"--framework {framework}"] * bool(framework) + [f"--emit {emit}"] * bool(writes)) or None
     choice, rec = api.recommend(
@@ -342,6 +377,20 @@ def recommend(priority, interconnect, bw, calibration, emit, framework, fmt, **f
         click.echo(json.dumps({**report.recommendation_dict(rec, source), "launch": launch}, indent=2))
     else:
         click.echo(report.render_recommendation(choice, rec, launch, source))
+
+
+def _layout_pick(flags: dict, interconnect, bw, emit, fmt) -> str:
+    """``recommend --search-layout``: the layout search's pick, why, and its launch form."""
+    from . import report
+    from .decide.layouts import search_layouts
+    from .emit import emit as emit_text
+    from .inputs import build_jobs
+    from .throughput import link_for
+
+    choice, jobs = build_jobs(_request({**flags, "strategy": "fsdp-full-shard"}))
+    pick = search_layouts(jobs[0], link_for(jobs[0], interconnect=interconnect, bw_gbs=bw))
+    launch = emit_text(pick.best.job, emit) if emit and pick.best else None
+    return report.render_layout_pick(choice, pick, launch, fmt)
 
 
 @main.command("min-gpus")

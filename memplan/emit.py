@@ -14,15 +14,17 @@ from .frameworks import FRAMEWORKS
 from .frameworks import deepspeed as _deepspeed
 from .frameworks import fsdp as _fsdp
 from .frameworks.base import header
+from .precision import POLICIES
 from .specs import Job
 from .strategies import STRATEGIES
 
-KINDS = ("fsdp2", "fsdp1", "accelerate", "deepspeed", "torchrun")
+KINDS = ("fsdp2", "fsdp1", "accelerate", "deepspeed", "torchrun", "torchtitan")
 _OWN_KINDS = {kind: write for f in FRAMEWORKS.values() for kind, write in f.emitters.items()}
 WRITES = {
     "fsdp2": _fsdp.FSDP2_STRATEGIES,
     "fsdp1": tuple(_fsdp.FSDP1_SHARDING),
     "deepspeed": tuple(_deepspeed.ZERO_STAGE),
+    "torchtitan": ("fsdp-full-shard", "fsdp-hybrid-shard", "ddp"),
 }
 """The strategies each framework's own form writes (accelerate and torchrun launch any)."""
 
@@ -76,6 +78,71 @@ def launch_command(job: Job, script: str = "train.py") -> str:
     )
 
 
+TORCHTITAN_SCHEDULES = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved-1f1b": "Interleaved1F1B",
+    "zero-bubble": "InterleavedZeroBubble",
+}
+"""torch.distributed.pipelining's schedule names (schedules.py get_schedule_class), as torchtitan's
+pipeline_parallel_schedule takes them."""
+TORCHTITAN_AC = {"none": "none", "selective": "selective", "op": "selective", "full": "full"}
+"""memplan's AC policies as torchtitan's: none, SelectiveAC (per-op) or FullAC."""
+
+
+def torchtitan_sections(job: Job) -> dict[str, dict]:
+    """The [training], [parallelism] and [activation_checkpoint] sections of a torchtitan job
+    config (TrainingConfig and ParallelismConfig field names, torchtitan/config/configs.py)."""
+    layout, strategy, t = job.layout, STRATEGIES[job.plan.strategy], job.train
+    if job.plan.strategy not in WRITES["torchtitan"]:
+        raise MemplanError(
+            lambda n: f"{n('emit')} torchtitan writes FSDP2, HSDP or DDP over dp, not strategy {job.plan.strategy}"
+        )
+    # HSDP shards within the node's dp ranks and replicates across; FSDP shards over every dp rank
+    shard = {"ddp": 1, "fsdp-hybrid-shard": max(1, job.cluster.gpus_per_node // (layout.tp * layout.cp))}.get(
+        strategy.id, job.dp
+    )
+    local = t.micro_batch * layout.microbatches
+    training: dict[str, int | str] = {
+        "local_batch_size": local,
+        "global_batch_size": local * job.dp * t.grad_accum,
+        "seq_len": t.seq_len,
+    }
+    if POLICIES[t.precision].master:
+        training["mixed_precision_param"] = {"bf16": "bfloat16", "fp16": "float16"}[POLICIES[t.precision].compute_dtype]
+    parallelism = {
+        "data_parallel_replicate_degree": job.dp // shard,
+        "data_parallel_shard_degree": shard,
+        "tensor_parallel_degree": layout.tp,
+        "enable_sequence_parallel": layout.sp,
+        "context_parallel_degree": layout.cp,
+        "pipeline_parallel_degree": layout.pp,
+        "pipeline_parallel_schedule": TORCHTITAN_SCHEDULES[layout.pp_schedule],
+        "pipeline_parallel_microbatch_size": t.micro_batch,
+        "expert_parallel_degree": layout.ep,
+    }
+    return {
+        "training": training,
+        "parallelism": parallelism,
+        "activation_checkpoint": {"mode": TORCHTITAN_AC[t.activation_checkpointing]},
+    }
+
+
+def torchtitan_toml(job: Job) -> str:
+    """``torchtitan_sections`` as TOML text (flat tables of scalars: written here, no dependency)."""
+    lines = [f"# {header(job)}", f"# layout: {job.layout.describe()} × dp {job.dp}"]
+    for section, values in torchtitan_sections(job).items():
+        lines += ["", f"[{section}]"]
+        lines += [f"{key} = {_toml(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else str(value)
+
+
 def emit(job: Job, kind: str) -> str:
     """The launch configuration of ``kind`` for ``job`` as text."""
     if kind in _OWN_KINDS:
@@ -85,4 +152,6 @@ def emit(job: Job, kind: str) -> str:
         return f"# {header(job)}\n{note}" + yaml.safe_dump(accelerate_config(job), sort_keys=False)
     if kind == "torchrun":
         return launch_command(job)
+    if kind == "torchtitan":
+        return torchtitan_toml(job)
     raise MemplanError(f"emit {kind!r} is not one of: {', '.join(KINDS)}")

@@ -93,7 +93,8 @@ def build_jobs(request: Request | None = None, /, **inputs) -> tuple[ModelChoice
         headroom=c.headroom,
         precision=train.precision,
     )
-    ids = strategies_for(plan.strategy, plan.offload, cluster.gpus)
+    layout = request.layout.spec()
+    ids = strategies_for(plan.strategy, plan.offload, layout.dp(cluster.gpus))
     if not ids:
         raise InputError(
             f"no strategy supports offload {plan.offload!r}",
@@ -102,5 +103,6 @@ def build_jobs(request: Request | None = None, /, **inputs) -> tuple[ModelChoice
             accepted="an offload some strategy supports on these GPUs",
         )
     return choice, [
-        Job(model=choice.spec, train=train, cluster=cluster, plan=Plan(strategy=s, offload=plan.offload)) for s in ids
+        Job(model=choice.spec, train=train, cluster=cluster, plan=Plan(strategy=s, offload=plan.offload), layout=layout)
+        for s in ids
     ]

@@ -313,8 +313,8 @@ class Step:
             return {"grads": grads, "grads.carried": grads, "grads.last_block": grads, "grads.first_block": grads}
         # the input embedding's gradient comes last, after the first block's backward (a tied
         # embedding already has it from the head)
-        pending = model.embedding_params() - (model.vocab_size * model.hidden if model.tied_embeddings else 0)
-        own = self.block_params if self.framework.block_grads_after_reduce else 0
+        pending = self.pending_params()
+        own = self.own_block_grads()
         what = "params (all but the input embedding" + (" and the first block)" if own else ")")
         groups = {
             "grads": grads,
@@ -329,6 +329,15 @@ class Step:
                 self.root_params + after * self.block_params, f"embedding/head params and {after} blocks"
             )
         return groups
+
+    def own_block_grads(self) -> int:
+        """Parameters of the first block whose gradients are not yet counted inside its backward."""
+        return self.block_params if self.framework.block_grads_after_reduce else 0
+
+    def pending_params(self) -> int:
+        """The input embedding's parameters, whose gradient comes last (none apart when tied)."""
+        model = self.job.model
+        return model.embedding_params() - (model.vocab_size * model.hidden if model.tied_embeddings else 0)
 
     def holds_root_grads(self) -> bool:
         return self.framework.id == "fsdp" and not self.job.train.optimizer_in_backward
@@ -672,6 +681,10 @@ def loop_notes(job: Job) -> tuple[str, ...]:
 @lru_cache(maxsize=4096)
 def estimate(job: Job) -> Estimate:
     """Peak per-GPU memory of one configuration: the largest of the step's moments."""
+    if not job.layout.is_data_parallel:
+        from .parallel import estimate_layout
+
+        return estimate_layout(job)
     step = Step(job)
     moments = step.moments()
     peak = max(moments, key=lambda m: m.allocated_bytes)

@@ -35,6 +35,7 @@ def inputs_dict(choice: ModelChoice, est: Estimate) -> dict:
         "train": {k: getattr(job.train, k) for k in job.train.__dataclass_fields__},
         "cluster": {k: getattr(job.cluster, k) for k in job.cluster.__dataclass_fields__},
         "loop": [asdict(c) for c in loop.conventions + loop.elsewhere],
+        **({} if job.layout.is_data_parallel else {"layout": {**asdict(job.layout), "dp": job.dp}}),
     }
 
 
@@ -61,7 +62,43 @@ def estimate_dict(est: Estimate, relative_throughput: float | None = None) -> di
         "headroom_bytes": est.headroom_bytes,
         "relative_throughput": relative_throughput,
         "notes": list(est.notes),
+        **layout_dict(est),
     }
+
+
+def layout_dict(est: Estimate) -> dict:
+    """The layout and every pipeline rank's peak, for a job with a layout (nothing otherwise)."""
+    if est.job.layout.is_data_parallel:
+        return {}
+    stages = getattr(est, "stages", ())
+    return {
+        "layout": {**asdict(est.job.layout), "dp": est.job.dp},
+        "worst_stage": getattr(est, "worst_stage", 0),
+        "stages": [
+            {
+                "pp_rank": i,
+                "phase": s.phase,
+                "peak_moment": s.peak.label,
+                "allocated": s.allocated_bytes,
+                "total": s.total_bytes,
+            }
+            for i, s in enumerate(stages)
+        ],
+    }
+
+
+def stage_lines(estimates: list[Estimate]) -> list[str]:
+    """Under a pipeline, the worst stage of each strategy and every stage's total."""
+    lines = []
+    for est in estimates:
+        stages = getattr(est, "stages", ())
+        if len(stages) > 1:
+            each = ", ".join(_g(s.total_bytes) for s in stages)
+            lines.append(
+                f"worst pipeline stage ({est.job.plan.strategy}): rank {getattr(est, 'worst_stage', 0)} of "
+                f"{len(stages)}; total GiB by stage: {each}"
+            )
+    return lines
 
 
 def calibrated_dict(c: Corrected) -> dict:
@@ -214,6 +251,7 @@ def render_table(
         fits_line(estimates, finals),
         *native_note(estimates),
         *fragmentation_line(estimates),
+        *stage_lines(estimates),
     ]
     if rec:
         lines += ["", *recommendation_summary(rec)]
@@ -223,6 +261,7 @@ def render_table(
 def _header(choice: ModelChoice, job, searched: tuple[str, ...] = ()) -> str:
     c, t = job.cluster, job.train
     model = ("assumed " if choice.assumed else "") + job.model.describe()
+    layout = "" if job.layout.is_data_parallel else f"\nlayout   {job.layout.describe()} × dp {job.dp} (per rank below)"
     return (
         f"model    {model}\n"
         f"training seq {t.seq_len} × micro-batch {t.micro_batch} × accum {t.grad_accum}, {t.precision}, "
@@ -230,6 +269,7 @@ def _header(choice: ModelChoice, job, searched: tuple[str, ...] = ()) -> str:
         f"loop     {in_force(t, searched).describe()}\n"
         f"cluster  {c.gpus} × {c.gpu_name} {_g(c.gpu_mem_bytes)} GiB ({c.num_nodes} node(s) of "
         f"{c.gpus_per_node}), headroom {c.headroom:.0%}: {_g(c.usable_bytes)} GiB usable"
+        f"{layout}"
     )
 
 
@@ -713,3 +753,33 @@ def min_gpus_dict(choice: ModelChoice, result) -> dict:
         "by_strategy": result.by_strategy,
         "calibrated_total_bytes": result.corrected.total_bytes if result.corrected else None,
     }
+
+
+def render_layout_pick(choice: ModelChoice, pick, launch: str | None, fmt: str) -> str:
+    """``recommend --search-layout``: the layout picked, its worst stage, and why."""
+    best = pick.best
+    if fmt == "json":
+        body = {
+            "layout": None if best is None else estimate_dict(best.estimate),
+            "tokens_per_s_per_gpu": None if best is None else best.step.tokens_per_s,
+            "step_s": None if best is None else best.step.step_s,
+            "searched": pick.searched,
+            "fitting": pick.fitting,
+            "reasons": pick.reasons(),
+            "launch": launch,
+        }
+        return json.dumps(body, indent=2)
+    lines = [_header(choice, (best or pick.data_parallel).job), ""]
+    if best is None:
+        lines.append("Nothing fits among the layouts searched.")
+    else:
+        est = best.estimate
+        lines.append(f"Recommended layout: {best.describe()}")
+        lines.append(
+            f"  {_g(est.total_bytes)} GiB per GPU on the worst rank ({_g(est.usable_bytes)} usable), "
+            f"{best.step.tokens_per_s:,.0f} tokens/s per GPU predicted, step {best.step.step_s:.3f} s"
+        )
+    lines += ["Why:", *(f"  - {r}" for r in pick.reasons())]
+    if launch:
+        lines += ["", launch.rstrip("\n")]
+    return "\n".join(lines)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .errors import InputError, UnknownKeywordError
+from .layout import Layout
 from .specs import OFFLOADS, ClusterSpec, ModelSpec, Plan, TrainSpec
 
 SHAPES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
@@ -222,7 +223,41 @@ class StrategyRequest:
                 )
 
 
-PARTS = {"model": ModelRequest, "training": TrainingRequest, "cluster": ClusterRequest, "plan": StrategyRequest}
+@dataclass(frozen=True, kw_only=True)
+class LayoutRequest:
+    """The mesh beyond data parallel (``layout.Layout`` checks the values, ``Job`` them against the model)."""
+
+    tp: int = Layout.tp
+    """Tensor parallel degree (column/row-parallel linears, vocabulary-parallel embedding and head)."""
+    sp: bool = Layout.sp
+    """Sequence parallel with tp > 1 (norms and dropout sharded over the sequence)."""
+    cp: int = Layout.cp
+    """Context parallel degree (ring attention over the sequence)."""
+    pp: int = Layout.pp
+    """Pipeline parallel degree (stages of layers)."""
+    pp_schedule: str = Layout.pp_schedule
+    """gpipe | 1f1b | interleaved-1f1b | zero-bubble."""
+    pp_microbatches: int = Layout.pp_microbatches
+    """Micro-batches per pipeline step; 1: as many as stages."""
+    pp_virtual: int = Layout.pp_virtual
+    """Stages per rank (interleaved-1f1b, zero-bubble)."""
+    ep: int = Layout.ep
+    """Expert parallel degree (MoE models)."""
+
+    def __post_init__(self):
+        self.spec()
+
+    def spec(self) -> Layout:
+        return Layout(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+
+PARTS = {
+    "model": ModelRequest,
+    "training": TrainingRequest,
+    "cluster": ClusterRequest,
+    "plan": StrategyRequest,
+    "layout": LayoutRequest,
+}
 
 
 def _fields() -> dict[str, tuple[str, Field]]:
@@ -257,6 +292,7 @@ class Request:
     training: TrainingRequest = field(default_factory=TrainingRequest)
     cluster: ClusterRequest = field(default_factory=ClusterRequest)
     plan: StrategyRequest = field(default_factory=StrategyRequest)
+    layout: LayoutRequest = field(default_factory=LayoutRequest)
 
     def __post_init__(self):
         for name, cls in PARTS.items():

@@ -12,6 +12,7 @@ from functools import lru_cache
 from typing import TypeVar
 
 from .errors import InputError, MemplanError
+from .layout import Layout, check_layout
 
 ARCHS = ("llama", "gpt2", "neox", "vit")
 ACTIVATIONS = ("silu", "gelu", "gelu_new")
@@ -360,22 +361,42 @@ class Job:
     train: TrainSpec = field(default_factory=TrainSpec)
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     plan: Plan = field(default_factory=Plan)
+    layout: Layout = field(default_factory=Layout)
+    """The mesh beyond data parallel (tp, cp, pp, ep); the plan's strategy runs over dp."""
 
     def __post_init__(self):
         from .strategies import STRATEGIES
 
         if self.model.arch == "vit":
             object.__setattr__(self, "train", _vit_train(self.model, self.train))
+        if not self.layout.is_data_parallel:
+            m = self.model
+            check_layout(
+                self.layout,
+                gpus=self.cluster.gpus,
+                heads=m.num_heads,
+                kv_heads=m.num_kv_heads,
+                ffn=m.ffn_hidden,
+                vocab=m.vocab_size,
+                layers=m.num_layers,
+                seq_len=self.train.seq_len,
+            )
         strategy = STRATEGIES[self.plan.strategy]
-        if not strategy.allows_gpus(self.cluster.gpus):
+        if not strategy.allows_gpus(self.dp):
             raise MemplanError(
                 f"strategy {strategy.id!r} ({strategy.label}) runs on at most {strategy.max_gpus} "
-                f"GPU, got gpus={self.cluster.gpus}; use ddp or a sharded strategy"
+                f"GPU, got {'gpus' if self.layout.is_data_parallel else 'dp'}={self.dp}; use ddp or a sharded strategy"
             )
+
+    @property
+    def dp(self) -> int:
+        """GPUs the plan's strategy shards or replicates over: all of them without a layout."""
+        return self.layout.dp(self.cluster.gpus)
 
     def with_(self, **changes) -> Job:
         """Copy with fields of the nested specs changed by name, e.g. ``with_(gpus=16, micro_batch=2)``."""
-        known = {name for part in (self.model, self.train, self.cluster, self.plan) for name in _fields_of(part)}
+        parts = (self.model, self.train, self.cluster, self.plan, self.layout)
+        known = {name for part in parts for name in _fields_of(part)}
         unknown = next((key for key in changes if key not in known), None)
         if unknown is not None:
             raise MemplanError(f"unknown setting {unknown!r}")
@@ -385,10 +406,11 @@ class Job:
             train=_changed(self.train, changes),
             cluster=_changed(self.cluster, changes),
             plan=_changed(self.plan, changes),
+            layout=_changed(self.layout, changes),
         )
 
 
-_Part = TypeVar("_Part", ModelSpec, TrainSpec, ClusterSpec, Plan)
+_Part = TypeVar("_Part", ModelSpec, TrainSpec, ClusterSpec, Plan, Layout)
 
 
 def _fields_of(part) -> dict:

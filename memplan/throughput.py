@@ -3,7 +3,7 @@ each strategy moves, and offload traffic over the host link. Pure functions; the
 are rows of tables/throughput.csv and tables/interconnects.csv.
 
 Known limitations: no collective latency term, no kernel efficiency below the MFU default,
-no tensor or pipeline parallelism; the documented penalties in tables/rules.csv are compared
+no async TP or pipeline overlap of the model-parallel traffic; the documented penalties in tables/rules.csv are compared
 with these numbers, not fed into them.
 """
 
@@ -159,15 +159,18 @@ def comm_seconds(job: Job, link: Link) -> float:
     """
     strategy = STRATEGIES[job.plan.strategy]
     policy = POLICIES[job.train.precision]
-    p, n, k = job.model.num_params, job.cluster.gpus, job.cluster.gpus_per_node
+    # under a layout the strategy runs over dp × cp ranks, each holding 1/(tp·pp) of the parameters
+    layout = job.layout
+    p, n = job.model.num_params // (layout.tp * layout.pp), job.dp * layout.cp
+    k = max(1, job.cluster.gpus_per_node // layout.tp)
     reduce_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}.get(job.train.reduce_dtype or "", policy.grad_bytes)
     grads, weights = p * reduce_bytes, p * policy.param_bytes
-    micro = job.train.grad_accum
+    micro = job.train.grad_accum * layout.microbatches
     slow = link.inter_node_bytes_s if job.cluster.num_nodes > 1 else link.intra_node_bytes_s
     if n == 1:
         return 0.0
     if strategy.shard_group == "node":
-        m = job.cluster.num_nodes
+        m = n // k
         intra = _ring(k) * (2 * weights * micro + grads) / link.intra_node_bytes_s
         inter = 2 * _ring(m) * grads / k / link.inter_node_bytes_s if m > 1 else 0.0
         return intra + inter
@@ -210,11 +213,13 @@ def step_time(
 ) -> StepTime:
     """Compute over peak × MFU (or over a measured ``achieved_flops``); communication hidden up
     to ``overlap`` × compute, or a measured ``exposed_fraction`` of it left exposed."""
-    tokens = job.train.seq_len * job.train.micro_batch * job.train.grad_accum
+    layout = job.layout
+    # one model replica's tokens, its FLOPs split over the tp·cp·pp GPUs it spans
+    tokens = job.train.seq_len * job.train.micro_batch * job.train.grad_accum * layout.microbatches
     if achieved_flops is None:
         mfu = default("mfu") if mfu is None else mfu
         achieved_flops = link.gpu.peak_flops(job.train.precision) * mfu
-    compute = tokens * flops_per_token(job) / achieved_flops
+    compute = tokens * flops_per_token(job) / achieved_flops / layout.model_parallel * (1 + bubble_fraction(job))
     comm = comm_seconds(job, link)
     if exposed_fraction is None:
         overlap = default("overlap_fraction") if overlap is None else overlap
@@ -224,10 +229,48 @@ def step_time(
     return StepTime(
         compute_s=compute,
         comm_s=comm,
-        exposed_comm_s=exposed,
+        exposed_comm_s=exposed + model_parallel_seconds(job, link),
         offload_s=offload_seconds(job, link),
-        tokens_per_step=tokens,
+        tokens_per_step=tokens // layout.model_parallel,
     )
+
+
+def bubble_fraction(job: Job) -> float:
+    """Idle time of a pipeline over its compute: (pp − 1)/(M·V) for GPipe, 1F1B and interleaved
+    1F1B (Narayanan et al. 2021, Megatron-LM §2.2: interleaving divides the bubble by V);
+    the zero-bubble schedule leaves a fraction of that (tables/throughput.csv)."""
+    layout = job.layout
+    if layout.pp == 1:
+        return 0.0
+    bubble = (layout.pp - 1) / (layout.microbatches * layout.pp_virtual)
+    return bubble * default("zero_bubble_ratio") if layout.pp_schedule == "zero-bubble" else bubble
+
+
+def model_parallel_seconds(job: Job, link: Link) -> float:
+    """Exposed seconds of the model-parallel traffic of one step (none without a layout).
+
+    TP: per layer and micro-batch, forward and backward each run two all-gathers and two
+    reduce-scatters of the b·s·h stream under SP (two all-reduces without: the same bytes),
+    (tp−1)/tp·b·s·h·c each, on the link within the node (Korthikanti et al. 2022 §4.2.2), not
+    overlapped (async TP is not modelled). CP: ring attention passes K and V round the cp ranks
+    in forward, K, V and their gradients in backward, (cp−1)·b·(s/cp)·2·kv·c per pass (torch's
+    ``_templated_ring_attention``), hidden behind attention up to ``overlap_fraction``. PP: each
+    stage boundary sends the stream forward and its gradient back per micro-batch."""
+    layout = job.layout
+    if layout.is_data_parallel:
+        return 0.0
+    m, t = job.model, job.train
+    c = POLICIES[t.precision].compute_bytes
+    micro = t.grad_accum * layout.microbatches
+    stream = t.micro_batch * t.seq_len * m.hidden * c // layout.cp
+    layers = m.num_layers / layout.pp
+    intra = link.intra_node_bytes_s
+    across = link.inter_node_bytes_s if job.cluster.num_nodes > 1 else intra
+    tp = 8 * _ring(layout.tp) * stream * layers * micro / (intra if layout.tp <= job.cluster.gpus_per_node else across)
+    kv = t.micro_batch * (t.seq_len // layout.cp) * 2 * m.kv_hidden * c
+    cp = 3 * (layout.cp - 1) * kv * layers * micro / across * (1 - default("overlap_fraction"))
+    pp = 2 * micro * stream / layout.tp * (layout.pp > 1) / across
+    return tp + cp + pp
 
 
 def relative_to_ddp(job: Job, timer: Callable[[Job], StepTime]) -> float:

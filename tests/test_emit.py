@@ -105,7 +105,7 @@ def test_emit_refuses_what_does_not_apply():
         emit(job("zero3"), "fsdp2")
     with pytest.raises(MemplanError, match="emit 'yaml' is not one of"):
         emit(job("ddp"), "yaml")
-    assert set(KINDS) == {"fsdp2", "fsdp1", "accelerate", "deepspeed", "torchrun"}
+    assert set(KINDS) == {"fsdp2", "fsdp1", "accelerate", "deepspeed", "torchrun", "torchtitan"}
 
 
 def test_cli_recommend_emit():

@@ -21,7 +21,7 @@ def job(strategy, **kw):
 def test_every_strategy_names_a_registered_adapter_and_every_emit_kind_has_one_writer():
     assert {s.framework for s in STRATEGIES.values()} == set(FRAMEWORKS)
     own = [kind for f in FRAMEWORKS.values() for kind in f.emitters]
-    assert len(own) == len(set(own)) and set(own) | {"accelerate", "torchrun"} == set(KINDS)
+    assert len(own) == len(set(own)) and set(own) | {"accelerate", "torchrun", "torchtitan"} == set(KINDS)
     for f in FRAMEWORKS.values():
         assert set(f.native_precisions) <= set(PRECISIONS) and "fp32" in f.native_precisions
 

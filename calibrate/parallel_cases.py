@@ -1,0 +1,87 @@
+"""The parallel matrix's cases (issue 14), torch-free: the Jobs ``calibrate.parallel`` measures
+and the records' Jobs, which the fast tests estimate without torch."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from memplan.layout import Layout
+from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
+
+OUT = Path("docs/parallel_matrix_cpu.jsonl")
+
+MODEL_KV2 = ModelSpec(
+    name="llama-h256-kv2",
+    arch="llama",
+    num_layers=4,
+    hidden=256,
+    num_heads=4,
+    num_kv_heads=2,
+    ffn_hidden=704,
+    vocab_size=2048,
+)
+MODEL_KV4 = dataclasses.replace(MODEL_KV2, name="llama-h256-kv4", num_kv_heads=4, vocab_size=4096)
+
+
+def case_job(*, model: ModelSpec, gpus: int, strategy: str, seq: int, micro_batch: int, **layout) -> Job:
+    return Job(
+        model=model,
+        train=TrainSpec(seq_len=seq, micro_batch=micro_batch, precision="fp32", device="cpu"),
+        cluster=ClusterSpec(gpus=gpus),
+        plan=Plan(strategy=strategy),
+        layout=Layout(**layout),
+    )
+
+
+def _case(name, model=MODEL_KV2, *, gpus, strategy="single", seq=256, micro_batch=2, **layout):
+    return name, case_job(model=model, gpus=gpus, strategy=strategy, seq=seq, micro_batch=micro_batch, **layout)
+
+
+CASES = dict(
+    (
+        _case("tp2-nosp", gpus=2, tp=2, sp=False),
+        _case("tp2-sp", gpus=2, tp=2),
+        _case("tp2-sp-b4", gpus=2, tp=2, micro_batch=4),
+        _case("tp2-sp-s512", gpus=2, tp=2, seq=512, micro_batch=1),
+        _case("tp4-sp", MODEL_KV4, gpus=4, tp=4),
+        _case("tp4-nosp", MODEL_KV4, gpus=4, tp=4, sp=False),
+        _case("pp2-1f1b-m4", gpus=2, pp=2, pp_microbatches=4),
+        _case("pp2-1f1b-m8", gpus=2, pp=2, pp_microbatches=8, micro_batch=1),
+        _case("pp2-gpipe-m4", gpus=2, pp=2, pp_schedule="gpipe", pp_microbatches=4),
+        _case("pp4-1f1b-m4", gpus=4, pp=4, pp_microbatches=4),
+        _case("pp4-1f1b-m8", gpus=4, pp=4, pp_microbatches=8, micro_batch=1),
+        _case("pp2-int-v2-m4", gpus=2, pp=2, pp_schedule="interleaved-1f1b", pp_virtual=2, pp_microbatches=4),
+        _case(
+            "pp2-int-v2-m8",
+            gpus=2,
+            pp=2,
+            pp_schedule="interleaved-1f1b",
+            pp_virtual=2,
+            pp_microbatches=8,
+            micro_batch=1,
+        ),
+        _case("pp4-int-v1-m8", gpus=4, pp=4, pp_schedule="interleaved-1f1b", pp_microbatches=8, micro_batch=1),
+        _case("tp2-pp2-1f1b-m4", gpus=4, tp=2, pp=2, pp_microbatches=4),
+        _case("tp2-nosp-pp2-1f1b-m4", gpus=4, tp=2, sp=False, pp=2, pp_microbatches=4),
+        _case("dp2-tp2-fsdp", gpus=4, strategy="fsdp-full-shard", tp=2),
+        _case("tp2-sp-s128-b8", gpus=2, tp=2, seq=128, micro_batch=8),
+        _case("dp2-pp2-fsdp-m4", gpus=4, strategy="fsdp-full-shard", pp=2, pp_microbatches=4),
+        _case("dp2-pp2-ddp-m4", gpus=4, strategy="ddp", pp=2, pp_microbatches=4),
+        _case(
+            "tp2-sp-pp2-int-v2-m4", gpus=4, tp=2, pp=2, pp_schedule="interleaved-1f1b", pp_virtual=2, pp_microbatches=4
+        ),
+    )
+)
+
+
+def job_of(rec: dict) -> Job:
+    """The Job a record was measured for (fast tests rebuild it without torch)."""
+    return case_job(
+        model=ModelSpec(**rec["model"]),
+        gpus=rec["gpus"],
+        strategy=rec["strategy"],
+        seq=rec["seq_len"],
+        micro_batch=rec["micro_batch"],
+        **rec["layout"],
+    )

@@ -1,0 +1,66 @@
+"""docs/parallel_matrix_cpu.md: each recorded parallel case, measured against today's estimate
+on the worst rank (torch-free: the records and memplan only)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from memplan.memory import estimate
+
+from .parallel_cases import job_of
+
+MIB = 2**20
+
+
+def rows(path: Path) -> list[dict]:
+    """One row per record: the worst rank measured and estimated, and the error."""
+    out = []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        est = estimate(job_of(rec))
+        measured, predicted = rec["measured_bytes"], est.allocated_bytes
+        out.append(
+            {
+                "case": rec["case"],
+                "layout": job_of(rec).layout.describe(),
+                "strategy": rec["strategy"],
+                "gpus": rec["gpus"],
+                "measured_mib": measured / MIB,
+                "measured_stage": rec["worst_pp_rank"],
+                "estimated_mib": predicted / MIB,
+                "estimated_stage": getattr(est, "worst_stage", 0),
+                "error_pct": 100 * (predicted - measured) / measured,
+            }
+        )
+    return out
+
+
+def write_report(path: Path) -> None:
+    table = rows(path)
+    lines = [
+        "# Parallel matrix on CPU (gloo), worst rank",
+        "",
+        "Measured: peak live bytes (MemTracker) of each rank over the last of three steps, fp32, "
+        "AdamW; `python -m calibrate.parallel`. Estimated: `memplan.memory.estimate` of the same Job "
+        "today (`python -m calibrate.parallel --report`). Stage: the pipeline rank at the peak.",
+        "",
+        "| case | layout | dp strategy | ranks | measured MiB | stage | estimated MiB | stage | error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in table:
+        lines.append(
+            f"| {r['case']} | {r['layout']} | {r['strategy']} | {r['gpus']} | {r['measured_mib']:.2f} | "
+            f"{r['measured_stage']} | {r['estimated_mib']:.2f} | {r['estimated_stage']} | {r['error_pct']:+.1f} % |"
+        )
+    worst = max(abs(r["error_pct"]) for r in table)
+    within = sum(abs(r["error_pct"]) <= 2 for r in table)
+    lines += ["", f"{len(table)} cases, {within} within 2 %; largest error {worst:.1f} %."]
+    first = path.with_suffix(".first.md")
+    if first.exists():
+        lines += [
+            "",
+            f"The first table, measured before any model change, is `{first.name}` (the model as it was "
+            "then, on the same records).",
+        ]
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -1,0 +1,172 @@
+"""The layout search (issue 14): tp within the node × pp (1F1B or interleaved) × the dp
+strategy × AC × micro-batch, each estimated on its worst rank and timed by the throughput
+model; the fastest that fits is the pick, with the numbers that say why."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+from ..breakdown import Estimate
+from ..layout import Layout
+from ..memory import estimate
+from ..parallel.step import worst_estimate
+from ..specs import Job
+from ..throughput import Link, StepTime, bubble_fraction, default, step_time
+
+DP_STRATEGIES = ("fsdp-full-shard", "fsdp-hybrid-shard", "ddp")
+"""The data-parallel dimension as torchtitan runs it: FSDP2, HSDP or DDP."""
+AC_SEARCHED = ("none", "selective", "full")
+MICRO_BATCHES = (1, 2, 4)
+PP_DEGREES = (1, 2, 4, 8, 16)
+CP_DEGREES = (1, 2, 4)
+LONG_SEQUENCE = 32768
+"""Sequences from which the search tries context parallel."""
+MICROBATCHES_PER_STAGE = 4
+"""Pipeline micro-batches searched: 4 per rank, the bubble (pp−1)/(4·pp·V) under 1F1B."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutOption:
+    """One layout with its strategy and step settings, estimated on its worst rank and timed."""
+
+    estimate: Estimate
+    step: StepTime
+
+    @property
+    def job(self) -> Job:
+        return self.estimate.job
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate.fits
+
+    def describe(self) -> str:
+        job = self.job
+        return (
+            f"{job.layout.describe()} × dp {job.dp} ({job.plan.strategy}), AC {job.train.activation_checkpointing}, "
+            f"micro-batch {job.train.micro_batch}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutPick:
+    """The search's result: the pick (None: nothing fits), the data-parallel baseline it beat
+    and how many layouts were searched and fit."""
+
+    best: LayoutOption | None
+    data_parallel: LayoutOption
+    """The least memory data parallel alone needs (FSDP over every GPU, full AC, micro-batch 1)."""
+    searched: int
+    fitting: int
+
+    def reasons(self) -> list[str]:
+        """Why the pick, in numbers."""
+        dp = self.data_parallel
+        gib = 2**30
+        lines = [
+            f"{dp.job.plan.strategy} alone over {dp.job.cluster.gpus} GPUs needs "
+            f"{dp.estimate.total_bytes / gib:.1f} GiB per GPU even with AC full at micro-batch 1; "
+            f"{dp.estimate.usable_bytes / gib:.1f} GiB usable"
+            + ("" if not dp.fits else " (it fits, and is the baseline the layouts beat)")
+        ]
+        best = self.best
+        if best is None:
+            return [*lines, f"none of {self.searched} layouts searched fits"]
+        job = best.job
+        layout, per_node = job.layout, job.cluster.gpus_per_node
+        if layout.tp > 1:
+            lines.append(
+                f"TP {layout.tp} within the node ({per_node} GPUs): each rank holds 1/{layout.tp} of every block, "
+                "its per-layer collectives stay on the intra-node link"
+            )
+        if layout.cp > 1:
+            lines.append(
+                f"CP {layout.cp}: each rank holds 1/{layout.cp} of the {job.train.seq_len}-token sequence's "
+                "activations, K and V passed round the ring"
+            )
+        if layout.pp > 1:
+            lines.append(
+                f"PP {layout.pp} ({layout.pp_schedule}, {layout.microbatches} micro-batches"
+                + (f", {layout.pp_virtual} stages per rank" if layout.pp_virtual > 1 else "")
+                + f"): bubble {bubble_fraction(job):.1%} of compute; worst stage rank "
+                f"{getattr(best.estimate, 'worst_stage', 0)} at {best.estimate.total_bytes / gib:.1f} GiB"
+            )
+        lines.append(
+            f"fastest of {self.fitting} fitting layouts among {self.searched} searched that keep "
+            f"{default('safe_headroom_fraction'):.0%} of the memory free: "
+            f"{best.step.tokens_per_s:,.0f} tokens/s per GPU predicted"
+        )
+        return lines
+
+
+def _tp_degrees(job: Job) -> list[int]:
+    m, per_node = job.model, job.cluster.gpus_per_node
+    sizes = (m.num_heads, m.num_kv_heads, m.ffn_hidden, m.vocab_size)
+    return [t for t in (1, 2, 4, 8) if t <= per_node and all(n % t == 0 for n in sizes)]
+
+
+def _cp_degrees(job: Job) -> list[int]:
+    """Context parallel for long sequences only (torchtitan's long-context runs), within the node beside TP."""
+    s = job.train.seq_len
+    return [c for c in CP_DEGREES if c == 1 or (s >= LONG_SEQUENCE and s % (2 * c) == 0)]
+
+
+def _layouts(job: Job) -> list[Layout]:
+    out = []
+    for tp, cp, pp in itertools.product(_tp_degrees(job), _cp_degrees(job), PP_DEGREES):
+        if job.cluster.gpus % (tp * cp * pp) or pp > job.model.num_layers or tp * cp > job.cluster.gpus_per_node:
+            continue
+        m = MICROBATCHES_PER_STAGE * pp
+        if pp == 1:
+            out.append(Layout(tp=tp, cp=cp))
+            continue
+        out.append(Layout(tp=tp, cp=cp, pp=pp, pp_microbatches=m))
+        if job.model.num_layers >= 2 * pp:
+            out.append(Layout(tp=tp, cp=cp, pp=pp, pp_microbatches=m, pp_schedule="interleaved-1f1b", pp_virtual=2))
+    return out
+
+
+def _option(job: Job, link: Link) -> LayoutOption:
+    found = estimate(job) if job.layout.pp == 1 else worst_estimate(job)
+    return LayoutOption(estimate=found, step=step_time(job, link))
+
+
+def _rank(option: LayoutOption) -> tuple:
+    """A layout with the safe margin of headroom first (as ``options.rank`` prefers), then the fastest."""
+    tight = option.estimate.headroom_bytes < default("safe_headroom_fraction") * option.estimate.usable_bytes
+    return (tight, -option.step.tokens_per_s)
+
+
+def search_layouts(job: Job, link: Link) -> LayoutPick:
+    """Every layout of ``_layouts`` × ``DP_STRATEGIES`` × ``AC_SEARCHED`` × ``MICRO_BATCHES``; for
+    each layout and strategy the AC and micro-batch are searched from the cheapest recompute
+    and the largest batch down, stopping at the first that fits (the fastest of that layout)."""
+    fitting, searched = [], 0
+    for layout in _layouts(job):
+        for strategy in DP_STRATEGIES:
+            if strategy == "fsdp-hybrid-shard" and job.cluster.num_nodes == 1:
+                continue
+            # the least memory first (AC full, micro-batch 1): where it does not fit, nothing does
+            settings = [("full", 1), *itertools.product(AC_SEARCHED, sorted(MICRO_BATCHES, reverse=True))]
+            for i, (ac, micro) in enumerate(settings):
+                candidate = replace(
+                    job,
+                    plan=replace(job.plan, strategy=strategy),
+                    train=replace(job.train, activation_checkpointing=ac, micro_batch=micro),
+                    layout=layout,
+                )
+                searched += 1
+                option = _option(candidate, link)
+                if option.fits and i > 0:
+                    fitting.append(option)
+                if option.fits == (i > 0):
+                    break
+    baseline_job = replace(
+        job,
+        plan=replace(job.plan, strategy="fsdp-full-shard"),
+        train=replace(job.train, activation_checkpointing="full", micro_batch=1),
+        layout=Layout(),
+    )
+    best = min(fitting, key=_rank, default=None)
+    return LayoutPick(best=best, data_parallel=_option(baseline_job, link), searched=searched, fitting=len(fitting))

@@ -1,0 +1,306 @@
+"""One rank of the device mesh as ``memory.Step`` sees a job: the data-parallel step of the
+rank's share of the model (its pipeline stage's layers, its TP slice of each), with the
+micro-batches its pipeline schedule keeps in flight and the pipeline's receive buffers."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from ..activations import model_saved, shapes
+from ..breakdown import Component, Estimate, Term
+from ..checkpointing import checkpointed
+from ..frameworks.base import term
+from ..layout import MULTI_STAGE
+from ..memory import Step, loop_notes
+from ..overheads import overhead_terms
+from ..specs import Job
+from . import context, pipeline, tensor
+from .pipeline import Stage
+
+A, B = Component.ACTIVATIONS, Component.BUFFERS
+_OUTSIDE = ("activations.outside", "loss.forward", "loss.backward", "logits.forward", "logits.loss", "logits.block")
+
+
+def stage_job(job: Job, stage: Stage) -> Job:
+    """The data-parallel job one rank runs: its stage's largest chunk of layers (the unit one
+    micro-batch goes through at a time) on the dp GPUs its strategy shards over."""
+    layout, cluster = job.layout, job.cluster
+    # the CP ranks hold the same parameters: the strategy shards over dp × cp (torchtitan's dp_shard_cp mesh)
+    ranks = job.dp * layout.cp
+    per_node = max(1, cluster.gpus_per_node // layout.tp)
+    dp_cluster = replace(cluster, gpus=ranks, gpus_per_node=math.gcd(ranks, per_node))
+    model = replace(job.model, num_layers=max(stage.chunk_layers))
+    # context parallel: each rank runs the step on its 1/cp of the sequence (context.py)
+    train = replace(job.train, seq_len=job.train.seq_len // layout.cp) if layout.cp > 1 else job.train
+    return Job(model=model, train=train, cluster=dp_cluster, plan=job.plan)
+
+
+class RankStep(Step):
+    """``Step`` on one rank: parameters counted per TP slice and stage, saved tensors sharded
+    (``tensor.shard_saved``), the stage's earlier micro-batches in flight, its receive buffers."""
+
+    def __init__(self, job: Job, stage: Stage):
+        super().__init__(stage_job(job, stage))
+        self.layout, self.stage, self.whole = job.layout, stage, job
+        self._sharded: dict[bool, list] = {}
+        model, tp = job.model, job.layout.tp
+        self.block_params = tensor.block_params(model, tp)
+        self.root_params = (tensor.embedding_params(model, tp) if stage.first else 0) + (
+            tensor.head_params(model, tp) if stage.last else 0
+        )
+        self.params = stage.layers * self.block_params + self.root_params
+
+    def pending_params(self) -> int:
+        return tensor.embedding_params(self.whole.model, self.layout.tp) if self.stage.first else 0
+
+    def own_block_grads(self) -> int:
+        # a stage of few blocks peaks inside its first micro-batch's backward, when the block's own
+        # gradients are mostly still to come (measured: pp4-1f1b-m4, one block per stage, holds
+        # only the down projection's gradient at its peak)
+        return self.block_params
+
+    def largest_param(self) -> int:
+        m, tp = self.whole.model, self.layout.tp
+        vocab = m.vocab_size * m.hidden // tp if self.stage.first or self.stage.last else 0
+        return max(vocab, m.hidden * m.ffn_hidden // tp, m.hidden * m.hidden // tp)
+
+    def kept(self, index: int):
+        policy = checkpointed(index, self.job.train.loop.ac_every)
+        if policy not in self._sharded:
+            self._sharded[policy] = tensor.shard_saved(super().kept(index), self.layout)
+        return self._sharded[policy]
+
+    def transient_terms(self, index: int) -> list[Term]:
+        terms = tensor.shard_saved(super().transient_terms(index), self.layout)
+        terms = terms + context.ring_buffers(self.job.model, self.job.train, self.layout)
+        if self.sends():
+            # a stage's backward starts from the received output gradient (its buffer) and makes
+            # the gradient of its last block's input beside it (measured: one more b·s·h at the peak)
+            terms = terms + [
+                term(A, "pipeline.grad_in", "gradient through the stage's blocks", "r·b·s·h", self.stream_bytes())
+            ]
+        return terms
+
+    def sends(self) -> bool:
+        """Whether some chunk of this rank sends its output on (all but the last stage)."""
+        return not self.stage.last or self.layout.pp_virtual > 1
+
+    def stream_bytes(self) -> int:
+        """One micro-batch's residual stream on this rank: what a stage sends and receives."""
+        x = shapes(self.job.model, self.job.train)
+        return x.r * x.tokens * x.h // (self.layout.tp if self.layout.sp else 1)
+
+    def block_terms(self, indices: range, *, first: bool = False) -> list[Term]:
+        terms = super().block_terms(indices, first=first)
+        stage, one = self.stage, self.job.model.num_layers
+        others = stage.in_flight_layers - one
+        if others > 0:
+            per_block = sum(s.bytes for s in self.kept(0))
+            terms.append(
+                term(
+                    A,
+                    "pipeline.in_flight",
+                    f"kept activations of {others} blocks of earlier micro-batches in flight",
+                    f"{others} × (kept per block)",
+                    others * per_block,
+                )
+            )
+        tables = self.rotary_tables(stage.in_flight - stage.first)
+        terms += [tables] if tables.bytes else []
+        sends = stage.in_flight - (stage.losses_in_flight if stage.last else 0)
+        if sends > 0:
+            # the stage's output stays in fwd_cache until its backward (stage.py forward_one_chunk)
+            terms.append(
+                term(
+                    A,
+                    "pipeline.outputs",
+                    f"stage outputs of {sends} micro-batches (kept for backward)",
+                    f"{sends}·r·b·s·h",
+                    sends * self.stream_bytes(),
+                )
+            )
+        return terms + self.unwaited_sends()
+
+    def unwaited_sends(self) -> list[Term]:
+        """The multi-stage runtime (``_PipelineScheduleRuntime._step_microbatches``) waits for its
+        sends only at the end of the step, so every output and input gradient sent so far stays
+        alive: at the last steady-state step, the outputs of all forwards but those in flight and
+        the input gradients of the backwards done by the rank's non-first chunks."""
+        layout, stage = self.layout, self.stage
+        if layout.pp_schedule not in MULTI_STAGE:
+            return []
+        m, v = layout.microbatches, layout.pp_virtual
+        outputs = max(0, m * (v - stage.last) - stage.in_flight)
+        grads = (m * v - stage.in_flight) * (v - stage.first) // v
+        count = outputs + grads
+        return [
+            term(
+                A,
+                "pipeline.unwaited_sends",
+                f"{count} sent tensors not yet waited for",
+                f"{count}·r·b·s·h",
+                count * self.stream_bytes(),
+            )
+        ]
+
+    def rotary_tables(self, chunks: int) -> Term:
+        """The reference model builds its rotary tables in every stage's forward, and each
+        micro-batch in flight keeps them (the first stage's first are ``model_saved``'s)."""
+        pre = model_saved(self.job.model, self.job.train)[0]
+        one = sum(s.bytes for s in pre if s.name.startswith("rotary"))
+        return term(
+            A, "pipeline.rotary", f"rotary tables of {chunks} chunks in flight", f"{chunks}·2·4·s·d", chunks * one
+        )
+
+    def other_losses(self) -> list[Term]:
+        """GPipe's last stage: the logits and loss of the micro-batches whose backward has not begun."""
+        others = self.stage.losses_in_flight - 1
+        if not self.stage.last or others < 1:
+            return []
+        x = shapes(self.job.model, self.job.train)
+        # the logits in fwd_cache and the loss's log_softmax output, per micro-batch, 1/tp with loss parallel
+        per = (x.c + 4) * x.tokens * x.V // self.layout.tp
+        return [
+            term(
+                A,
+                "pipeline.losses",
+                f"logits and log_softmax of {others} micro-batches",
+                f"{others}·(c + 4)·b·s·V",
+                others * per,
+            )
+        ]
+
+    def grad_groups(self) -> dict[str, list[Term]]:
+        groups = super().grad_groups()
+        grads = self.grad_terms() + self.whole_embedding_grad()
+        if not self.stage.carries_grads:
+            # in the last block's backward only the head's gradients exist: none on a stage without it
+            head = self.grad_share(self.root_params - self.pending_params(), "head params")
+            return {**groups, "grads": grads, "grads.last_block": head}
+        return {key: grads if key.startswith("grads") else value for key, value in groups.items()}
+
+    def whole_embedding_grad(self) -> list[Term]:
+        """The vocabulary-parallel embedding's gradient is made whole on every TP rank (measured on
+        the TP × PP cases of the matrix: one V·h gradient on the first stage where 1/tp of it was
+        expected); without data parallel to reduce-scatter it, it stays so until the step."""
+        m, tp = self.whole.model, self.layout.tp
+        if tp == 1 or not self.stage.first or self.whole.dp > 1:
+            return []
+        extra = m.vocab_size * m.hidden * (tp - 1) // tp
+        nbytes = self.policy.grad_bytes
+        return [
+            term(
+                Component.GRADIENTS,
+                "grads",
+                "embedding gradient, whole on each TP rank",
+                f"{nbytes}·V·h·(tp−1)/tp",
+                nbytes * extra,
+            )
+        ]
+
+    def activation_groups(self) -> dict[str, list[Term]]:
+        groups = super().activation_groups()
+        pre, _post = model_saved(self.job.model, self.job.train)
+        before = {s.name for s in pre}
+        for key in groups:
+            if key in _OUTSIDE or key.startswith("logits."):
+                kept = [t for t in groups[key] if (self.stage.first if t.name in before else self.stage.last)]
+                groups[key] = tensor.shard_saved(kept, self.layout)
+        if self.layout.tp > 1:
+            groups["loss.backward"] = tensor.loss_parallel_backward(groups["loss.backward"], self.layout)
+        for key in ("activations.blocks", "activations.last_block"):
+            groups[key] = groups[key] + self.other_losses()
+        return groups
+
+    def groups(self) -> dict[str, list[Term]]:
+        groups = super().groups()
+        groups["states"] = groups["states"] + self.receive_buffers()
+        if self.layout.tp > 1:
+            # FSDP2's root prefetches the last block's all-gather when backward starts from plain
+            # outputs; from loss parallel's DTensor logits it does not (measured: dp2-tp2-fsdp
+            # holds no prefetched block at its peak, the start of backward)
+            groups["gathered.loss"] = [t for t in groups["gathered.loss"] if t.key != "fsdp.prefetched_block"]
+        return groups
+
+    def receive_buffers(self) -> list[Term]:
+        """stage.py allocates, per micro-batch, an activation buffer for every stage but the
+        first and a gradient buffer for every stage but the last, for the whole step."""
+        if self.layout.pp == 1:
+            return []
+        v, m = self.layout.pp_virtual, self.layout.microbatches
+        buffers = 2 * v - self.stage.first - self.stage.last
+        return [
+            term(
+                B,
+                "pipeline.receive_buffers",
+                f"receive buffers of {buffers} stage ends × {m} micro-batches",
+                f"{buffers}·{m}·r·b·s·h",
+                buffers * m * self.stream_bytes(),
+            )
+        ]
+
+
+@dataclass(frozen=True)
+class LayoutEstimate(Estimate):
+    """The estimate of the worst pipeline rank, with every rank's beside it."""
+
+    stages: tuple[Estimate, ...] = ()
+    worst_stage: int = 0
+
+
+def layout_notes(layout) -> tuple[str, ...]:
+    """What the layout's estimate models without a measurement behind it."""
+    notes: tuple[str, ...] = (context.NOTE,) if layout.cp > 1 else ()
+    if layout.pp > 1 and layout.pp_schedule == "zero-bubble":
+        notes += (
+            "the zero-bubble schedule's micro-batches in flight are modelled from torch's schedule, not measured",
+        )
+    return notes
+
+
+def _rank_estimate(job: Job, stage: Stage) -> Estimate:
+    step = RankStep(job, stage)
+    moments = step.moments()
+    peak = max(moments, key=lambda m: m.allocated_bytes)
+    return Estimate(
+        job=job,
+        peak=peak,
+        moments=tuple(moments),
+        overhead=tuple(overhead_terms(job, peak)),
+        host_bytes=sum(t.bytes for t in step.host_terms()),
+        notes=loop_notes(job) + layout_notes(job.layout),
+    )
+
+
+def estimate_layout(job: Job) -> LayoutEstimate:
+    """Every pipeline rank's estimate; the result is the worst (the peak across the mesh)."""
+    ranks = tuple(_rank_estimate(job, s) for s in pipeline.stages(job.layout, job.model.num_layers))
+    return _worst_of(job, ranks, range(len(ranks)))
+
+
+@lru_cache(maxsize=4096)
+def worst_estimate(job: Job) -> LayoutEstimate:
+    """The worst rank alone, for the layout search: among ranks 1 … pp−2 (no embedding, no head)
+    rank 1 holds the most, as it has the most micro-batches in flight under every schedule and
+    the earliest stages take the layers left over (``pipeline.split_layers``); so the worst is
+    rank 0, rank 1 or the last (tests/test_parallel.py checks it against ``estimate_layout``)."""
+    stages = pipeline.stages(job.layout, job.model.num_layers)
+    indices = sorted({0, min(1, len(stages) - 1), len(stages) - 1})
+    return _worst_of(job, tuple(_rank_estimate(job, stages[i]) for i in indices), indices)
+
+
+def _worst_of(job: Job, ranks: tuple[Estimate, ...], indices) -> LayoutEstimate:
+    worst = max(range(len(ranks)), key=lambda i: ranks[i].allocated_bytes)
+    w = ranks[worst]
+    return LayoutEstimate(
+        job=job,
+        peak=w.peak,
+        moments=w.moments,
+        overhead=w.overhead,
+        host_bytes=w.host_bytes,
+        notes=w.notes,
+        stages=ranks,
+        worst_stage=list(indices)[worst],
+    )

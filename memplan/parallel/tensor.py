@@ -1,0 +1,118 @@
+"""Tensor (+ sequence) parallel, per rank: which parameters and which saved tensors a TP rank
+holds a 1/tp slice of.
+
+The plan is torchtitan's (torchtitan/models/llama3/parallelize.py, ``apply_tp``):
+ColwiseParallel on wq, wk, wv, w1, w3 (their outputs sharded over heads / the MLP width),
+RowwiseParallel on wo, w2 (inputs sharded, output reduce-scattered over the sequence under SP),
+SequenceParallel on the norms (replicated weights, activations sharded over the sequence),
+the token embedding RowwiseParallel over the vocabulary, the head ColwiseParallel with its
+output kept sharded over the vocabulary for loss parallel (``loss_parallel``). What autograd
+saves is ``activations.block_saved``'s list; each entry is sharded one of three ways below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+from typing import TypeVar
+
+from ..activations import Saved
+from ..breakdown import Term
+from ..layout import Layout
+from ..specs import ModelSpec
+
+HEADS = (
+    "q, k, v",
+    "attention output",
+    "sdpa logsumexp",
+    "softmax output (fp32)",
+    "attention probs (compute dtype)",
+    "attention dropout mask",
+    "fused qkv output pinned by v",
+    "SwiGLU gate, silu, up, product",
+    "MLP up output, GELU output",
+    "gelu_new intermediates",
+    "block backward gradient temporaries",
+    "autocast weight copies",
+    "log_softmax output",
+    "fp32 copy of logits",
+    "loss gradients",
+    "logits",
+    "autocast head weight copy",
+)
+"""Saved by or after a column-parallel linear: local heads, a 1/tp slice of the MLP width or of
+the vocabulary (loss parallel), and the weight copies autocast makes of sharded weights."""
+SEQUENCE = (
+    "norm 1",
+    "norm 2",
+    "final norm:",
+    "block input",
+    "residual after attention",
+    "final norm input",
+    "residual dropout masks",
+    "embedding dropout mask",
+    "checkpointed block input",
+)
+"""The residual stream and what the norms keep: a 1/tp slice of the sequence under SP,
+whole without it."""
+# everything else (the norms' outputs that column-parallel linears keep all-gathered, the rotary
+# tables, the head's input) is whole on every TP rank
+
+
+_Item = TypeVar("_Item", Saved, Term)
+
+
+def _divisor(saved: Saved | Term, layout: Layout) -> int:
+    if saved.name.startswith(HEADS):
+        return layout.tp
+    if saved.name.startswith(SEQUENCE) and layout.sp:
+        return layout.tp
+    return 1
+
+
+def shard_saved(saved: list[_Item], layout: Layout) -> list[_Item]:
+    """One TP rank's share of saved tensors or their terms (``activations`` lists them for the
+    whole model)."""
+    if layout.tp == 1:
+        return saved
+    return list(_sharded(tuple(saved), layout))
+
+
+@lru_cache(maxsize=8192)  # the layout search asks for the same lists under every strategy and AC
+def _sharded(saved: tuple, layout: Layout) -> tuple:
+    out = []
+    for s in saved:
+        k = _divisor(s, layout)
+        out.append(s if k == 1 else replace(s, formula=f"({s.formula})/{k}", bytes=s.bytes // k))
+    return tuple(out)
+
+
+def block_params(model: ModelSpec, tp: int) -> int:
+    """One block's parameters on a TP rank: column-parallel weights and biases and row-parallel
+    weights are 1/tp, row-parallel biases and the norms whole."""
+    counts = model.block_param_counts()
+    h = model.hidden
+    row_biases = 2 * h * model.linear_bias  # wo's and w2's biases
+    sharded = counts["attn_qkv"] + counts["attn_out"] + counts["mlp_in"] + counts["mlp_out"] - row_biases
+    return sharded // tp + row_biases + counts["norms"]
+
+
+def embedding_params(model: ModelSpec, tp: int) -> int:
+    """The input side on a TP rank: the token embedding split over the vocabulary."""
+    return model.vocab_size * model.hidden // tp + model.max_positions * model.hidden
+
+
+def head_params(model: ModelSpec, tp: int) -> int:
+    """The output side on a TP rank: the final norm whole, the head split over the vocabulary."""
+    return model.head_params() - (0 if model.tied_embeddings else model.vocab_size * model.hidden * (tp - 1) // tp)
+
+
+def loss_parallel_backward(terms: list[Term], layout: Layout) -> list[Term]:
+    """Loss parallel's backward (torch/distributed/tensor/parallel/loss.py,
+    ``_nll_loss_and_log_softmax_backward``) holds three vocabulary-wide tensors at once (the
+    zeros it scatters into, ``exp(x)`` and their sum) where eager cross-entropy holds two (the
+    nll and log_softmax gradients)."""
+    return [
+        replace(t, formula=f"3/2·{t.formula}", bytes=t.bytes * 3 // 2) if t.name.startswith("loss gradients") else t
+        for t in terms
+    ]

@@ -1,0 +1,257 @@
+"""Tensor, sequence and pipeline parallel (issue 14): the layout's checks, the per-rank
+arithmetic against its sources, and the model against every record of the measured matrix
+(docs/parallel_matrix_cpu.jsonl, worst rank, within 2 %); the slow lane re-runs two cases live."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from calibrate import parallel_cases
+from memplan.errors import MemplanError
+from memplan.layout import Layout
+from memplan.memory import estimate
+from memplan.parallel import pipeline, tensor
+from memplan.parallel.step import estimate_layout, worst_estimate
+from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
+
+TOLERANCE = 0.02
+RECORDS = Path(__file__).resolve().parent.parent / parallel_cases.OUT
+LLAMA = ModelSpec(num_layers=8, hidden=512, num_heads=8, num_kv_heads=4, ffn_hidden=1408, vocab_size=4096)
+
+
+KNOWN: dict[str, str] = {
+    "dp2-pp2-fsdp-m4": (
+        "FSDP2 under pipelining: estimated 2.3 % high (the conservative side); pipelining defers FSDP's "
+        "reshard and reduce-scatter to the last backward (stage.py backward_maybe_with_nosync), which the "
+        "moments do not yet follow"
+    ),
+}
+"""Records the model does not yet meet within 2 %, each with what is known (strict xfails: a fixed
+one must leave the list)."""
+
+
+def _records() -> list[dict]:
+    return [json.loads(line) for line in RECORDS.read_text().splitlines()]
+
+
+def _job(gpus=8, strategy="fsdp-full-shard", **layout) -> Job:
+    return Job(model=LLAMA, cluster=ClusterSpec(gpus=gpus), plan=Plan(strategy=strategy), layout=Layout(**layout))
+
+
+def _record_params():
+    return [
+        pytest.param(
+            r,
+            id=r["case"],
+            marks=[pytest.mark.xfail(strict=True, reason=KNOWN[r["case"]])] if r["case"] in KNOWN else [],
+        )
+        for r in _records()
+    ]
+
+
+@pytest.mark.parametrize("rec", _record_params())
+def test_matrix_record_within_tolerance(rec):
+    """The worst rank's estimate against the worst rank measured."""
+    est = estimate(parallel_cases.job_of(rec))
+    assert est.allocated_bytes == pytest.approx(rec["measured_bytes"], rel=TOLERANCE)
+
+
+def test_matrix_covers_the_issue():
+    layouts = [Layout(**r["layout"]) for r in _records()]
+    assert len(layouts) >= 20
+    assert {lay.tp for lay in layouts} >= {2, 4}
+    assert {lay.pp_schedule for lay in layouts if lay.pp > 1} >= {"1f1b", "interleaved-1f1b"}
+    assert any(lay.tp > 1 and lay.pp > 1 for lay in layouts)
+
+
+def test_default_layout_is_the_data_parallel_estimate():
+    job = _job()
+    assert job.layout.is_data_parallel
+    assert type(estimate(job)).__name__ == "Estimate"
+
+
+@pytest.mark.parametrize(
+    ("changes", "word"),
+    [
+        ({"gpus": 12, "tp": 8}, "gpus 12"),
+        ({"tp": 3, "gpus": 6}, "tp 3"),
+        ({"pp": 8, "pp_virtual": 2, "pp_schedule": "interleaved-1f1b", "pp_microbatches": 8}, "pp 8"),
+        ({"pp": 2, "pp_microbatches": 1, "pp_virtual": 2}, "pp-virtual 2"),
+        ({"pp": 4, "pp_microbatches": 2}, "pp-microbatches 2"),
+        ({"ep": 3}, "ep 3"),
+    ],
+)
+def test_bad_layout_is_one_line_naming_the_value(changes, word):
+    with pytest.raises(MemplanError) as err:
+        _job(**changes)
+    assert word.replace("-", "_") in str(err.value) and "\n" not in str(err.value)
+
+
+def test_tp_block_params_are_the_sharded_linears_plus_whole_norms():
+    counts = LLAMA.block_param_counts()
+    linears = LLAMA.block_params() - counts["norms"]
+    assert tensor.block_params(LLAMA, 4) == linears // 4 + counts["norms"]
+
+
+def test_tp_shards_heads_and_mlp_width_always_the_sequence_only_under_sp():
+    saved = [s for s in _saved()]
+    by_sp = {sp: {s.name: s.bytes for s in tensor.shard_saved(saved, Layout(tp=2, sp=sp))} for sp in (True, False)}
+    whole = {s.name: s.bytes for s in saved}
+    assert by_sp[True]["q, k, v"] == by_sp[False]["q, k, v"] == whole["q, k, v"] // 2
+    assert by_sp[True]["norm 1: rstd"] == whole["norm 1: rstd"] // 2
+    assert by_sp[False]["norm 1: rstd"] == whole["norm 1: rstd"]
+    # the all-gathered input of the column-parallel linears is whole on every rank
+    assert by_sp[True]["norm outputs (linear inputs)"] == whole["norm outputs (linear inputs)"]
+
+
+def _saved():
+    from memplan.activations import block_saved
+
+    return block_saved(LLAMA, TrainSpec(precision="fp32", device="cpu"))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_in_flight_micro_batches_by_schedule(schedule):
+    layout = Layout(pp=4, pp_microbatches=8, pp_schedule=schedule)
+    expected = [8] * 4 if schedule == "gpipe" else [4 - r for r in range(4)]  # schedules.py warmup_chunks
+    assert [pipeline.in_flight(layout, r) for r in range(4)] == expected
+
+
+def test_interleaved_in_flight_follows_torch_warmup():
+    # _get_warmup_ops: (V-1)·M/rounds + 2·(pp-1-rank), then one more forward before the first backward
+    layout = Layout(pp=2, pp_virtual=2, pp_schedule="interleaved-1f1b", pp_microbatches=4)
+    assert [pipeline.in_flight(layout, r) for r in range(2)] == [(2 - 1) * 2 + 2 * 1 + 1, (2 - 1) * 2 + 1]
+
+
+def test_layers_split_over_stages():
+    assert pipeline.split_layers(126, 8) == [16] * 6 + [15] * 2
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(pp=4, pp_microbatches=8),
+        Layout(tp=2, pp=4, pp_microbatches=4, pp_schedule="gpipe"),
+        Layout(pp=2, pp_virtual=2, pp_schedule="interleaved-1f1b", pp_microbatches=4),
+    ],
+)
+def test_worst_of_three_ranks_is_the_worst_of_all(layout):
+    job = replace(_job(), layout=layout)
+    assert worst_estimate(job).allocated_bytes == estimate_layout(job).allocated_bytes
+
+
+def test_pipeline_reports_every_stage():
+    est = estimate(_job(pp=4, pp_microbatches=8))
+    assert len(est.stages) == 4
+    assert est.allocated_bytes == max(s.allocated_bytes for s in est.stages)
+
+
+def test_cli_layout_flags_print_the_worst_stage():
+    from click.testing import CliRunner
+
+    from memplan.cli import main
+
+    args = ["estimate", "--params", "7e9", "--gpus", "16", "--tp", "2", "--pp", "4", "--strategy", "fsdp-full-shard"]
+    out = CliRunner().invoke(main, args).output
+    assert "layout   TP 2 + SP × PP 4 (1f1b, 4 micro-batches) × dp 2" in out
+    assert "worst pipeline stage (fsdp-full-shard)" in out
+    data = json.loads(CliRunner().invoke(main, [*args, "--format", "json"]).output)
+    assert len(data["estimates"][0]["stages"]) == 4
+
+
+def test_405b_on_512_h100_gets_a_layout_that_fits():
+    from memplan.decide.layouts import search_layouts
+    from memplan.inputs import build_jobs
+    from memplan.throughput import link_for
+
+    _, jobs = build_jobs(model="llama-3.1-405b", gpus=512, seq_len=8192, gpu="h100-sxm", strategy="fsdp-full-shard")
+    pick = search_layouts(jobs[0], link_for(jobs[0]))
+    assert not pick.data_parallel.fits and pick.best is not None and pick.best.fits
+    assert not pick.best.job.layout.is_data_parallel
+
+
+def _installed_source(module: str):
+    """A module's source parsed, without importing it (torch and torchtitan take seconds to import)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(module.split(".")[0])
+    if spec is None or spec.submodule_search_locations is None:
+        pytest.skip(f"{module} is not installed")
+    path = Path(spec.submodule_search_locations[0], *module.split(".")[1:]).with_suffix(".py")
+    return ast.parse(path.read_text())
+
+
+def _dataclass_fields(tree, name: str) -> set[str]:
+    import ast
+
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def _schedule_names(tree) -> set[str]:
+    """The keys of ``get_schedule_class``'s map (torch/distributed/pipelining/schedules.py)."""
+    import ast
+
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "get_schedule_class")
+    table = next(n for n in ast.walk(fn) if isinstance(n, ast.Dict))
+    return {k.value for k in table.keys if isinstance(k, ast.Constant)}
+
+
+def test_torchtitan_toml_uses_torchtitans_own_fields():
+    import tomllib
+
+    from memplan.emit import TORCHTITAN_SCHEDULES, emit
+
+    configs = _installed_source("torchtitan.config.configs")
+    job = Job(
+        model=LLAMA,
+        cluster=ClusterSpec(gpus=64),
+        plan=Plan(strategy="fsdp-hybrid-shard"),
+        layout=Layout(tp=2, pp=2, pp_schedule="interleaved-1f1b", pp_virtual=2, pp_microbatches=4),
+    )
+    toml = tomllib.loads(emit(job, "torchtitan"))
+    for section, cls in (("parallelism", "ParallelismConfig"), ("training", "TrainingConfig")):
+        assert set(toml[section]) <= _dataclass_fields(configs, cls)
+    par = toml["parallelism"]
+    assert set(TORCHTITAN_SCHEDULES.values()) <= _schedule_names(
+        _installed_source("torch.distributed.pipelining.schedules")
+    )
+    assert par["pipeline_parallel_schedule"] == "Interleaved1F1B"
+    mesh = par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"]
+    assert mesh * par["tensor_parallel_degree"] * par["pipeline_parallel_degree"] == 64
+    assert toml["activation_checkpoint"]["mode"] in ("none", "selective", "full")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["tp2-sp", "pp2-1f1b-m4"])
+def test_live_rerun_matches_the_record(case):
+    from calibrate import parallel
+
+    rec = next(r for r in _records() if r["case"] == case)
+    ranks = parallel.measure(parallel_cases.CASES[case])
+    assert max(r["peak_allocated_bytes"] for r in ranks) == pytest.approx(rec["measured_bytes"], rel=0.005)
+
+
+def test_context_parallel_splits_the_sequence_and_says_it_is_modelled():
+    from memplan.parallel import context
+    from memplan.parallel.step import RankStep
+
+    whole = _job(gpus=8, cp=1)
+    split = _job(gpus=8, cp=2)
+    stage = pipeline.stages(split.layout, LLAMA.num_layers)[0]
+    kept = [sum(s.bytes for s in RankStep(j, stage).kept(0)) for j in (whole, split)]
+    assert kept[1] * 2 == kept[0]  # every kept tensor of a llama block is linear in the sequence
+    assert context.NOTE in estimate(split).notes
+    # the CP ranks hold the same parameters: FSDP shards them over dp × cp = 8 as without CP
+    assert estimate(split).by_component["params"] == estimate(whole).by_component["params"]
+
+
+def test_layout_search_tries_context_parallel_on_long_sequences_only():
+    from memplan.decide import layouts
+
+    short, long = (replace(_job(), train=TrainSpec(seq_len=s)) for s in (8192, layouts.LONG_SEQUENCE))
+    assert {lay.cp for lay in layouts._layouts(short)} == {1}
+    assert {lay.cp for lay in layouts._layouts(long)} == set(layouts.CP_DEGREES)
