@@ -137,11 +137,13 @@ class _Block:
         "size",
         "small",
         "stream",
+        "waiting",
     )
 
     def __init__(self, addr: int, size: int, stream: int, small: bool, *, expandable: bool = False):
         self.addr, self.size, self.stream, self.small = addr, size, stream, small
         self.allocated, self.expandable, self.mapped = False, expandable, True
+        self.waiting = False
         self.prev: _Block | None = None
         self.next: _Block | None = None
         self.pending: set[int] = set()  # streams whose events must complete (event_count)
@@ -156,7 +158,8 @@ class _Block:
         return self.prev is not None or self.next is not None
 
     def free_to_use(self) -> bool:
-        return not self.allocated and not self.pending
+        # a block whose events completed is cached only when process_events reaches it
+        return not self.allocated and not self.pending and not self.waiting
 
 
 def _room(block: _Block | None, size: int) -> int:
@@ -431,6 +434,7 @@ class CachingAllocator:
         if used_on:
             block.pending = {s for s in used_on if s != block.stream}
         if block.pending:
+            block.waiting = True
             self.waiting.append(block)
         else:
             self._free_block(block)
@@ -446,6 +450,7 @@ class CachingAllocator:
         if done:
             self.waiting = [b for b in self.waiting if b.pending]
             for block in done:
+                block.waiting = False
                 self._free_block(block)
 
     def _free_block(self, block: _Block) -> None:

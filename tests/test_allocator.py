@@ -82,6 +82,15 @@ def test_freed_neighbours_merge_back_into_one_block():
     assert replay(events).peak_reserved_bytes == 20 * MIB
 
 
+def test_neighbours_released_by_one_sync_merge_once_each_is_cached():
+    # process_events frees completed blocks one by one; a neighbour still in the event queue
+    # is not yet in the pool, so it merges when its own turn comes (split blocks of one segment)
+    events = allocs(6 * MIB, 6 * MIB, 6 * MIB)
+    events += [Free(0, used_on=(1,)), Free(1, used_on=(1,)), Free(2, used_on=(1,)), Sync(1)]
+    result = replay(events + allocs(18 * MIB, start=3))
+    assert result.peak_reserved_bytes == 20 * MIB  # the three merged back into their 20 MiB segment
+
+
 def test_cached_blocks_serve_only_their_own_stream():
     # get_free_block: the found block's stream must be the request's (pools are per stream)
     events = allocs(12 * MIB) + [Free(0)] + allocs(12 * MIB, stream=1, start=1)

@@ -480,3 +480,11 @@ def test_estimate_corrected_and_option_share_one_fit():
             assert isinstance(fit, Fit) and fit.usable_bytes == option.job.cluster.usable_bytes
             assert fit.headroom_bytes == fit.usable_bytes - fit.total_bytes and fit.fits == (fit.headroom_bytes >= 0)
         assert option.total_bytes == option.corrected.total_bytes
+
+
+def test_a_rule_with_no_option_under_the_users_choices_is_not_judged():
+    # with zero3 and --offload all fixed, a rule about DDP has no option to weigh: no verdict
+    rec = api.estimate(model="llama-3.1-8b", gpus=8, gpu="h100-sxm", strategy="zero3", offload="all").recommendation
+    assert rec.best is not None and rec.best.job.plan.offload == "all"
+    for verdict in rec.rules:
+        assert verdict.option is None or verdict.option.job.plan.offload == "all"

@@ -153,7 +153,7 @@ def recommend_job(
         if best is None or o.key != best.key
     )
     size, ddp_fits = size_class(job.model.num_params), _ddp_fits(job, fixed, options, basis)
-    verdicts = tuple(
+    judged = (
         judge(r, options, best, job, basis, priority, fixed)
         for r in rules()
         if r.matches(
@@ -165,6 +165,7 @@ def recommend_job(
             ddp_fits=ddp_fits,
         )
     )
+    verdicts = tuple(v for v in judged if v is not None)
     reasons = _reasons(best, fitting, options, priority, basis, fixed, allowed)
     found = tuple(fixes(job, fixed, priority, basis, allowed)) if best is None else ()
     return Recommendation(

@@ -213,9 +213,11 @@ def _rule_options(
 
 def _judge_recommend(
     rule: Rule, options: list[Option], best: Option | None, job: Job, basis: Basis, priority: str, fixed: dict
-) -> RuleVerdict:
+) -> RuleVerdict | None:
     close = default("close_fraction")
     candidates = _rule_options(rule, options, job, basis, priority, fixed)
+    if not candidates:
+        return None  # no option of the rule's under the user's choices (e.g. DDP with --offload all)
     fitting = ranked(candidates, priority)
     if not fitting:
         smallest = min(candidates, key=lambda o: o.total_bytes)
@@ -258,8 +260,9 @@ def _judge_recommend(
 
 def judge(
     rule: Rule, options: list[Option], best: Option | None, job: Job, basis: Basis, priority: str, fixed: dict
-) -> RuleVerdict:
-    """The verdict on ``rule`` given the searched ``options`` and the pick ``best`` (None: nothing fits)."""
+) -> RuleVerdict | None:
+    """The verdict on ``rule`` given the searched ``options`` and the pick ``best`` (None: nothing
+    fits); None where the rule has no option the user's fixed choices allow."""
     ref = best.job if best else job
     if rule.kind == "ac-cost":
         with_ac = basis.step(ref.with_(activation_checkpointing=rule.ac))
