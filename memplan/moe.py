@@ -1,0 +1,176 @@
+"""Mixture of experts: parameters, saved activations and expert parallelism.
+
+Sources: transformers 5.23 ``models/mixtral/modeling_mixtral.py`` (MixtralTopKRouter,
+MixtralExperts' eager forward), ``qwen2_moe`` (the gated shared expert), ``qwen3_moe``
+(decoder_sparse_step), ``deepseek_v3`` (first_k_dense_replace, the shared experts as one
+MLP of n_shared_experts × moe_intermediate_size); torchtitan 0.3.0
+``models/common/token_dispatcher.py`` (AllToAllTokenDispatcher: argsort by expert, an
+all-to-all of the k·T routed rows out and back).
+
+Every formula takes the expert-parallel degree ``ep`` as an argument: where it comes from
+(``Plan.ep`` today) is the caller's business.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from .errors import MemplanError
+
+if TYPE_CHECKING:
+    from .activations import Saved, Shapes
+    from .specs import ModelSpec
+
+
+def check_moe(model: ModelSpec) -> None:
+    """The MoE fields of a ModelSpec, checked once (``ModelSpec.__post_init__``)."""
+    for name in ("num_experts", "experts_per_token", "moe_ffn_hidden", "shared_ffn_hidden", "first_dense_layers"):
+        value = getattr(model, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise MemplanError(f"{name} must be a non-negative integer, got {value!r}")
+    if model.arch != "llama":
+        raise MemplanError(f"experts are modelled for arch llama (SwiGLU experts), not {model.arch!r}")
+    if not 1 <= model.experts_per_token <= model.num_experts:
+        raise MemplanError(
+            f"experts_per_token {model.experts_per_token} must be between 1 and num_experts {model.num_experts}"
+        )
+    if not isinstance(model.moe_every, int) or model.moe_every < 1:
+        raise MemplanError(f"moe_every must be a positive integer, got {model.moe_every!r}")
+    if model.shared_expert_gate and not model.shared_ffn_hidden:
+        raise MemplanError("shared_expert_gate needs a shared expert: give shared_ffn_hidden")
+    if num_moe_layers(model) == 0:
+        raise MemplanError(
+            f"no MoE layer: first_dense_layers {model.first_dense_layers} and moe_every {model.moe_every} "
+            f"leave all {model.num_layers} layers dense"
+        )
+
+
+def is_moe_layer(model: ModelSpec, index: int) -> bool:
+    # Qwen2/3-MoE: (layer_idx + 1) % decoder_sparse_step == 0; DeepSeek-V3: layer_idx >= first_k_dense_replace
+    return index >= model.first_dense_layers and (index + 1) % model.moe_every == 0
+
+
+def num_moe_layers(model: ModelSpec) -> int:
+    return sum(is_moe_layer(model, i) for i in range(model.num_layers))
+
+
+def expert_width(model: ModelSpec) -> int:
+    return model.moe_ffn_hidden or model.ffn_hidden
+
+
+def expert_params(model: ModelSpec) -> int:
+    """One routed expert: gate_up_proj (2f × h) and down_proj (h × f), no biases."""
+    return 3 * model.hidden * expert_width(model)
+
+
+def moe_block_param_counts(model: ModelSpec) -> dict[str, int]:
+    """One sparse block: attention and norms as the dense block's, the MLP replaced by the
+    router (E × h, no bias), E experts and the shared expert (with Qwen2-MoE's h → 1 gate)."""
+    h, E = model.hidden, model.num_experts
+    dense = model.block_param_counts()
+    return {
+        "attn_qkv": dense["attn_qkv"],
+        "attn_out": dense["attn_out"],
+        "router": E * h,
+        "experts": E * expert_params(model),
+        "shared_expert": 3 * h * model.shared_ffn_hidden + h * model.shared_expert_gate,
+        "norms": dense["norms"],
+    }
+
+
+def moe_block_params(model: ModelSpec) -> int:
+    return sum(moe_block_param_counts(model).values())
+
+
+def moe_blocks_params(model: ModelSpec) -> int:
+    sparse = num_moe_layers(model)
+    dense = sum(model.block_param_counts().values())
+    return sparse * moe_block_params(model) + (model.num_layers - sparse) * dense
+
+
+def routed_expert_params(model: ModelSpec) -> int:
+    """Every routed expert of every sparse layer: what expert parallelism shards."""
+    return num_moe_layers(model) * model.num_experts * expert_params(model)
+
+
+def active_params(model: ModelSpec) -> int:
+    """Parameters one token runs through: top-k of the routed experts (the FLOPs' count)."""
+    if not model.num_experts:
+        return model.num_params
+    idle = model.num_experts - model.experts_per_token
+    return model.num_params - num_moe_layers(model) * idle * expert_params(model)
+
+
+# -- expert parallelism -----------------------------------------------------------------
+
+
+def check_ep(model: ModelSpec, ep: int, gpus: int) -> None:
+    """``ep`` divides the GPUs and the experts; a dense model takes ep 1 only."""
+    if ep == 1:
+        return
+    if not model.num_experts:
+        raise MemplanError(f"ep {ep} needs a mixture-of-experts model; {model.name} is dense (use ep 1)")
+    if model.num_experts % ep:
+        raise MemplanError(f"ep {ep} does not divide num_experts {model.num_experts}; use a divisor of it")
+    if gpus % ep:
+        raise MemplanError(f"ep {ep} does not divide gpus {gpus}; use a divisor of the GPU count")
+
+
+def local_params(model: ModelSpec, ep: int, shards: int, *, sharded: bool) -> int:
+    """Parameters one rank holds. Routed experts live on their EP rank (E/ep of them);
+    a sharded strategy shards the rest over all ``shards`` ranks and the local experts over
+    the ``shards/ep`` ranks that hold the same experts (torchtitan's dp_mod_ep FSDP mesh)."""
+    experts = routed_expert_params(model)
+    rest = model.num_params - experts
+    if not sharded:
+        return rest + math.ceil(experts / ep)
+    return math.ceil(rest / shards) + math.ceil(experts / ep / max(shards // ep, 1))
+
+
+def local_block_params(model: ModelSpec, ep: int) -> int:
+    """One sparse block as FSDP gathers it under EP: everything but the other ranks' experts."""
+    idle = model.num_experts - model.num_experts // ep
+    return model.block_params() - idle * expert_params(model)
+
+
+def routed_rows(tokens: int, model: ModelSpec, ep: int, capacity_factor: float = 0.0) -> int:
+    """Routed token copies one rank's experts process for its ``tokens``: k·T with a balanced
+    router (what dropless routing gives on average). A capacity factor C caps each expert at
+    ⌈C·k·T·ep/E⌉ rows of the ep ranks' tokens (GShard's capacity), E/ep experts per rank."""
+    k, E = model.experts_per_token, model.num_experts
+    if capacity_factor:
+        return (E // ep) * math.ceil(capacity_factor * k * tokens * ep / E)
+    return k * tokens
+
+
+def dropless_bound_rows(tokens: int, model: ModelSpec, ep: int) -> int:
+    """Dropless worst case: every EP rank sends all its tokens here, each token at most
+    min(k, E/ep) copies (its top-k experts are distinct)."""
+    return ep * tokens * min(model.experts_per_token, model.num_experts // ep)
+
+
+def moe_saved(model: ModelSpec, x: Shapes, rows: int) -> list[Saved]:
+    """What one sparse block's MLP keeps for backward, ``rows`` routed copies (k·T at
+    balance), measured with saved-tensor hooks on MixtralSparseMoeBlock (eager experts)."""
+    from .activations import Saved
+
+    t, h, E, k, f = x.tokens, x.h, model.num_experts, model.experts_per_token, expert_width(model)
+    c = x.c
+    saved = [
+        # F.softmax(router_logits.float()) keeps its fp32 output; topk its int64 indices;
+        # the in-place normalisation (top / top.sum) keeps the fp32 sum and the result
+        Saved("router softmax (fp32)", "4·b·s·E", 4 * t * E),
+        Saved("router top-k indices, weights, sum", "(8 + 4)·b·s·k + 4·b·s", 12 * t * k + 4 * t),
+        # per routed copy: the gathered input, gate_up output (2f), silu output, product,
+        # down output, the weighted output index_add_ keeps; torch.where's int64 pair
+        # (one storage) and the copy's fp32 weight
+        Saved("expert inputs (routed copies)", "c·k·b·s·h", c * rows * h),
+        Saved("expert gate/up, silu, product", "4·c·k·b·s·f_e", 4 * c * rows * f),
+        Saved("expert outputs, weighted outputs", "2·c·k·b·s·h", 2 * c * rows * h),
+        Saved("routing indices and weights", "(16 + 4)·k·b·s", 20 * rows),
+    ]
+    if model.shared_ffn_hidden:
+        fs = model.shared_ffn_hidden
+        saved.append(Saved("shared expert gate, silu, up, product", "4·c·b·s·f_s", 4 * c * t * fs))
+    return saved
