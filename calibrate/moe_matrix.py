@@ -1,0 +1,247 @@
+"""The held-out mixture-of-experts matrix: transformers' Mixtral and Qwen2-MoE (eager
+experts) trained by the held-out loops on CPU, single, DDP and FSDP2 on 2 gloo ranks, and
+expert parallel (EP 2, calibrate.moe_ep) under FSDP2.
+
+    python -m calibrate.moe_matrix            # measure every case not yet recorded
+    python -m calibrate.moe_matrix --report   # measured, estimated today, error %
+
+Records go to docs/moe_matrix_cpu.jsonl in calibrate.heldout's format (its report reads them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
+
+from . import heldout, records
+
+OUT = "docs/moe_matrix_cpu.jsonl"
+TIMEOUT_S = 300
+
+MIXTRAL_A = ModelSpec(
+    name="mixtral-h256-e4",
+    num_layers=2,
+    hidden=256,
+    num_heads=4,
+    num_kv_heads=2,
+    ffn_hidden=512,
+    vocab_size=4096,
+    num_experts=4,
+    experts_per_token=2,
+)
+MIXTRAL_B = ModelSpec(
+    name="mixtral-h128-e8",
+    num_layers=4,
+    hidden=128,
+    num_heads=4,
+    num_kv_heads=1,
+    ffn_hidden=384,
+    vocab_size=8192,
+    num_experts=8,
+    experts_per_token=1,
+)
+MIXTRAL_C = ModelSpec(
+    name="mixtral-h192-e8",
+    num_layers=3,
+    hidden=192,
+    num_heads=6,
+    num_kv_heads=2,
+    ffn_hidden=256,
+    vocab_size=2048,
+    num_experts=8,
+    experts_per_token=2,
+)
+QWEN_MOE = ModelSpec(
+    name="qwen2moe-h192-e8",
+    num_layers=2,
+    hidden=192,
+    num_heads=4,
+    num_kv_heads=2,
+    ffn_hidden=512,
+    vocab_size=4096,
+    qkv_bias=True,
+    num_experts=8,
+    experts_per_token=2,
+    moe_ffn_hidden=128,
+    shared_ffn_hidden=256,
+    shared_expert_gate=True,
+)
+HF_TYPE = {m.name: t for m, t in ((MIXTRAL_A, "mixtral"), (MIXTRAL_B, "mixtral"), (MIXTRAL_C, "mixtral"))} | {
+    QWEN_MOE.name: "qwen2_moe"
+}
+STRATEGY = {"single": "single", "ddp": "ddp", "fsdp": "fsdp-full-shard"}
+
+
+@dataclass(frozen=True)
+class Case:
+    """A held-out case (calibrate.heldout.Case's fields) of an MoE model."""
+
+    id: str
+    job: Job
+    loop: str
+    ac: str
+    mode: str
+    hf_type: str
+
+
+def _case(loop, model, strategy, *, gpus=1, b=1, s=128, ep=1, ac="none", precision="fp32", mode="local") -> Case:
+    job = Job(
+        model=model,
+        train=TrainSpec(
+            seq_len=s,
+            micro_batch=b,
+            precision=precision,
+            activation_checkpointing=heldout.TODAY_AC[ac],
+            device="cpu",
+        ),
+        cluster=ClusterSpec(gpus=gpus),
+        plan=Plan(strategy=STRATEGY[strategy], ep=ep),
+    )
+    where = "g" if mode == "local" else "w"
+    name = f"{model.name}-{loop}-{strategy}-ep{ep}-{precision}-ac{ac}-{where}{gpus}-b{b}s{s}"
+    return Case(name, job, loop, ac, mode, HF_TYPE[model.name])
+
+
+CASES = (
+    _case("plain-kept", MIXTRAL_A, "single", b=2, s=256),
+    _case("plain-freed", MIXTRAL_B, "single", b=2, s=256),
+    _case("plain-kept", QWEN_MOE, "single", b=2, s=256),
+    _case("plain-kept", MIXTRAL_A, "ddp", gpus=2, b=2, s=128),
+    _case("hf-trainer", MIXTRAL_C, "ddp", gpus=2, b=1, s=256),
+    _case("plain-freed", QWEN_MOE, "ddp", gpus=2, b=2, s=128),
+    _case("plain-kept", MIXTRAL_A, "fsdp", gpus=2, b=2, s=128),
+    _case("plain-freed", MIXTRAL_B, "fsdp", gpus=2, b=2, s=256),
+    _case("plain-kept", MIXTRAL_A, "fsdp", gpus=2, b=2, s=128, ep=2),
+    _case("plain-freed", MIXTRAL_B, "fsdp", gpus=2, b=2, s=256, ep=2),
+    _case("plain-kept", MIXTRAL_C, "fsdp", gpus=2, b=1, s=256, ep=2),
+    _case("plain-kept", QWEN_MOE, "fsdp", gpus=2, b=2, s=128, ep=2),
+    _case("hf-trainer", MIXTRAL_C, "single", b=2, s=128, ac="full"),
+    _case("plain-kept", MIXTRAL_A, "single", b=1, s=128, precision="bf16"),
+)
+BY_ID = {case.id: case for case in CASES}
+
+
+def _measure(case: Case) -> dict:
+    """The case's outcome in this process: one rank (single) or 2 gloo ranks (spawned)."""
+    import dataclasses
+    import traceback
+
+    from . import launch
+
+    try:
+        if case.job.cluster.gpus == 1:
+            from . import loops
+
+            m = loops.run(case.job, loops.LOOPS[case.loop], hf_type=case.hf_type, ac=case.ac, emulated=False)
+        else:
+            m = _measure_ranks(case)
+        return {"status": "ok", "measurement": dataclasses.asdict(m), "error": None}
+    except BaseException as exc:  # an outcome, whatever went wrong: the sweep goes on
+        error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}".strip()
+        return {"status": launch.failure_status(exc), "measurement": None, "error": error}
+
+
+def _rank(rank: int, world: int, port: int, case_id: str, results) -> None:
+    import dataclasses
+    import traceback
+
+    import torch.distributed as dist
+
+    from . import loops
+
+    case = BY_ID[case_id]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        m = loops.run(case.job, loops.LOOPS[case.loop], hf_type=case.hf_type, ac=case.ac, emulated=False)
+        results.put((rank, dataclasses.asdict(m), None))
+    except BaseException as exc:  # reported to the parent with its traceback
+        results.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure_ranks(case: Case):
+    """Every rank's measurement; the case's is the worst rank's (EP ranks route apart)."""
+    import torch.multiprocessing as mp
+
+    from . import launch, measure
+
+    world = case.job.cluster.gpus
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    port = launch._free_port()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, case.id, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    out = {}
+    while not results.empty():
+        rank, measurement, error = results.get()
+        if error:
+            raise RuntimeError(f"rank {rank} failed: {error}")
+        out[rank] = measure.Measurement(**measurement)
+    if len(out) != world:
+        raise RuntimeError(f"ranks {sorted(set(range(world)) - set(out))} exited without reporting")
+    return max(out.values(), key=lambda m: m.peak_allocated_bytes)
+
+
+def _execute(case: Case, timeout_s: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="moe-") as tmp:
+        result = Path(tmp, "result.json")
+        command = [sys.executable, "-m", "calibrate.moe_matrix", "--case", case.id, "--result", str(result)]
+        root = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        try:
+            proc = subprocess.run(command, capture_output=True, env=env, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            return {"status": "timeout", "measurement": None, "error": f"no result after {timeout_s:g} s"}
+        if result.exists():
+            return json.loads(result.read_text(encoding="utf-8"))
+        tail = "\n".join(proc.stdout.decode(errors="replace").splitlines()[-15:])
+        return {"status": "failed", "measurement": None, "error": f"exit code {proc.returncode}:\n{tail}"}
+
+
+def sweep(cases=CASES, *, out=OUT, timeout_s: float = TIMEOUT_S) -> None:
+    """Measure every case ``out`` holds no ok record of, appending its record as it ends."""
+    done = {r["id"] for r in records.read([out]) if r["status"] == "ok"} if Path(out).exists() else set()
+    for case in cases:
+        if heldout.record_id(case) in done:
+            continue
+        start = time.perf_counter()
+        record = heldout.make_record(case, _execute(case, timeout_s), time.perf_counter() - start)
+        records.append(out, record)
+        print(f"{record['status']:7} {record['wall_s']:6.1f} s  {case.id}", flush=True)
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m calibrate.moe_matrix", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=OUT)
+    parser.add_argument("--report", action="store_true", help="print the table of the records and exit")
+    parser.add_argument("--case", help="(child) measure this one case here")
+    parser.add_argument("--result", help="(child) where to write the case's outcome")
+    parser.add_argument("--only", nargs="*", help="measure only these case ids")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_S)
+    args = parser.parse_args(argv)
+    if args.report:
+        print(heldout.render_report(heldout.latest(records.read([args.out]))))
+    elif args.case:
+        Path(args.result).write_text(json.dumps(_measure(BY_ID[args.case])), encoding="utf-8")
+    else:
+        cases = [BY_ID[i] for i in args.only] if args.only else CASES
+        sweep(cases, out=args.out, timeout_s=args.timeout)
+
+
+if __name__ == "__main__":
+    main()
