@@ -294,15 +294,16 @@ def _measure_emulated(case: Case):
         dist.destroy_process_group()
 
 
-def _rank(rank: int, world: int, port: int, case_id: str, results) -> None:
+def _rank(rank: int, world: int, port: int, case_id: str, results, module: str = "calibrate.heldout") -> None:
     import dataclasses
+    import importlib
     import traceback
 
     import torch.distributed as dist
 
     from . import loops
 
-    case = BY_ID[case_id]
+    case = importlib.import_module(module).BY_ID[case_id]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         m = loops.run(
@@ -321,7 +322,9 @@ def _rank(rank: int, world: int, port: int, case_id: str, results) -> None:
         dist.destroy_process_group()
 
 
-def _measure_local(case: Case):
+def _measure_local(case, module: str = "calibrate.heldout", *, worst: bool = False):
+    """Rank 0's measurement, or with ``worst`` the largest rank's; ``module`` holds the case
+    (its ``BY_ID``)."""
     import torch.multiprocessing as mp
 
     from . import launch, measure
@@ -331,7 +334,7 @@ def _measure_local(case: Case):
     results = ctx.SimpleQueue()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     port = launch._free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, case.id, results)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, case.id, results, module)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -344,7 +347,7 @@ def _measure_local(case: Case):
         out[rank] = measure.Measurement(**measurement)
     if len(out) != world:
         raise RuntimeError(f"ranks {sorted(set(range(world)) - set(out))} exited without reporting")
-    return out[0]
+    return max(out.values(), key=lambda m: m.peak_allocated_bytes) if worst else out[0]
 
 
 def measure_case(case: Case) -> dict:
@@ -381,10 +384,10 @@ def loop_fields(case: Case) -> dict:
     }
 
 
-def _execute(case: Case, timeout_s: float) -> dict:
+def _execute(case, timeout_s: float, module: str = "calibrate.heldout") -> dict:
     with tempfile.TemporaryDirectory(prefix="heldout-") as tmp:
         result, log = Path(tmp, "result.json"), Path(tmp, "log.txt")
-        command = [sys.executable, "-m", "calibrate.heldout", "--case", case.id, "--result", str(result)]
+        command = [sys.executable, "-m", module, "--case", case.id, "--result", str(result)]
         env = dict(
             os.environ,
             PYTHONPATH=os.pathsep.join(
@@ -409,14 +412,15 @@ def make_record(case: Case, outcome: dict, wall_s: float) -> dict:
     return record | {"id": record_id(case)} | loop_fields(case)
 
 
-def sweep(cases=CASES, *, out=OUT, timeout_s: float = TIMEOUT_S) -> None:
-    """Measure every case ``out`` holds no ok record of, appending its record as it ends."""
+def sweep(cases=CASES, *, out=OUT, timeout_s: float = TIMEOUT_S, module: str = "calibrate.heldout") -> None:
+    """Measure every case ``out`` holds no ok record of, appending its record as it ends
+    (each in a child ``python -m module --case``)."""
     done = {r["id"] for r in records.read([out]) if r["status"] == "ok"} if Path(out).exists() else set()
     for case in cases:
         if record_id(case) in done:
             continue
         start = time.perf_counter()
-        record = make_record(case, _execute(case, timeout_s), time.perf_counter() - start)
+        record = make_record(case, _execute(case, timeout_s, module), time.perf_counter() - start)
         records.append(out, record)
         print(f"{record['status']:7} {record['wall_s']:6.1f} s  {case.id}", flush=True)
 

@@ -13,6 +13,8 @@ weight them in fp32 and scatter-add them per token.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -26,6 +28,7 @@ MOE_TYPES = ("mixtral", "qwen2_moe")
 def hf_moe_kwargs(spec: ModelSpec, hf_type: str) -> dict:
     """The transformers config keys of the spec's experts, eager experts (the loop the
     transformers implementation calls ``eager``; its default on CPU is ``grouped_mm``)."""
+    keys: dict[str, Any]
     if hf_type == "mixtral":
         keys = {"num_local_experts": spec.num_experts, "intermediate_size": spec.moe_ffn_hidden or spec.ffn_hidden}
     elif hf_type == "qwen2_moe":
@@ -35,13 +38,14 @@ def hf_moe_kwargs(spec: ModelSpec, hf_type: str) -> dict:
             "shared_expert_intermediate_size": spec.shared_ffn_hidden,
             "decoder_sparse_step": spec.moe_every,
             "mlp_only_layers": [],
+            "norm_topk_prob": spec.normalize_top_k,
         }
     else:
         raise ValueError(f"hf type {hf_type!r} is not an MoE type; known: {', '.join(MOE_TYPES)}")
     return keys | {"num_experts_per_tok": spec.experts_per_token, "experts_implementation": "eager"}
 
 
-def experts_modules(model: nn.Module) -> list[nn.Module]:
+def experts_modules(model: nn.Module) -> list[Any]:
     """transformers' experts (3-D ``gate_up_proj`` / ``down_proj``), one per sparse layer."""
     return [m for m in model.modules() if isinstance(getattr(m, "gate_up_proj", None), nn.Parameter)]
 
@@ -56,7 +60,7 @@ def apply_expert_parallel(model: nn.Module, ep: int) -> None:
         raise ValueError(f"the harness runs EP over the whole world: ep {ep} != world {dist.get_world_size()}")
     rank = dist.get_rank()
     for experts in experts_modules(model):
-        local = experts.num_experts // ep
+        local = experts.gate_up_proj.shape[0] // ep
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(experts, name)
             setattr(experts, name, nn.Parameter(full.detach()[rank * local : (rank + 1) * local].clone()))
@@ -67,7 +71,7 @@ def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
     num_experts, ep = self.num_experts, dist.get_world_size()
     local = self.gate_up_proj.shape[0]
     k, dim = top_k_index.shape[1], hidden_states.shape[-1]
-    group = dist.group.WORLD
+    group = dist.distributed_c10d._get_default_group()
     # _local_reorder: the k·T copies sorted by expert
     order = torch.argsort(top_k_index.view(-1), stable=True)
     scores = top_k_weights.view(-1)[order]

@@ -11,11 +11,6 @@ Records go to docs/moe_matrix_cpu.jsonl in calibrate.heldout's format (its repor
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +19,8 @@ from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 from . import heldout, records
 
 OUT = "docs/moe_matrix_cpu.jsonl"
+MODULE = "calibrate.moe_matrix"
+"""This module by name: its cases run in children (``python -m``) and spawned ranks."""
 TIMEOUT_S = 300
 
 MIXTRAL_A = ModelSpec(
@@ -73,6 +70,8 @@ QWEN_MOE = ModelSpec(
     moe_ffn_hidden=128,
     shared_ffn_hidden=256,
     shared_expert_gate=True,
+    normalize_top_k=False,
+    top_k_weights_fp32=False,
 )
 HF_TYPE = {m.name: t for m, t in ((MIXTRAL_A, "mixtral"), (MIXTRAL_B, "mixtral"), (MIXTRAL_C, "mixtral"))} | {
     QWEN_MOE.name: "qwen2_moe"
@@ -142,85 +141,11 @@ def _measure(case: Case) -> dict:
 
             m = loops.run(case.job, loops.LOOPS[case.loop], hf_type=case.hf_type, ac=case.ac, emulated=False)
         else:
-            m = _measure_ranks(case)
+            m = heldout._measure_local(case, MODULE, worst=True)
         return {"status": "ok", "measurement": dataclasses.asdict(m), "error": None}
     except BaseException as exc:  # an outcome, whatever went wrong: the sweep goes on
         error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}".strip()
         return {"status": launch.failure_status(exc), "measurement": None, "error": error}
-
-
-def _rank(rank: int, world: int, port: int, case_id: str, results) -> None:
-    import dataclasses
-    import traceback
-
-    import torch.distributed as dist
-
-    from . import loops
-
-    case = BY_ID[case_id]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        m = loops.run(case.job, loops.LOOPS[case.loop], hf_type=case.hf_type, ac=case.ac, emulated=False)
-        results.put((rank, dataclasses.asdict(m), None))
-    except BaseException as exc:  # reported to the parent with its traceback
-        results.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _measure_ranks(case: Case):
-    """Every rank's measurement; the case's is the worst rank's (EP ranks route apart)."""
-    import torch.multiprocessing as mp
-
-    from . import launch, measure
-
-    world = case.job.cluster.gpus
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    port = launch._free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, case.id, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    out = {}
-    while not results.empty():
-        rank, measurement, error = results.get()
-        if error:
-            raise RuntimeError(f"rank {rank} failed: {error}")
-        out[rank] = measure.Measurement(**measurement)
-    if len(out) != world:
-        raise RuntimeError(f"ranks {sorted(set(range(world)) - set(out))} exited without reporting")
-    return max(out.values(), key=lambda m: m.peak_allocated_bytes)
-
-
-def _execute(case: Case, timeout_s: float) -> dict:
-    with tempfile.TemporaryDirectory(prefix="moe-") as tmp:
-        result = Path(tmp, "result.json")
-        command = [sys.executable, "-m", "calibrate.moe_matrix", "--case", case.id, "--result", str(result)]
-        root = str(Path(__file__).resolve().parent.parent)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-        try:
-            proc = subprocess.run(command, capture_output=True, env=env, timeout=timeout_s, check=False)
-        except subprocess.TimeoutExpired:
-            return {"status": "timeout", "measurement": None, "error": f"no result after {timeout_s:g} s"}
-        if result.exists():
-            return json.loads(result.read_text(encoding="utf-8"))
-        tail = "\n".join(proc.stdout.decode(errors="replace").splitlines()[-15:])
-        return {"status": "failed", "measurement": None, "error": f"exit code {proc.returncode}:\n{tail}"}
-
-
-def sweep(cases=CASES, *, out=OUT, timeout_s: float = TIMEOUT_S) -> None:
-    """Measure every case ``out`` holds no ok record of, appending its record as it ends."""
-    done = {r["id"] for r in records.read([out]) if r["status"] == "ok"} if Path(out).exists() else set()
-    for case in cases:
-        if heldout.record_id(case) in done:
-            continue
-        start = time.perf_counter()
-        record = heldout.make_record(case, _execute(case, timeout_s), time.perf_counter() - start)
-        records.append(out, record)
-        print(f"{record['status']:7} {record['wall_s']:6.1f} s  {case.id}", flush=True)
 
 
 def main(argv=None) -> None:
@@ -240,7 +165,7 @@ def main(argv=None) -> None:
         Path(args.result).write_text(json.dumps(_measure(BY_ID[args.case])), encoding="utf-8")
     else:
         cases = [BY_ID[i] for i in args.only] if args.only else CASES
-        sweep(cases, out=args.out, timeout_s=args.timeout)
+        heldout.sweep(cases, out=args.out, timeout_s=args.timeout, module=MODULE)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import csv
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from .errors import InputError, MemplanError
 from .precision import POLICIES
@@ -97,7 +98,7 @@ def _model_row(row: dict[str, str]) -> ModelSpec:
 
 
 @cache
-def experts() -> dict[str, dict[str, int | bool]]:
+def experts() -> dict[str, dict[str, Any]]:
     """The MoE presets' expert fields (tables/experts.csv), by preset name."""
     return {
         row["name"]: {

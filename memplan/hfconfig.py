@@ -96,6 +96,14 @@ def _moe_extra(cfg: dict, *, experts: str, shared: str = "") -> dict[str, Any]:
     return fields
 
 
+def _qwen2_moe_extra(cfg: dict) -> dict[str, Any]:
+    # Qwen2MoeTopKRouter: norm_topk_prob (default false), the weights cast to the logits' dtype
+    return _moe_extra(cfg, experts="num_experts", shared="shared_expert_intermediate_size") | {
+        "normalize_top_k": _flag(cfg, "norm_topk_prob", False),
+        "top_k_weights_fp32": False,
+    }
+
+
 FAMILIES = {
     "llama": Family("llama", False, {"attention_dropout": 0.0}, _llama_biases),
     "mistral": Family("llama", False, {"attention_dropout": 0.0}),
@@ -115,7 +123,7 @@ FAMILIES = {
         False,
         {"attention_dropout": 0.0},
         lambda cfg: (True, False),
-        lambda cfg: _moe_extra(cfg, experts="num_experts", shared="shared_expert_intermediate_size"),
+        _qwen2_moe_extra,
     ),
     # GPTNeoXAttention's attention_bias=False (rare) drops the q/k/v/dense biases, which ModelSpec
     # cannot express: they are still counted (4 * hidden per layer). use_parallel_residual=False

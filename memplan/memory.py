@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from . import loss
+from . import loss, moe
 from .activations import Saved, model_saved
 from .breakdown import Component, Estimate, Moment, Term
 from .checkpointing import (
@@ -155,7 +155,13 @@ class Step:
         self.gather_group = self.n if s.shards_params else 1
         self.params = model.num_params
         self.block_params = model.block_params()
-        self.root_params = self.params - model.num_layers * self.block_params
+        self.root_params = self.params - model.blocks_params()
+        self.ep = job.plan.ep
+        if model.num_experts:
+            moe.check_moe_loop(train.loop)
+        if self.ep > 1:  # expert parallel (memplan.moe): experts on their EP rank, FSDP over the rest
+            moe.check_ep_step(job, s, self.n)
+            self.block_params = moe.gathered_block_params(model, self.ep, self.n)
         offload = job.plan.offload
         moves_states = fw.offload_moves_states and offload != "none"
         self.states_on_host = moves_states or offload in ("optimizer", "all")
@@ -177,6 +183,16 @@ class Step:
     def div(self, sharded: bool) -> str:
         return f"/{self.n}" if sharded and self.n > 1 else ""
 
+    def local_params(self, sharded: bool) -> int:
+        """This rank's parameters (or their shard); under EP its own experts' (``moe.local_params``)."""
+        if self.ep == 1:
+            return self.local(self.params, sharded)
+        return moe.local_params(self.job.model, self.ep, self.n, sharded=sharded)
+
+    def p_local(self, sharded: bool) -> str:
+        """The formula's symbol for ``local_params``: P/n, or P_ep (the rest over n, experts over ep)."""
+        return f"P{self.div(sharded)}" if self.ep == 1 else "P_ep"
+
     # -- model states ----------------------------------------------------------------
     def param_terms(self) -> list[Term]:
         sharded = self.strategy.shards_params
@@ -184,22 +200,20 @@ class Step:
             return [term(P, "params", "parameters (in host RAM)", "offloaded", 0)]
         nbytes = 4 if self.shard_master else self.policy.param_bytes
         name = "fp32 parameter shards (the master copy)" if self.shard_master else "parameters"
-        return [term(P, "params", name, f"{nbytes}·P{self.div(sharded)}", nbytes * self.local(self.params, sharded))]
+        return [term(P, "params", name, f"{nbytes}·{self.p_local(sharded)}", nbytes * self.local_params(sharded))]
 
     def grad_terms(self) -> list[Term]:
         sharded = self.strategy.shards_grads
         if self.grads_on_host:
             return [term(G, "grads", "gradients (in host RAM)", "offloaded", 0)]
         nbytes = 4 if self.shard_master else self.policy.grad_bytes
-        return [
-            term(G, "grads", "gradients", f"{nbytes}·P{self.div(sharded)}", nbytes * self.local(self.params, sharded))
-        ]
+        return [term(G, "grads", "gradients", f"{nbytes}·{self.p_local(sharded)}", nbytes * self.local_params(sharded))]
 
     def optimizer_terms(self) -> list[Term]:
         train, pol, sharded = self.job.train, self.policy, self.strategy.shards_optimizer
         if self.states_on_host:
             return [term(O, "optimizer.states", "optimizer states (in host RAM)", "offloaded", 0)]
-        count, div = self.local(self.params, sharded), self.div(sharded)
+        count, div = self.local_params(sharded), self.p_local(sharded)
         terms = []
         if train.optimizer == "adam8bit":
             terms.append(
@@ -207,7 +221,7 @@ class Step:
                     O,
                     "optimizer.states",
                     "8-bit Adam states",
-                    f"2·(1 + 4/256)·P{div}",
+                    f"2·(1 + 4/256)·{div}",
                     ADAM8BIT_BYTES_PER_PARAM * count,
                 )
             )
@@ -218,12 +232,12 @@ class Step:
                     O,
                     "optimizer.states",
                     f"{train.optimizer} states",
-                    f"{k:g}·{pol.state_bytes}·P{div}",
+                    f"{k:g}·{pol.state_bytes}·{div}",
                     k * pol.state_bytes * count,
                 )
             )
         if pol.master and not self.shard_master:
-            terms.append(term(O, "optimizer.master", "fp32 master weights", f"4·P{div}", 4 * count))
+            terms.append(term(O, "optimizer.master", "fp32 master weights", f"4·{div}", 4 * count))
         return terms
 
     def step_transient(self) -> list[Term]:
@@ -244,7 +258,7 @@ class Step:
                     "optimizer.sqrt_temporaries",
                     "foreach sqrt(v) temporaries",
                     f"{pol.state_bytes}·P_local",
-                    pol.state_bytes * self.local(self.params, sharded),
+                    pol.state_bytes * self.local_params(sharded),
                 )
             ]
         if train.optimizer_impl == "single":
@@ -270,6 +284,8 @@ class Step:
     def groups(self) -> dict[str, list[Term]]:
         states = self.param_terms() + self.optimizer_terms() + self.framework.persistent_buffers(self)
         gathered = {f"gathered.{i}": self.framework.gathered(self, i) for i in ("forward", "loss", "block")}
+        if self.job.model.num_experts:
+            gathered["gathered.block"] = moe.without_block_grads(gathered["gathered.block"])
         groups = {
             "states": states,
             **self.grad_groups(),
@@ -292,11 +308,15 @@ class Step:
         # embedding already has it from the head)
         pending = model.embedding_params() - (model.vocab_size * model.hidden if model.tied_embeddings else 0)
         own = self.block_params if self.framework.block_grads_after_reduce else 0
+        last = self.root_params
+        if model.num_experts and not own:  # a sparse block peaks in its expert loop, before any of
+            # its own gradients, and the last one's before the input embedding's (measured, DDP)
+            own, last = self.block_params, self.root_params - pending
         what = "params (all but the input embedding" + (" and the first block)" if own else ")")
         groups = {
             "grads": grads,
             "grads.carried": [],
-            "grads.last_block": self.grad_share(self.root_params, "embedding/head params"),
+            "grads.last_block": self.grad_share(last, "embedding/head params"),
             "grads.first_block": self.grad_share(self.params - pending - own, what),
         }
         j = self.last_checkpointed()
@@ -479,6 +499,8 @@ class Step:
             self._kept[policy] = block_kept_under(
                 self.job.model, self.job.train, self.job.train.loop, index, inputs_cast=self.casts_block_inputs
             )
+            if self.ep > 1:
+                self._kept[policy] = moe.ep_kept(self._kept[policy], self.job.model, self.job.train, self.ep)
         return self._kept[policy]
 
     def block_terms(self, indices: range, *, first: bool = False) -> list[Term]:
@@ -512,11 +534,13 @@ class Step:
         """Block ``index``'s backward transient: like ``kept``, one per policy."""
         job, policy = self.job, checkpointed(index, self.job.train.loop.ac_every)
         if policy not in self._transient:
-            self._transient[policy] = _terms(
-                A,
-                block_transient_under(job.model, job.train, job.train.loop, index, inputs_cast=self.casts_block_inputs),
-                "block.backward",
+            transient = block_transient_under(
+                job.model, job.train, job.train.loop, index, inputs_cast=self.casts_block_inputs
             )
+            if self.ep > 1:
+                transient = moe.ep_kept(transient, job.model, job.train, self.ep)
+                transient += moe.a2a_buffers(job.model, job.train, self.ep)
+            self._transient[policy] = _terms(A, transient, "block.backward")
         return self._transient[policy]
 
     def last_checkpointed(self) -> int | None:

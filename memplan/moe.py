@@ -83,6 +83,12 @@ def moe_block_params(model: ModelSpec) -> int:
     return sum(moe_block_param_counts(model).values())
 
 
+def moe_matrices(model: ModelSpec) -> int:
+    """A sparse block's MLP weight matrices (what autocast caches a copy of)."""
+    counts = moe_block_param_counts(model)
+    return counts["router"] + counts["experts"] + counts["shared_expert"]
+
+
 def moe_blocks_params(model: ModelSpec) -> int:
     sparse = num_moe_layers(model)
     dense = sum(model.block_param_counts().values())
@@ -150,27 +156,134 @@ def dropless_bound_rows(tokens: int, model: ModelSpec, ep: int) -> int:
     return ep * tokens * min(model.experts_per_token, model.num_experts // ep)
 
 
-def moe_saved(model: ModelSpec, x: Shapes, rows: int) -> list[Saved]:
-    """What one sparse block's MLP keeps for backward, ``rows`` routed copies (k·T at
-    balance), measured with saved-tensor hooks on MixtralSparseMoeBlock (eager experts)."""
+def moe_saved(model: ModelSpec, x: Shapes, rows: int, ep: int = 1) -> list[Saved]:
+    """What one sparse block's MLP keeps for backward, ``rows`` routed copies on this rank
+    (k·T at balance). Measured with saved-tensor hooks on transformers' MixtralSparseMoeBlock
+    and Qwen2MoeSparseMoeBlock (eager experts, tests/test_moe.py); under EP what
+    calibrate/moe_ep.py's torchtitan-style dispatch keeps (docs/moe_matrix_cpu.jsonl)."""
     from .activations import Saved
 
-    t, h, E, k, f = x.tokens, x.h, model.num_experts, model.experts_per_token, expert_width(model)
-    c = x.c
+    t, h, E, k, f, c = x.tokens, x.h, model.num_experts, model.experts_per_token, expert_width(model), x.c
+    # softmax(logits.float()) keeps its fp32 output, topk its int64 indices; the in-place
+    # renormalisation (top / top.sum) keeps the fp32 sum and the result
+    norm = 4 * t + 4 * t * k if model.normalize_top_k else 0
+    weight = 4 if model.top_k_weights_fp32 else c
     saved = [
-        # F.softmax(router_logits.float()) keeps its fp32 output; topk its int64 indices;
-        # the in-place normalisation (top / top.sum) keeps the fp32 sum and the result
         Saved("router softmax (fp32)", "4·b·s·E", 4 * t * E),
-        Saved("router top-k indices, weights, sum", "(8 + 4)·b·s·k + 4·b·s", 12 * t * k + 4 * t),
-        # per routed copy: the gathered input, gate_up output (2f), silu output, product,
-        # down output, the weighted output index_add_ keeps; torch.where's int64 pair
-        # (one storage) and the copy's fp32 weight
+        Saved("router top-k indices (+ renormalised weights)", "8·b·s·k (+ 4·b·s·(k + 1))", 8 * t * k + norm),
+        # every routed copy: its input rows, gate_up output (2f), silu output, the product
         Saved("expert inputs (routed copies)", "c·k·b·s·h", c * rows * h),
         Saved("expert gate/up, silu, product", "4·c·k·b·s·f_e", 4 * c * rows * f),
-        Saved("expert outputs, weighted outputs", "2·c·k·b·s·h", 2 * c * rows * h),
-        Saved("routing indices and weights", "(16 + 4)·k·b·s", 20 * rows),
     ]
+    if ep == 1:
+        # transformers' eager loop: the down output and the weighted output index_add_ keeps,
+        # torch.where's int64 (position, token) pair (one storage) and the copy's weight
+        saved += [
+            Saved("expert outputs, weighted outputs", "2·c·k·b·s·h", 2 * c * rows * h),
+            Saved("routing indices and weights", f"(16 + {weight})·k·b·s", (16 + weight) * rows),
+        ]
+    else:
+        # the dispatcher: the rows back from the combine all-to-all (kept by the fp32 weighting),
+        # their weights, and four int64 permutations (expert order, token of each copy,
+        # regroup by local expert, its inverse)
+        saved += [
+            Saved("combined expert outputs", "c·k·b·s·h", c * rows * h),
+            Saved("dispatch permutations and weights", "(32 + 4)·k·b·s", 36 * rows),
+        ]
     if model.shared_ffn_hidden:
         fs = model.shared_ffn_hidden
         saved.append(Saved("shared expert gate, silu, up, product", "4·c·b·s·f_s", 4 * c * t * fs))
+    if model.shared_expert_gate:
+        # sigmoid(gate(x)) * shared(x) keeps the shared output and the sigmoid's
+        saved.append(Saved("shared expert output, sigmoid gate", "c·b·s·(h + 1)", c * t * (h + 1)))
     return saved
+
+
+def allows_ep(strategy, ep: int) -> bool:
+    """EP composes with FSDP (torchtitan's): the experts' own mesh inside the data-parallel one."""
+    return ep == 1 or strategy.framework == "fsdp"
+
+
+def check_ep_step(job, strategy, shards: int) -> None:
+    """Expert parallelism as torchtitan composes it: FSDP over the rest, ep dividing the GPUs,
+    the experts and, where FSDP shards them too, the shard group."""
+    model, ep = job.model, job.plan.ep
+    check_ep(model, ep, job.cluster.gpus)
+    if not allows_ep(strategy, ep):
+        raise MemplanError(
+            f"ep {ep} is modelled with FSDP over the non-expert parameters (torchtitan's composition), "
+            f"not with {strategy.id}; use an fsdp strategy"
+        )
+    if strategy.shards_params and shards % ep:
+        raise MemplanError(f"ep {ep} does not divide the FSDP shard group of {shards} GPUs; use a divisor of it")
+
+
+def gathered_block_params(model: ModelSpec, ep: int, shards: int) -> int:
+    """What FSDP all-gathers of a sparse block under EP: its non-expert parameters, plus its
+    E/ep local experts where they are sharded over the shards/ep ranks that hold them
+    (torchtitan's dp_mod_ep mesh); over one rank they stay whole and are not gathered."""
+    local = local_block_params(model, ep)
+    if shards // ep > 1:
+        return local
+    return local - (model.num_experts // ep) * expert_params(model)
+
+
+def ep_kept(saved: list[Saved], model: ModelSpec, train, ep: int) -> list[Saved]:
+    """A sparse block's kept (or backward) tensors under EP: the eager loop's replaced by the
+    dispatcher's, the experts' gradients by the local experts' (a checkpointed block keeps
+    its input only: nothing to replace)."""
+    from .activations import shapes
+
+    x = shapes(model, train)
+    rows = routed_rows(x.tokens, model, ep)
+    out = list(saved)
+    for eager, parallel in (
+        (moe_saved(model, x, rows), moe_saved(model, x, rows, ep)),
+        (moe_backward_transient(model, x), moe_backward_transient(model, x, ep)),
+    ):
+        names = {s.name for s in eager}
+        if names & {s.name for s in out}:
+            out = [s for s in out if s.name not in names] + parallel
+    return out
+
+
+def moe_backward_transient(model: ModelSpec, x: Shapes, ep: int = 1) -> list[Saved]:
+    """Live while a sparse block runs its backward, beyond what it kept: indexing one expert
+    out of the 3-D ``gate_up_proj`` / ``down_proj`` (``self.gate_up_proj[e]``) has a backward
+    that makes a zero gradient of the whole tensor, summed expert after expert, so the
+    accumulated and the newest full-size expert gradients are live at once; plus the
+    gradients flowing into the experts and the router (b·s·h each). Measured on CPU
+    (MemTracker's Temp at the DDP backward peak, docs/moe_matrix_cpu.jsonl)."""
+    from .activations import Saved
+
+    g = 4 if x.autocast else x.c  # the experts' gradients are in their parameters' dtype
+    local = model.num_experts // ep * expert_params(model)
+    return [
+        Saved("expert gradients: accumulated + newest (full size)", "2·g·E_local·3·h·f_e", 2 * g * local),
+        Saved("gradients into the experts and the router", "2·c·b·s·h", 2 * x.c * x.tokens * x.h),
+    ]
+
+
+def a2a_buffers(model: ModelSpec, train, ep: int) -> list[Saved]:
+    """The all-to-all's send and receive buffers of one sparse block (routed rows × h each),
+    live while the block's dispatch or combine runs, forward and backward."""
+    from .activations import Saved, shapes
+
+    x = shapes(model, train)
+    rows = routed_rows(x.tokens, model, ep)
+    return [Saved("all-to-all send + receive buffers", "2·c·k·b·s·h", 2 * x.c * rows * x.h)]
+
+
+def check_moe_loop(loop) -> None:
+    """The loop conventions whose MoE blocks are not modelled (they would count a dense MLP)."""
+    if loop.ac == "op" or loop.compile:
+        what = "ac op (torchtitan's per-op SAC)" if loop.ac == "op" else "compile"
+        raise MemplanError(f"{what} is not modelled for mixture-of-experts blocks; use ac none, selective or full")
+
+
+def without_block_grads(terms: list) -> list:
+    """FSDP's block moment without its unsharded block gradients and reduce-scatter input: those
+    appear once a sparse block's backward is done, when the expert loop's full-size gradient
+    accumulators (``moe_backward_transient``, the larger) are gone (measured: the FSDP cases
+    of docs/moe_matrix_cpu.jsonl peak inside the loop)."""
+    return [t for t in terms if t.key != "fsdp.block_grads"]

@@ -199,6 +199,8 @@ class StrategyRequest:
     """A strategy id of memplan.STRATEGIES, or all: every one that runs on the cluster with this offload."""
     offload: str = Plan.offload
     """none | optimizer | params | all: what lives in host RAM."""
+    ep: int = Plan.ep
+    """Expert-parallel degree of an MoE model (moves into the Layout at merge)."""
 
     def __post_init__(self):
         from .strategies import STRATEGIES

@@ -99,6 +99,10 @@ class ModelSpec:
     """Leading dense layers (DeepSeek-V3's first_k_dense_replace)."""
     moe_every: int = 1
     """Layer i (0-based) is MoE when (i + 1) is a multiple of this (Qwen2/3-MoE's decoder_sparse_step)."""
+    normalize_top_k: bool = True
+    """The router renormalises the top-k weights (Mixtral always; Qwen-MoE's norm_topk_prob)."""
+    top_k_weights_fp32: bool = True
+    """The routing weights stay fp32 (Mixtral); Qwen2-MoE casts them to the compute dtype."""
 
     def __post_init__(self):
         _check_choice(self.arch, ARCHS, "arch")

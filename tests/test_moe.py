@@ -130,3 +130,158 @@ def test_bad_moe_fields(changes, fragment):
                 **changes,
             }
         )
+
+
+def _measured_moe_saved(model_type: str, spec: ModelSpec, train) -> int:
+    """Bytes of distinct storages one sparse block's MLP saves (its parameters and input excluded)."""
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    from calibrate.moe_ep import hf_moe_kwargs
+    from calibrate.wrappers import DTYPES
+    from memplan.precision import POLICIES
+
+    config = tf.AutoConfig.for_model(model_type, hidden_size=spec.hidden, **hf_moe_kwargs(spec, model_type))
+    block_class = {"mixtral": "MixtralSparseMoeBlock", "qwen2_moe": "Qwen2MoeSparseMoeBlock"}[model_type]
+    module = __import__(f"transformers.models.{model_type}.modeling_{model_type}", fromlist=[block_class])
+    torch.manual_seed(0)
+    dtype = DTYPES[POLICIES[train.precision].param_dtype]
+    block = getattr(module, block_class)(config).to(dtype)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(train.micro_batch, train.seq_len, spec.hidden, dtype=dtype, requires_grad=True)
+    skip = {t.untyped_storage().data_ptr() for t in (*block.parameters(), x)}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY))
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_moe_block_saved_bytes_match_autograd(model_type, precision, top_k):
+    from memplan.activations import shapes
+    from memplan.specs import TrainSpec
+
+    spec = model_from_hf_config(tiny_config(model_type, num_experts_per_tok=top_k))
+    train = TrainSpec(seq_len=48, micro_batch=2, precision=precision, device="cpu")
+    x = shapes(spec, train)
+    modelled = sum(s.bytes for s in moe.moe_saved(spec, x, moe.routed_rows(x.tokens, spec, 1)))
+    assert modelled == _measured_moe_saved(model_type, spec, train)
+
+
+# -- expert parallelism ------------------------------------------------------------------
+
+
+def _job(**changes):
+    from memplan.specs import ClusterSpec, Job, Plan, TrainSpec
+
+    model = catalog.model_preset("mixtral-8x7b")
+    return Job(
+        model=model,
+        train=TrainSpec(seq_len=4096),
+        cluster=ClusterSpec(gpus=changes.pop("gpus", 8), gpu_name="h100-sxm"),
+        plan=Plan(strategy=changes.pop("strategy", "fsdp-full-shard"), ep=changes.pop("ep", 1)),
+    )
+
+
+@pytest.mark.parametrize(
+    "changes,fragment",
+    [
+        (dict(ep=3, gpus=6), "does not divide num_experts 8"),
+        (dict(ep=4, gpus=2), "does not divide gpus 2"),
+        (dict(ep=2, strategy="ddp"), "use an fsdp strategy"),
+    ],
+)
+def test_bad_ep_is_refused(changes, fragment):
+    from memplan.memory import estimate
+
+    with pytest.raises(MemplanError, match=fragment):
+        estimate(_job(**changes))
+
+
+def test_ep_on_a_dense_model_is_refused():
+    with pytest.raises(MemplanError, match="is dense"):
+        moe.check_ep(catalog.model_preset("llama-2-7b"), 2, 8)
+
+
+def test_ep_shards_experts_and_keeps_fsdp_total():
+    """FSDP over the world with experts over ep × dp_mod_ep holds P/n per rank either way; with
+    the experts whole on their rank (ep = n) the gathered block drops the other ranks' experts."""
+    spec = catalog.model_preset("mixtral-8x7b")
+    experts = moe.routed_expert_params(spec)
+    rest = spec.num_params - experts
+    assert moe.local_params(spec, 8, 8, sharded=True) == -(-rest // 8) + experts // 8
+    assert moe.local_params(spec, 8, 8, sharded=False) == rest + experts // 8
+    gathered = moe.gathered_block_params(spec, 8, 8)
+    assert gathered == spec.block_params() - spec.num_experts * moe.expert_params(spec)
+
+
+def test_ep_all_to_all_time_counts_four_exchanges_per_sparse_layer():
+    from memplan import throughput
+
+    job = _job(ep=8)
+    link = throughput.link_for(job)
+    m, t = job.model, job.train.seq_len
+    volume = 4 * m.num_layers * m.experts_per_token * t * m.hidden * 2  # bf16 rows
+    assert throughput.ep_seconds(job, link) == pytest.approx(volume * 7 / 8 / link.intra_node_bytes_s)
+    assert throughput.ep_seconds(_job(), link) == 0.0
+
+
+def test_moe_flops_count_active_parameters():
+    from memplan import throughput
+
+    job = _job()
+    assert throughput.flops_per_token(job) == pytest.approx(
+        6 * moe.active_params(job.model) + 12 * job.model.num_layers * job.model.hidden * job.train.seq_len
+    )
+
+
+# -- the measured matrix (docs/moe_matrix_cpu.jsonl) ---------------------------------------
+
+TOLERANCE = 0.02
+
+
+def _matrix_records() -> list[dict]:
+    from pathlib import Path
+
+    from calibrate import heldout, moe_matrix, records
+
+    path = Path(__file__).resolve().parent.parent / moe_matrix.OUT
+    return [r for r in heldout.latest(records.read([path])) if r["status"] == "ok"]
+
+
+def test_the_matrix_covers_the_asked_shapes():
+    recs = _matrix_records()
+    strategies = {(r["spec"]["plan"]["strategy"], r["spec"]["plan"]["ep"]) for r in recs}
+    assert len(recs) >= 10
+    assert {("single", 1), ("ddp", 1), ("fsdp-full-shard", 1), ("fsdp-full-shard", 2)} <= strategies
+
+
+@pytest.mark.parametrize("record", _matrix_records(), ids=lambda r: r["case"])
+def test_moe_estimate_within_2_percent_of_the_measured_peak(record):
+    from calibrate import heldout
+    from memplan.memory import estimate
+
+    measured = record["measurement"]["peak_allocated_bytes"]
+    est = estimate(heldout.loop_job(record)).allocated_bytes
+    assert abs(est - measured) <= TOLERANCE * measured, f"estimated {est:,} B, measured {measured:,} B"
+
+
+@pytest.mark.slow
+def test_live_ep_case_matches_its_record():
+    """One EP case re-measured on 2 gloo ranks: the record's peak again."""
+    from calibrate import moe_matrix
+
+    case = moe_matrix.BY_ID["mixtral-h256-e4-plain-kept-fsdp-ep2-fp32-acnone-g2-b2s128"]
+    record = next(r for r in _matrix_records() if r["case"] == case.id)
+    outcome = moe_matrix._measure(case)
+    assert outcome["status"] == "ok", outcome["error"]
+    recorded = record["measurement"]["peak_allocated_bytes"]
+    assert abs(outcome["measurement"]["peak_allocated_bytes"] - recorded) <= 0.005 * recorded
