@@ -633,5 +633,5 @@ def estimate(job: Job) -> Estimate:
         moments=tuple(moments),
         overhead=tuple(overhead_terms(job, peak)),
         host_bytes=host,
-        notes=loop_notes(job),
+        notes=loop_notes(job) + moe.ep_notes(job),
     )

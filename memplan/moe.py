@@ -23,6 +23,21 @@ if TYPE_CHECKING:
     from .specs import ModelSpec
 
 
+MOE_FIELDS = (
+    "num_experts",
+    "experts_per_token",
+    "moe_ffn_hidden",
+    "shared_ffn_hidden",
+    "shared_expert_gate",
+    "first_dense_layers",
+    "moe_every",
+    "normalize_top_k",
+    "top_k_weights_fp32",
+    "capacity_factor",
+)
+"""The ModelSpec fields of the experts (a dense model leaves them at their defaults)."""
+
+
 def check_moe(model: ModelSpec) -> None:
     """The MoE fields of a ModelSpec, checked once (``ModelSpec.__post_init__``)."""
     for name in ("num_experts", "experts_per_token", "moe_ffn_hidden", "shared_ffn_hidden", "first_dense_layers"):
@@ -35,6 +50,9 @@ def check_moe(model: ModelSpec) -> None:
         raise MemplanError(
             f"experts_per_token {model.experts_per_token} must be between 1 and num_experts {model.num_experts}"
         )
+    C = model.capacity_factor
+    if isinstance(C, bool) or not isinstance(C, (int, float)) or not 0 <= C <= model.num_experts:
+        raise MemplanError(f"capacity_factor must be 0 (dropless) or a number up to num_experts, got {C!r}")
     if not isinstance(model.moe_every, int) or model.moe_every < 1:
         raise MemplanError(f"moe_every must be a positive integer, got {model.moe_every!r}")
     if model.shared_expert_gate and not model.shared_ffn_hidden:
@@ -140,13 +158,13 @@ def local_block_params(model: ModelSpec, ep: int) -> int:
     return model.block_params() - idle * expert_params(model)
 
 
-def routed_rows(tokens: int, model: ModelSpec, ep: int, capacity_factor: float = 0.0) -> int:
-    """Routed token copies one rank's experts process for its ``tokens``: k·T with a balanced
-    router (what dropless routing gives on average). A capacity factor C caps each expert at
-    ⌈C·k·T·ep/E⌉ rows of the ep ranks' tokens (GShard's capacity), E/ep experts per rank."""
-    k, E = model.experts_per_token, model.num_experts
-    if capacity_factor:
-        return (E // ep) * math.ceil(capacity_factor * k * tokens * ep / E)
+def routed_rows(tokens: int, model: ModelSpec, ep: int) -> int:
+    """Routed token copies one rank's experts process for its ``tokens``: dropless, k·T with a
+    balanced router (exactly k·T without EP); with a capacity factor C each of the E/ep local
+    experts takes ⌈C·k·T·ep/E⌉ rows of the ep ranks' tokens, padded to it (GShard §2.2)."""
+    k, E, C = model.experts_per_token, model.num_experts, model.capacity_factor
+    if C:
+        return (E // ep) * math.ceil(C * k * tokens * ep / E)
     return k * tokens
 
 
@@ -154,6 +172,18 @@ def dropless_bound_rows(tokens: int, model: ModelSpec, ep: int) -> int:
     """Dropless worst case: every EP rank sends all its tokens here, each token at most
     min(k, E/ep) copies (its top-k experts are distinct)."""
     return ep * tokens * min(model.experts_per_token, model.num_experts // ep)
+
+
+def ep_notes(job) -> tuple[str, ...]:
+    """What a dropless EP estimate assumes of the router."""
+    ep, model = job.plan.ep, job.model
+    if ep == 1 or model.capacity_factor:
+        return ()
+    tokens = job.train.tokens_per_micro_batch
+    return (
+        f"ep {ep}, dropless: a balanced router is assumed ({routed_rows(tokens, model, ep):,} routed rows per "
+        f"rank and sparse layer); a skewed one can send a rank up to {dropless_bound_rows(tokens, model, ep):,}",
+    )
 
 
 def moe_saved(model: ModelSpec, x: Shapes, rows: int, ep: int = 1) -> list[Saved]:

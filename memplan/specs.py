@@ -103,6 +103,8 @@ class ModelSpec:
     """The router renormalises the top-k weights (Mixtral always; Qwen-MoE's norm_topk_prob)."""
     top_k_weights_fp32: bool = True
     """The routing weights stay fp32 (Mixtral); Qwen2-MoE casts them to the compute dtype."""
+    capacity_factor: float = 0.0
+    """Each expert takes at most C·k·T/E tokens, padded to that (GShard, Switch); 0: dropless."""
 
     def __post_init__(self):
         _check_choice(self.arch, ARCHS, "arch")

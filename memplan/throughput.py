@@ -15,7 +15,7 @@ from functools import cache
 
 from . import catalog
 from .errors import MemplanError
-from .moe import active_params, num_moe_layers
+from .moe import active_params, num_moe_layers, routed_rows
 from .precision import POLICIES
 from .specs import Job
 from .strategies import STRATEGIES
@@ -181,7 +181,7 @@ def ep_seconds(job: Job, link: Link) -> float:
     if ep == 1:
         return 0.0
     m, train = job.model, job.train
-    rows = m.experts_per_token * train.seq_len * train.micro_batch
+    rows = routed_rows(train.seq_len * train.micro_batch, m, ep)
     volume = 4 * num_moe_layers(m) * rows * m.hidden * POLICIES[train.precision].compute_bytes * train.grad_accum
     bw = link.intra_node_bytes_s if ep <= job.cluster.gpus_per_node else link.inter_node_bytes_s
     return volume * (ep - 1) / ep / bw

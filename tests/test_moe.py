@@ -259,7 +259,7 @@ def _matrix_records() -> list[dict]:
 
 def test_the_matrix_covers_the_asked_shapes():
     recs = _matrix_records()
-    strategies = {(r["spec"]["plan"]["strategy"], r["spec"]["plan"]["ep"]) for r in recs}
+    strategies = {(r["spec"]["plan"]["strategy"], r["spec"]["plan"].get("ep", 1)) for r in recs}
     assert len(recs) >= 10
     assert {("single", 1), ("ddp", 1), ("fsdp-full-shard", 1), ("fsdp-full-shard", 2)} <= strategies
 
@@ -285,3 +285,19 @@ def test_live_ep_case_matches_its_record():
     assert outcome["status"] == "ok", outcome["error"]
     recorded = record["measurement"]["peak_allocated_bytes"]
     assert abs(outcome["measurement"]["peak_allocated_bytes"] - recorded) <= 0.005 * recorded
+
+
+def test_capacity_factor_pads_each_local_expert():
+    from dataclasses import replace
+
+    spec = replace(catalog.model_preset("mixtral-8x7b"), capacity_factor=1.25)
+    # 4096 tokens, top-2, 8 experts over ep 4: 2 local experts of ⌈1.25·2·4096·4/8⌉ rows each
+    assert moe.routed_rows(4096, spec, 4) == 2 * 5120
+    assert moe.routed_rows(4096, catalog.model_preset("mixtral-8x7b"), 4) == 2 * 4096
+
+
+def test_dropless_ep_notes_the_skewed_bound():
+    from memplan.memory import estimate
+
+    (note,) = estimate(_job(ep=8)).notes
+    assert "8,192 routed rows" in note and f"{8 * 4096:,}" in note
