@@ -512,25 +512,29 @@ def render_report(recs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
+def main(argv=None, matrix: str = "calibrate.heldout") -> None:
+    """The command of a held-out matrix: ``matrix`` names the module of its cases (``OUT``,
+    ``TIMEOUT_S``, ``CASES``, ``BY_ID``, ``measure_case``; calibrate.moe_matrix reuses it)."""
     import argparse
+    import importlib
 
-    parser = argparse.ArgumentParser(prog="python -m calibrate.heldout", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=OUT)
+    m = importlib.import_module(matrix)
+    parser = argparse.ArgumentParser(prog=f"python -m {matrix}", description=(m.__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--out", default=m.OUT)
     parser.add_argument("--report", action="store_true", help="print the table of the records and exit")
     parser.add_argument("--case", help="(child) measure this one case here")
     parser.add_argument("--result", help="(child) where to write the case's outcome")
     parser.add_argument("--only", nargs="*", help="measure only these case ids")
-    parser.add_argument("--timeout", type=float, default=TIMEOUT_S)
+    parser.add_argument("--timeout", type=float, default=m.TIMEOUT_S)
     args = parser.parse_args(argv)
     if args.report:
         print(render_report(latest(records.read([args.out]))))
     elif args.case:
-        outcome = measure_case(BY_ID[args.case])
+        outcome = m.measure_case(m.BY_ID[args.case])
         Path(args.result).write_text(json.dumps(outcome), encoding="utf-8")
     else:
-        cases = [BY_ID[i] for i in args.only] if args.only else CASES
-        sweep(cases, out=args.out, timeout_s=args.timeout)
+        cases = [m.BY_ID[i] for i in args.only] if args.only else m.CASES
+        sweep(cases, out=args.out, timeout_s=args.timeout, module=matrix)
 
 
 if __name__ == "__main__":

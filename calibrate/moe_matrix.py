@@ -10,13 +10,11 @@ Records go to docs/moe_matrix_cpu.jsonl in calibrate.heldout's format (its repor
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
-from . import heldout, records
+from . import heldout
 
 OUT = "docs/moe_matrix_cpu.jsonl"
 MODULE = "calibrate.moe_matrix"
@@ -128,7 +126,7 @@ CASES = (
 BY_ID = {case.id: case for case in CASES}
 
 
-def _measure(case: Case) -> dict:
+def measure_case(case: Case) -> dict:
     """The case's outcome in this process: one rank (single) or 2 gloo ranks (spawned)."""
     import dataclasses
     import traceback
@@ -149,23 +147,7 @@ def _measure(case: Case) -> dict:
 
 
 def main(argv=None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m calibrate.moe_matrix", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=OUT)
-    parser.add_argument("--report", action="store_true", help="print the table of the records and exit")
-    parser.add_argument("--case", help="(child) measure this one case here")
-    parser.add_argument("--result", help="(child) where to write the case's outcome")
-    parser.add_argument("--only", nargs="*", help="measure only these case ids")
-    parser.add_argument("--timeout", type=float, default=TIMEOUT_S)
-    args = parser.parse_args(argv)
-    if args.report:
-        print(heldout.render_report(heldout.latest(records.read([args.out]))))
-    elif args.case:
-        Path(args.result).write_text(json.dumps(_measure(BY_ID[args.case])), encoding="utf-8")
-    else:
-        cases = [BY_ID[i] for i in args.only] if args.only else CASES
-        heldout.sweep(cases, out=args.out, timeout_s=args.timeout, module=MODULE)
+    heldout.main(argv, MODULE)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from memplan.errors import MemplanError
 from memplan.loop import Loop
@@ -50,7 +51,7 @@ _SPEC_TYPES = {"model": ModelSpec, "train": TrainSpec, "cluster": ClusterSpec, "
 _LOOP_DEFAULTS = {
     f.name: f.default for f in fields(TrainSpec) if f.name in ("recipe", "ac_every", *(g.name for g in fields(Loop)))
 }
-_LATER_DEFAULTS = {
+_LATER_DEFAULTS: dict[str, dict[str, Any]] = {
     "train": _LOOP_DEFAULTS,
     "model": {f.name: f.default for f in fields(ModelSpec) if f.name in MOE_FIELDS},
     "plan": {"ep": 1},

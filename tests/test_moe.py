@@ -281,7 +281,7 @@ def test_live_ep_case_matches_its_record():
 
     case = moe_matrix.BY_ID["mixtral-h256-e4-plain-kept-fsdp-ep2-fp32-acnone-g2-b2s128"]
     record = next(r for r in _matrix_records() if r["case"] == case.id)
-    outcome = moe_matrix._measure(case)
+    outcome = moe_matrix.measure_case(case)
     assert outcome["status"] == "ok", outcome["error"]
     recorded = record["measurement"]["peak_allocated_bytes"]
     assert abs(outcome["measurement"]["peak_allocated_bytes"] - recorded) <= 0.005 * recorded
