@@ -278,7 +278,8 @@ class Step:
     def largest_param(self) -> int:
         m = self.job.model
         embed = m.vocab_size * m.hidden if m.arch != "vit" else m.image_channels * m.patch_size**2 * m.hidden
-        return max(embed, m.hidden * m.ffn_hidden, m.hidden * m.hidden)
+        experts = moe.largest_expert_tensor(m, self.ep) if m.num_experts else 0
+        return max(embed, m.hidden * m.ffn_hidden, m.hidden * m.hidden, experts)
 
     # -- the groups of terms the moments are declared from ------------------------------
     def groups(self) -> dict[str, list[Term]]:

@@ -101,6 +101,11 @@ def moe_block_params(model: ModelSpec) -> int:
     return sum(moe_block_param_counts(model).values())
 
 
+def largest_expert_tensor(model: ModelSpec, ep: int) -> int:
+    """transformers keeps a layer's experts as 3-D tensors: gate_up_proj (E/ep × 2f × h) is one."""
+    return model.num_experts // ep * 2 * expert_width(model) * model.hidden
+
+
 def moe_matrices(model: ModelSpec) -> int:
     """A sparse block's MLP weight matrices (what autocast caches a copy of)."""
     counts = moe_block_param_counts(model)

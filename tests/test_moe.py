@@ -301,3 +301,17 @@ def test_dropless_ep_notes_the_skewed_bound():
 
     (note,) = estimate(_job(ep=8)).notes
     assert "8,192 routed rows" in note and f"{8 * 4096:,}" in note
+
+
+def test_single_tensor_adam_steps_the_3d_expert_tensor():
+    """torch's single-tensor AdamW makes two sqrt(v) copies of its largest tensor: an MoE
+    model's is a layer's gate_up_proj (E/ep × 2·f × h), not a 2-D weight."""
+    from memplan.memory import estimate
+    from memplan.specs import Job, TrainSpec
+
+    model = ModelSpec(
+        num_layers=2, hidden=64, num_heads=4, ffn_hidden=96, vocab_size=128, num_experts=8, experts_per_token=2
+    )
+    job = Job(model=model, train=TrainSpec(seq_len=32, precision="fp32", device="cpu"))
+    (sqrt,) = [t for m in estimate(job).moments for t in m.terms if t.key == "optimizer.sqrt_temporaries"]
+    assert sqrt.bytes == 2 * 4 * 8 * 2 * 96 * 64
