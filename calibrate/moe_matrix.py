@@ -71,8 +71,28 @@ QWEN_MOE = ModelSpec(
     normalize_top_k=False,
     top_k_weights_fp32=False,
 )
+QWEN_MOE_MIXED = ModelSpec(
+    name="qwen2moe-h192-e8-step2",
+    num_layers=3,
+    hidden=192,
+    num_heads=4,
+    num_kv_heads=2,
+    ffn_hidden=512,
+    vocab_size=4096,
+    qkv_bias=True,
+    num_experts=8,
+    experts_per_token=2,
+    moe_ffn_hidden=128,
+    shared_ffn_hidden=256,
+    shared_expert_gate=True,
+    moe_every=2,
+    normalize_top_k=False,
+    top_k_weights_fp32=False,
+)
+"""decoder_sparse_step 2: layers 0 and 2 dense (SwiGLU of ffn_hidden), layer 1 sparse."""
 HF_TYPE = {m.name: t for m, t in ((MIXTRAL_A, "mixtral"), (MIXTRAL_B, "mixtral"), (MIXTRAL_C, "mixtral"))} | {
-    QWEN_MOE.name: "qwen2_moe"
+    QWEN_MOE.name: "qwen2_moe",
+    QWEN_MOE_MIXED.name: "qwen2_moe",
 }
 STRATEGY = {"single": "single", "ddp": "ddp", "fsdp": "fsdp-full-shard"}
 
@@ -121,6 +141,8 @@ CASES = (
     _case("plain-kept", MIXTRAL_C, "fsdp", gpus=2, b=1, s=256, ep=2),
     _case("plain-kept", QWEN_MOE, "fsdp", gpus=2, b=2, s=128, ep=2),
     _case("hf-trainer", MIXTRAL_C, "single", b=2, s=128, ac="full"),
+    _case("plain-kept", QWEN_MOE_MIXED, "single", b=2, s=256),
+    _case("plain-freed", QWEN_MOE_MIXED, "ddp", gpus=2, b=2, s=128),
     _case("plain-kept", MIXTRAL_A, "single", b=1, s=128, precision="bf16"),
 )
 BY_ID = {case.id: case for case in CASES}

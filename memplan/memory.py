@@ -172,8 +172,8 @@ class Step:
         self.gather_bytes = pol.compute_bytes if pol.master else pol.param_bytes
         # the recipe's FSDP units: torchtitan's wraps the embedding alone, resharded after forward
         self.reshards_embedding = recipe_rows()[train.recipe].get("reshard_after_forward", ("all", ""))[0] == "blocks"
-        self._kept: dict[bool, list[Saved]] = {}
-        self._transient: dict[bool, list[Term]] = {}
+        self._kept: dict[tuple[bool, bool], list[Saved]] = {}
+        self._transient: dict[tuple[bool, bool], list[Term]] = {}
         reduce = train.reduce_dtype
         self.reduce_bytes = DTYPE_BYTES[reduce] if reduce else self.gather_bytes
 
@@ -493,23 +493,29 @@ class Step:
             )
         ]
 
+    def kind(self, index: int) -> tuple[bool, bool]:
+        """What block ``index``'s activations depend on: whether it is checkpointed, and sparse
+        (an MoE model's dense layers are its dense view's blocks, ``moe.dense_view``)."""
+        model = self.job.model
+        return checkpointed(index, self.job.train.loop.ac_every), moe.is_moe_layer(model, index)
+
     def kept(self, index: int) -> list[Saved]:
-        """What block ``index`` keeps: it depends on the index only through whether it is checkpointed."""
-        policy = checkpointed(index, self.job.train.loop.ac_every)
-        if policy not in self._kept:
-            self._kept[policy] = block_kept_under(
-                self.job.model, self.job.train, self.job.train.loop, index, inputs_cast=self.casts_block_inputs
-            )
-            if self.ep > 1:
-                self._kept[policy] = moe.ep_kept(self._kept[policy], self.job.model, self.job.train, self.ep)
-        return self._kept[policy]
+        """What block ``index`` keeps: it depends on the index only through its ``kind``."""
+        kind = self.kind(index)
+        if kind not in self._kept:
+            model = self.job.model if kind[1] else moe.dense_view(self.job.model)
+            train = self.job.train
+            kept = block_kept_under(model, train, train.loop, index, inputs_cast=self.casts_block_inputs)
+            self._kept[kind] = moe.ep_kept(kept, model, self.job.train, self.ep) if self.ep > 1 else kept
+        return self._kept[kind]
 
     def block_terms(self, indices: range, *, first: bool = False) -> list[Term]:
         """The kept activations of these blocks: one term per policy they run under."""
         loop = self.job.train.loop
-        by_policy: dict[bool, list[int]] = {True: list(indices)} if loop.ac_every == 1 else {}
-        for i in indices if loop.ac_every > 1 else ():
-            by_policy.setdefault(checkpointed(i, loop.ac_every), []).append(i)
+        uniform = loop.ac_every == 1 and moe.all_blocks_alike(self.job.model)
+        by_policy: dict[tuple[bool, bool], list[int]] = {(True, True): list(indices)} if uniform else {}
+        for i in indices if not uniform else ():
+            by_policy.setdefault(self.kind(i), []).append(i)
         if len(by_policy) == 1:
             kept = self.kept(indices[0])
             formula = " + ".join(s.formula for s in kept)
@@ -517,14 +523,16 @@ class Step:
             name = "kept activations of the first block" if first else f"kept activations of {n} blocks"
             return [term(A, key, name, formula if first else f"{n} × ({formula})", n * sum(s.bytes for s in kept))]
         terms = []
-        for is_checkpointed, members in sorted(by_policy.items(), reverse=True):
+        for (is_checkpointed, sparse), members in sorted(by_policy.items(), reverse=True):
             kept, n = self.kept(members[0]), len(members)
-            what = f"AC {loop.ac}, every {loop.ac_every}th" if is_checkpointed else "not checkpointed"
+            policy = f"AC {loop.ac}, every {loop.ac_every}th" if is_checkpointed else "not checkpointed"
+            key = f".{'checkpointed' if is_checkpointed else 'plain'}" if loop.ac_every > 1 else ""
+            what = ", ".join(w for w in (policy if key else "", "" if sparse else "dense") if w)
             terms.append(
                 term(
                     A,
-                    f"activations.blocks.{'checkpointed' if is_checkpointed else 'plain'}",
-                    f"kept activations of {n} blocks ({what})",
+                    f"activations.blocks{key}{'' if sparse else '.dense'}",
+                    f"kept activations of {n} blocks" + (f" ({what})" if what else ""),
                     f"{n} × ({' + '.join(s.formula for s in kept)})",
                     n * sum(s.bytes for s in kept),
                 )
@@ -533,16 +541,16 @@ class Step:
 
     def transient_terms(self, index: int) -> list[Term]:
         """Block ``index``'s backward transient: like ``kept``, one per policy."""
-        job, policy = self.job, checkpointed(index, self.job.train.loop.ac_every)
-        if policy not in self._transient:
-            transient = block_transient_under(
-                job.model, job.train, job.train.loop, index, inputs_cast=self.casts_block_inputs
-            )
-            if self.ep > 1:
-                transient = moe.ep_kept(transient, job.model, job.train, self.ep)
-                transient += moe.a2a_buffers(job.model, job.train, self.ep)
-            self._transient[policy] = _terms(A, transient, "block.backward")
-        return self._transient[policy]
+        job, kind = self.job, self.kind(index)
+        if kind not in self._transient:
+            model = job.model if kind[1] else moe.dense_view(job.model)
+            cast = self.casts_block_inputs
+            transient = block_transient_under(model, job.train, job.train.loop, index, inputs_cast=cast)
+            if self.ep > 1 and kind[1]:
+                transient = moe.ep_kept(transient, model, job.train, self.ep)
+                transient += moe.a2a_buffers(model, job.train, self.ep)
+            self._transient[kind] = _terms(A, transient, "block.backward")
+        return self._transient[kind]
 
     def last_checkpointed(self) -> int | None:
         """Block ⌊L/N⌋·N − 1 where ``ac_every`` N > 1 leaves the last block unchecked (else None)."""

@@ -14,7 +14,7 @@ Every formula takes the expert-parallel degree ``ep`` as an argument: where it c
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import MemplanError
 
@@ -65,8 +65,21 @@ def check_moe(model: ModelSpec) -> None:
 
 
 def is_moe_layer(model: ModelSpec, index: int) -> bool:
+    """Whether layer ``index`` is sparse (every layer of a dense model counts as its own kind)."""
     # Qwen2/3-MoE: (layer_idx + 1) % decoder_sparse_step == 0; DeepSeek-V3: layer_idx >= first_k_dense_replace
-    return index >= model.first_dense_layers and (index + 1) % model.moe_every == 0
+    return not model.num_experts or (index >= model.first_dense_layers and (index + 1) % model.moe_every == 0)
+
+
+def all_blocks_alike(model: ModelSpec) -> bool:
+    return not model.num_experts or num_moe_layers(model) == model.num_layers
+
+
+def dense_view(model: ModelSpec) -> ModelSpec:
+    """An MoE model's dense layers as a model of their own (SwiGLU of ``ffn_hidden``)."""
+    from dataclasses import fields, replace
+
+    defaults: dict[str, Any] = {f.name: f.default for f in fields(model) if f.name in MOE_FIELDS}
+    return replace(model, **defaults)
 
 
 def num_moe_layers(model: ModelSpec) -> int:

@@ -315,3 +315,18 @@ def test_single_tensor_adam_steps_the_3d_expert_tensor():
     job = Job(model=model, train=TrainSpec(seq_len=32, precision="fp32", device="cpu"))
     (sqrt,) = [t for m in estimate(job).moments for t in m.terms if t.key == "optimizer.sqrt_temporaries"]
     assert sqrt.bytes == 2 * 4 * 8 * 2 * 96 * 64
+
+
+def test_leading_dense_layers_keep_a_dense_blocks_activations():
+    from memplan.activations import block_kept
+    from memplan.memory import estimate
+    from memplan.specs import ClusterSpec, Job, Plan, TrainSpec
+
+    model = catalog.model_preset("deepseek-v3-gqa")
+    train = TrainSpec(seq_len=1024)
+    job = Job(model=model, train=train, cluster=ClusterSpec(gpus=64), plan=Plan(ep=8))
+    terms = {t.key: t.bytes for t in estimate(job).moments[0].terms}
+    # FSDP's mixed precision casts each block's inputs (activations.block_saved's inputs_cast)
+    dense = sum(s.bytes for s in block_kept(moe.dense_view(model), train, inputs_cast=True))
+    assert terms["activations.blocks.dense"] == model.first_dense_layers * dense
+    assert moe.num_moe_layers(model) == model.num_layers - model.first_dense_layers
