@@ -114,6 +114,16 @@ def moe_block_params(model: ModelSpec) -> int:
     return sum(moe_block_param_counts(model).values())
 
 
+def fsdp_traffic_params(model: ModelSpec, ep: int, ranks: int) -> float:
+    """The parameter count whose ring collectives over ``ranks`` move what FSDP moves under EP:
+    the rest over all of them, each rank's E/ep experts over the ranks/ep that share them, a
+    ring's (m-1)/m per byte (none on one rank)."""
+    experts = routed_expert_params(model)
+    group = ranks // ep
+    share = (group - 1) / group / ((ranks - 1) / ranks) if ranks > 1 else 0.0
+    return model.num_params - experts + experts / ep * share
+
+
 def largest_expert_tensor(model: ModelSpec, ep: int) -> int:
     """transformers keeps a layer's experts as 3-D tensors: gate_up_proj (E/ep × 2f × h) is one."""
     return model.num_experts // ep * 2 * expert_width(model) * model.hidden

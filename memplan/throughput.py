@@ -15,7 +15,7 @@ from functools import cache
 
 from . import catalog
 from .errors import MemplanError
-from .moe import active_params, num_moe_layers, routed_rows
+from .moe import active_params, fsdp_traffic_params, num_moe_layers, routed_rows
 from .precision import POLICIES
 from .specs import Job
 from .strategies import STRATEGIES
@@ -162,7 +162,10 @@ def comm_seconds(job: Job, link: Link) -> float:
     """
     strategy = STRATEGIES[job.plan.strategy]
     policy = POLICIES[job.train.precision]
-    p, n = job.model.num_params, job.cluster.gpus
+    p: float = job.model.num_params
+    n = job.cluster.gpus
+    if job.plan.ep > 1:  # the experts are gathered and reduced among the n/ep ranks holding them
+        p = fsdp_traffic_params(job.model, job.plan.ep, n)
     reduce_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}.get(job.train.reduce_dtype or "", policy.grad_bytes)
     grads, weights = p * reduce_bytes, p * policy.param_bytes
     micro = job.train.grad_accum

@@ -330,3 +330,13 @@ def test_leading_dense_layers_keep_a_dense_blocks_activations():
     dense = sum(s.bytes for s in block_kept(moe.dense_view(model), train, inputs_cast=True))
     assert terms["activations.blocks.dense"] == model.first_dense_layers * dense
     assert moe.num_moe_layers(model) == model.num_layers - model.first_dense_layers
+
+
+def test_fsdp_traffic_under_ep_gathers_experts_within_their_group():
+    spec = catalog.model_preset("mixtral-8x7b")
+    rest = spec.num_params - moe.routed_expert_params(spec)
+    # ep = world: each rank's experts are its own, nothing of them crosses the ring
+    assert moe.fsdp_traffic_params(spec, 8, 8) == rest
+    # 16 ranks, ep 8: experts/8 over rings of 2, (1/2) / (15/16) of a byte per byte
+    expected = rest + moe.routed_expert_params(spec) / 8 * (1 / 2) / (15 / 16)
+    assert moe.fsdp_traffic_params(spec, 8, 16) == pytest.approx(expected)
