@@ -10,7 +10,7 @@ Records go to docs/moe_matrix_cpu.jsonl in calibrate.heldout's format (its repor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
@@ -71,24 +71,7 @@ QWEN_MOE = ModelSpec(
     normalize_top_k=False,
     top_k_weights_fp32=False,
 )
-QWEN_MOE_MIXED = ModelSpec(
-    name="qwen2moe-h192-e8-step2",
-    num_layers=3,
-    hidden=192,
-    num_heads=4,
-    num_kv_heads=2,
-    ffn_hidden=512,
-    vocab_size=4096,
-    qkv_bias=True,
-    num_experts=8,
-    experts_per_token=2,
-    moe_ffn_hidden=128,
-    shared_ffn_hidden=256,
-    shared_expert_gate=True,
-    moe_every=2,
-    normalize_top_k=False,
-    top_k_weights_fp32=False,
-)
+QWEN_MOE_MIXED = replace(QWEN_MOE, name="qwen2moe-h192-e8-step2", num_layers=3, moe_every=2)
 """decoder_sparse_step 2: layers 0 and 2 dense (SwiGLU of ffn_hidden), layer 1 sparse."""
 HF_TYPE = {m.name: t for m, t in ((MIXTRAL_A, "mixtral"), (MIXTRAL_B, "mixtral"), (MIXTRAL_C, "mixtral"))} | {
     QWEN_MOE.name: "qwen2_moe",
