@@ -328,8 +328,9 @@ def _rank(rank: int, world: int, port: int, work, case_id: str, results) -> None
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, work, case_id: str):
-    """``work(case_id)`` (a module-level function) on ``world`` spawned gloo ranks; rank 0's result."""
+def run_ranks(world: int, work, case_id: str, *, worst=None):
+    """``work(case_id)`` (a module-level function) on ``world`` spawned gloo ranks; rank 0's
+    result, or with ``worst`` (a key) the largest rank's."""
     import torch.multiprocessing as mp
 
     from . import launch
@@ -351,7 +352,7 @@ def run_ranks(world: int, work, case_id: str):
         out[rank] = result
     if len(out) != world:
         raise RuntimeError(f"ranks {sorted(set(range(world)) - set(out))} exited without reporting")
-    return out[0]
+    return max(out.values(), key=worst) if worst else out[0]
 
 
 def _measure_local(case: Case):

@@ -166,8 +166,7 @@ def _hf_config(spec: ModelSpec, hf_type: str, *, attention: str):
     if hf_type in ("llama", "gpt2", "gpt_neox"):
         return hf_config(spec, attention=attention)
     # qwen2 and mistral are llama-arch blocks (qwen2: q/k/v biases); memplan describes them as arch llama
-    config = AutoConfig.for_model(
-        hf_type,
+    shapes = dict(
         vocab_size=spec.vocab_size,
         tie_word_embeddings=spec.tied_embeddings,
         num_hidden_layers=spec.num_layers,
@@ -179,6 +178,11 @@ def _hf_config(spec: ModelSpec, hf_type: str, *, attention: str):
         sliding_window=None,
         use_sliding_window=False,
     )
+    if spec.num_experts:  # mixtral, qwen2_moe: the experts' keys (calibrate.moe_ep)
+        from .moe_ep import hf_moe_kwargs
+
+        shapes |= hf_moe_kwargs(spec, hf_type)
+    config = AutoConfig.for_model(hf_type, **shapes)
     config._attn_implementation = attention
     return config
 

@@ -24,12 +24,12 @@ MODEL_KV2 = ModelSpec(
 MODEL_KV4 = dataclasses.replace(MODEL_KV2, name="llama-h256-kv4", num_kv_heads=4, vocab_size=4096)
 
 
-def case_job(*, model: ModelSpec, gpus: int, strategy: str, seq: int, micro_batch: int, **layout) -> Job:
+def case_job(*, model: ModelSpec, gpus: int, strategy: str, seq: int, micro_batch: int, ep: int = 1, **layout) -> Job:
     return Job(
         model=model,
         train=TrainSpec(seq_len=seq, micro_batch=micro_batch, precision="fp32", device="cpu"),
         cluster=ClusterSpec(gpus=gpus),
-        plan=Plan(strategy=strategy),
+        plan=Plan(strategy=strategy, ep=ep),  # records written before ep moved to Plan carry it in layout
         layout=Layout(**layout),
     )
 

@@ -37,9 +37,11 @@ import os
 import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from memplan.errors import MemplanError
 from memplan.loop import Loop
+from memplan.moe import MOE_FIELDS
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
 SCHEMA = 1
@@ -50,14 +52,21 @@ _SPEC_TYPES = {"model": ModelSpec, "train": TrainSpec, "cluster": ClusterSpec, "
 _LOOP_DEFAULTS = {
     f.name: f.default for f in fields(TrainSpec) if f.name in ("recipe", "ac_every", *(g.name for g in fields(Loop)))
 }
+_LATER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "train": _LOOP_DEFAULTS,
+    "model": {f.name: f.default for f in fields(ModelSpec) if f.name in MOE_FIELDS},
+    "plan": {"ep": 1},
+}
+"""Inputs added after records existed, by part: kept in a record only where not at their default."""
 
 
 def spec_dict(job: Job) -> dict:
     """The four specs of a job as plain dicts (the ``spec`` field of a record)."""
     spec = {part: asdict(getattr(job, part)) for part in _SPEC_TYPES}
-    # the loop's settings only where they differ from the plain loop's: records made before
-    # the loop was an input keep their keys (run_key), and load with the defaults
-    spec["train"] = {k: v for k, v in spec["train"].items() if k not in _LOOP_DEFAULTS or v != _LOOP_DEFAULTS[k]}
+    # the later inputs only where they differ from their defaults: records made before they
+    # were inputs keep their keys (run_key), and load with the defaults
+    for part, defaults in _LATER_DEFAULTS.items():
+        spec[part] = {k: v for k, v in spec[part].items() if k not in defaults or v != defaults[k]}
     return spec
 
 

@@ -68,6 +68,10 @@ def _fsdp(model: nn.Module, job: Job, emulated: bool) -> nn.Module:
         )
     if job.plan.offload != "none":
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    if job.plan.ep > 1:  # EP over the whole world: each rank's experts are its own, not sharded
+        from .moe_ep import expert_parameters
+
+        kwargs["ignored_params"] = expert_parameters(model)
     for block in blocks(model):
         fully_shard(block, **kwargs)
     units = fsdp_units(job.train.recipe)
@@ -108,4 +112,8 @@ def wrap(model: nn.Module, job: Job, emulated: bool) -> nn.Module:
         raise Unsupported(f"{policy.id} under {strategy.id} has no native torch implementation")
     if policy.low_precision_params and not policy.master:
         model = model.to(DTYPES[policy.param_dtype])
+    if job.plan.ep > 1:
+        from .moe_ep import apply_expert_parallel
+
+        apply_expert_parallel(model, job.plan.ep)
     return WRAPPERS[strategy.framework](model, job, emulated)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from .moe import moe_backward_transient, moe_matrices, moe_saved, routed_rows
 from .precision import POLICIES
 from .specs import ModelSpec, TrainSpec
 
@@ -154,7 +155,9 @@ def block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False
         # cos/sin cast to the compute dtype for q and for k: 4 tables of s×d
         saved.append(Saved("rotary cos/sin casts", "4·c·s·d", 4 * x.c * x.s * x.d))
     saved += _qkv_out(model, x) + _attention_core(model, x)
-    if model.gated_mlp:
+    if model.num_experts:  # every block as a sparse one (memplan.moe)
+        saved += moe_saved(model, x, routed_rows(t, model, 1))
+    elif model.gated_mlp:
         saved.append(Saved("SwiGLU gate, silu, up, product", "4·c·b·s·f", 4 * x.c * t * x.f))
     else:
         saved.append(Saved("MLP up output, GELU output", "2·c·b·s·f", 2 * x.c * t * x.f))
@@ -166,6 +169,8 @@ def block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False
     if x.autocast:
         # autocast caches one low-precision copy of every linear weight (not bias) per forward
         weights = x.h * (2 * x.h + 2 * x.kv) + (3 if model.gated_mlp else 2) * x.h * x.f
+        if model.num_experts:  # the router, every expert hit, the shared expert and its gate
+            weights = x.h * (2 * x.h + 2 * x.kv) + moe_matrices(model)
         saved.append(Saved("autocast weight copies", "c·(block weight matrices)", x.c * weights))
     return saved
 
@@ -198,6 +203,8 @@ def block_backward_transient(model: ModelSpec, train: TrainSpec, *, inputs_cast:
     x = shapes(model, train)
     k = 1 if x.autocast or model.arch == "vit" else 2
     out = [Saved("block backward gradient temporaries", f"{k}·c·b·s·f", k * x.c * x.tokens * x.f)]
+    if model.num_experts:
+        out = moe_backward_transient(model, x)
     if model.arch == "vit":
         out += _vit_live_in_backward(model, x)
     mode = train.activation_checkpointing

@@ -7,6 +7,7 @@ import csv
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from .errors import InputError, MemplanError
 from .precision import POLICIES
@@ -92,7 +93,25 @@ def _model_row(row: dict[str, str]) -> ModelSpec:
         dropout=float(row["dropout"]),
         activation=row["activation"],
         patch_size=int(row["patch_size"]) or 16,
+        **experts().get(row["name"], {}),
     )
+
+
+@cache
+def experts() -> dict[str, dict[str, Any]]:
+    """The MoE presets' expert fields (tables/experts.csv), by preset name."""
+    return {
+        row["name"]: {
+            "num_experts": int(row["experts"]),
+            "experts_per_token": int(row["top_k"]),
+            "moe_ffn_hidden": int(row["expert_ffn"]),
+            "shared_ffn_hidden": int(row["shared_ffn"]),
+            "shared_expert_gate": row["shared_gate"] == "1",
+            "first_dense_layers": int(row["first_dense"]),
+            "moe_every": int(row["moe_every"]),
+        }
+        for row in read_table("experts.csv")
+    }
 
 
 @cache

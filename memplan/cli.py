@@ -131,6 +131,9 @@ CLUSTER_OPTIONS = [
 PLAN_OPTIONS = [
     click.option("--strategy", type=_choice(("all", *STRATEGIES)), default=default("strategy"), show_default=True),
     click.option("--offload", type=_choice(specs.OFFLOADS), default=default("offload"), show_default=True),
+    click.option(
+        "--ep", type=int, default=default("ep"), show_default=True, help="Expert-parallel degree (MoE models)."
+    ),
 ]
 
 LAYOUT_OPTIONS = [
@@ -157,7 +160,6 @@ LAYOUT_OPTIONS = [
         show_default=True,
         help="Stages per rank (interleaved).",
     ),
-    click.option("--ep", type=int, default=default("ep"), show_default=True, help="Expert parallel degree (MoE)."),
 ]
 
 

@@ -119,7 +119,7 @@ def torchtitan_sections(job: Job) -> dict[str, dict]:
         "pipeline_parallel_degree": layout.pp,
         "pipeline_parallel_schedule": TORCHTITAN_SCHEDULES[layout.pp_schedule],
         "pipeline_parallel_microbatch_size": t.micro_batch,
-        "expert_parallel_degree": layout.ep,
+        "expert_parallel_degree": job.plan.ep,
     }
     return {
         "training": training,

@@ -77,6 +77,33 @@ def _vit_extra(cfg: dict) -> dict[str, Any]:
     }
 
 
+def _moe_extra(cfg: dict, *, experts: str, shared: str = "") -> dict[str, Any]:
+    """The routed experts (``experts`` names the count key), top-k, expert width, the sparse-layer
+    step and the shared expert (``shared`` its width key; Qwen2-MoE gates it)."""
+    fields = {
+        "num_experts": read(cfg, (experts,), int),
+        "experts_per_token": read(cfg, ("num_experts_per_tok",), int),
+        "moe_ffn_hidden": read(cfg, ("moe_intermediate_size", "intermediate_size"), int),
+        "moe_every": read(cfg, ("decoder_sparse_step",), int, 1),
+    }
+    if cfg.get("mlp_only_layers"):
+        raise MemplanError(
+            f"config.json mlp_only_layers {cfg['mlp_only_layers']!r} is not supported; only an empty list "
+            "(dense layers by decoder_sparse_step)"
+        )
+    if shared:
+        fields |= {"shared_ffn_hidden": read(cfg, (shared,), int), "shared_expert_gate": True}
+    return fields
+
+
+def _qwen2_moe_extra(cfg: dict) -> dict[str, Any]:
+    # Qwen2MoeTopKRouter: norm_topk_prob (default false), the weights cast to the logits' dtype
+    return _moe_extra(cfg, experts="num_experts", shared="shared_expert_intermediate_size") | {
+        "normalize_top_k": _flag(cfg, "norm_topk_prob", False),
+        "top_k_weights_fp32": False,
+    }
+
+
 FAMILIES = {
     "llama": Family("llama", False, {"attention_dropout": 0.0}, _llama_biases),
     "mistral": Family("llama", False, {"attention_dropout": 0.0}),
@@ -84,6 +111,19 @@ FAMILIES = {
     "qwen2": Family("llama", False, {"attention_dropout": 0.0}, lambda cfg: (True, False)),
     "gpt2": Family(
         "gpt2", True, {"attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1}, lambda cfg: (False, True), _gpt2_extra
+    ),
+    # MixtralExperts: num_local_experts of intermediate_size; no shared expert (modeling_mixtral.py)
+    "mixtral": Family(
+        "llama", False, {"attention_dropout": 0.0}, extra=lambda cfg: _moe_extra(cfg, experts="num_local_experts")
+    ),
+    # Qwen2MoeSparseMoeBlock: routed experts of moe_intermediate_size, one shared expert of
+    # shared_expert_intermediate_size behind a sigmoid gate; q/k/v biases (modeling_qwen2_moe.py)
+    "qwen2_moe": Family(
+        "llama",
+        False,
+        {"attention_dropout": 0.0},
+        lambda cfg: (True, False),
+        _qwen2_moe_extra,
     ),
     # GPTNeoXAttention's attention_bias=False (rare) drops the q/k/v/dense biases, which ModelSpec
     # cannot express: they are still counted (4 * hidden per layer). use_parallel_residual=False
@@ -98,6 +138,16 @@ FAMILIES = {
         _vit_extra,
     ),
 }
+
+
+UNDESCRIBED = {
+    "deepseek_v3": "its multi-head latent attention (q_lora_rank, kv_lora_rank, qk_rope_head_dim) has no "
+    "ModelSpec fields; the preset deepseek-v3-gqa keeps its MoE shapes with standard GQA attention",
+    "deepseek_v2": "its multi-head latent attention (q_lora_rank, kv_lora_rank) has no ModelSpec fields",
+    "qwen3_moe": "Qwen3 attention's per-head q/k RMSNorms (q_norm, k_norm) and its head_dim apart from "
+    "hidden/heads have no ModelSpec fields",
+}
+"""MoE families whose attention ModelSpec cannot express: refused, not estimated wrong."""
 
 
 def read(cfg: dict, keys: tuple[str, ...], kind: type, default: Any = _MISSING) -> Any:
@@ -160,6 +210,8 @@ def model_from_hf_config(source: str | Path | dict, *, name: str | None = None) 
     cfg, path = load_config(source)
     model_type = read(cfg, ("model_type",), str)
     family = FAMILIES.get(model_type)
+    if model_type in UNDESCRIBED:
+        raise MemplanError(f"model_type {model_type!r} cannot be described yet: {UNDESCRIBED[model_type]}")
     if family is None:
         raise MemplanError(f"model_type {model_type!r} is not supported; supported: " + ", ".join(sorted(FAMILIES)))
     fields = family.extra(cfg)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from . import catalog
 from .errors import InputError
+from .moe import allows_ep
 from .request import SHAPES, ModelRequest, Request
 from .specs import ClusterSpec, Job, ModelSpec, Plan
 from .strategies import STRATEGIES, strategies_on
@@ -95,6 +96,8 @@ def build_jobs(request: Request | None = None, /, **inputs) -> tuple[ModelChoice
     )
     layout = request.layout.spec()
     ids = strategies_for(plan.strategy, plan.offload, layout.dp(cluster.gpus))
+    if plan.strategy == "all":  # expert parallel composes with FSDP only
+        ids = [s for s in ids if allows_ep(STRATEGIES[s], plan.ep)]
     if not ids:
         raise InputError(
             f"no strategy supports offload {plan.offload!r}",
@@ -103,6 +106,12 @@ def build_jobs(request: Request | None = None, /, **inputs) -> tuple[ModelChoice
             accepted="an offload some strategy supports on these GPUs",
         )
     return choice, [
-        Job(model=choice.spec, train=train, cluster=cluster, plan=Plan(strategy=s, offload=plan.offload), layout=layout)
+        Job(
+            model=choice.spec,
+            train=train,
+            cluster=cluster,
+            plan=Plan(strategy=s, offload=plan.offload, ep=plan.ep),
+            layout=layout,
+        )
         for s in ids
     ]

@@ -47,11 +47,9 @@ class Layout:
     """Micro-batches (each of ``micro_batch`` sequences) per pipeline step; 1: as many as stages."""
     pp_virtual: int = 1
     """Stages per rank (interleaved-1f1b, zero-bubble)."""
-    ep: int = 1
-    """Expert parallel degree (MoE models); folds into the data-parallel dimension."""
 
     def __post_init__(self):
-        for name in ("tp", "cp", "pp", "pp_microbatches", "pp_virtual", "ep"):
+        for name in ("tp", "cp", "pp", "pp_microbatches", "pp_virtual"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise _refuse(name, value, "a positive integer")
@@ -96,7 +94,6 @@ class Layout:
         if self.pp > 1:
             virtual = f" × {self.pp_virtual} virtual" if self.pp_virtual > 1 else ""
             parts.append(f"PP {self.pp}{virtual} ({self.pp_schedule}, {self.microbatches} micro-batches)")
-        parts += [f"EP {self.ep}"] if self.ep > 1 else []
         return " × ".join(parts) or "data parallel"
 
 
@@ -115,8 +112,6 @@ def check_layout(
             f"a multiple of tp × cp × pp = {layout.model_parallel}",
             f"is not dp × tp {layout.tp} × cp {layout.cp} × pp {layout.pp}",
         )
-    if gpus % layout.ep:
-        raise _refuse("ep", layout.ep, f"a divisor of gpus {gpus}", f"does not divide gpus {gpus}")
     for what, count in (("heads", heads), ("kv_heads", kv_heads), ("ffn", ffn), ("vocab", vocab)):
         if count % layout.tp:
             raise _refuse(

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from . import loss
+from . import loss, moe
 from .activations import Saved, model_saved
 from .breakdown import Component, Estimate, Moment, Term
 from .checkpointing import (
@@ -173,7 +173,13 @@ class Step:
         self.gather_group = self.n if s.shards_params else 1
         self.params = model.num_params
         self.block_params = model.block_params()
-        self.root_params = self.params - model.num_layers * self.block_params
+        self.root_params = self.params - model.blocks_params()
+        self.ep = job.plan.ep
+        if model.num_experts:
+            moe.check_moe_loop(train.loop)
+        if self.ep > 1:  # expert parallel (memplan.moe): experts on their EP rank, FSDP over the rest
+            moe.check_ep_step(job, s, self.n)
+            self.block_params = moe.gathered_block_params(model, self.ep, self.n)
         offload = job.plan.offload
         moves_states = fw.offload_moves_states and offload != "none"
         self.states_on_host = moves_states or offload in ("optimizer", "all")
@@ -184,8 +190,8 @@ class Step:
         self.gather_bytes = pol.compute_bytes if pol.master else pol.param_bytes
         self.fsdp_units = fsdp_units(train.recipe)
         self.loss_in_model = loss_in_model(train.recipe)
-        self._kept: dict[bool, list[Saved]] = {}
-        self._transient: dict[bool, list[Term]] = {}
+        self._kept: dict[tuple[bool, bool], list[Saved]] = {}
+        self._transient: dict[tuple[bool, bool], list[Term]] = {}
         reduce = train.reduce_dtype
         self.reduce_bytes = DTYPE_BYTES[reduce] if reduce else self.gather_bytes
 
@@ -195,6 +201,16 @@ class Step:
     def div(self, sharded: bool) -> str:
         return f"/{self.n}" if sharded and self.n > 1 else ""
 
+    def local_params(self, sharded: bool) -> int:
+        """This rank's parameters (or their shard); under EP its own experts' (``moe.local_params``)."""
+        if self.ep == 1:
+            return self.local(self.params, sharded)
+        return moe.local_params(self.job.model, self.ep, self.n, sharded=sharded)
+
+    def p_local(self, sharded: bool) -> str:
+        """The formula's symbol for ``local_params``: P/n, or P_ep (the rest over n, experts over ep)."""
+        return f"P{self.div(sharded)}" if self.ep == 1 else "P_ep"
+
     # -- model states ----------------------------------------------------------------
     def param_terms(self) -> list[Term]:
         sharded = self.strategy.shards_params
@@ -202,22 +218,20 @@ class Step:
             return [term(P, "params", "parameters (in host RAM)", "offloaded", 0)]
         nbytes = 4 if self.shard_master else self.policy.param_bytes
         name = "fp32 parameter shards (the master copy)" if self.shard_master else "parameters"
-        return [term(P, "params", name, f"{nbytes}·P{self.div(sharded)}", nbytes * self.local(self.params, sharded))]
+        return [term(P, "params", name, f"{nbytes}·{self.p_local(sharded)}", nbytes * self.local_params(sharded))]
 
     def grad_terms(self) -> list[Term]:
         sharded = self.strategy.shards_grads
         if self.grads_on_host:
             return [term(G, "grads", "gradients (in host RAM)", "offloaded", 0)]
         nbytes = 4 if self.shard_master else self.policy.grad_bytes
-        return [
-            term(G, "grads", "gradients", f"{nbytes}·P{self.div(sharded)}", nbytes * self.local(self.params, sharded))
-        ]
+        return [term(G, "grads", "gradients", f"{nbytes}·{self.p_local(sharded)}", nbytes * self.local_params(sharded))]
 
     def optimizer_terms(self) -> list[Term]:
         train, pol, sharded = self.job.train, self.policy, self.strategy.shards_optimizer
         if self.states_on_host:
             return [term(O, "optimizer.states", "optimizer states (in host RAM)", "offloaded", 0)]
-        count, div = self.local(self.params, sharded), self.div(sharded)
+        count, div = self.local_params(sharded), self.p_local(sharded)
         terms = []
         if train.optimizer == "adam8bit":
             terms.append(
@@ -225,7 +239,7 @@ class Step:
                     O,
                     "optimizer.states",
                     "8-bit Adam states",
-                    f"2·(1 + 4/256)·P{div}",
+                    f"2·(1 + 4/256)·{div}",
                     ADAM8BIT_BYTES_PER_PARAM * count,
                 )
             )
@@ -236,12 +250,12 @@ class Step:
                     O,
                     "optimizer.states",
                     f"{train.optimizer} states",
-                    f"{k:g}·{pol.state_bytes}·P{div}",
+                    f"{k:g}·{pol.state_bytes}·{div}",
                     k * pol.state_bytes * count,
                 )
             )
         if pol.master and not self.shard_master:
-            terms.append(term(O, "optimizer.master", "fp32 master weights", f"4·P{div}", 4 * count))
+            terms.append(term(O, "optimizer.master", "fp32 master weights", f"4·{div}", 4 * count))
         return terms
 
     def step_transient(self) -> list[Term]:
@@ -262,7 +276,7 @@ class Step:
                     "optimizer.sqrt_temporaries",
                     "foreach sqrt(v) temporaries",
                     f"{pol.state_bytes}·P_local",
-                    pol.state_bytes * self.local(self.params, sharded),
+                    pol.state_bytes * self.local_params(sharded),
                 )
             ]
         if train.optimizer_impl == "single":
@@ -284,7 +298,8 @@ class Step:
     def largest_param(self) -> int:
         m = self.job.model
         embed = m.vocab_size * m.hidden if m.arch != "vit" else m.image_channels * m.patch_size**2 * m.hidden
-        return max(embed, m.hidden * m.ffn_hidden, m.hidden * m.hidden)
+        experts = moe.largest_expert_tensor(m, self.ep) if m.num_experts else 0
+        return max(embed, m.hidden * m.ffn_hidden, m.hidden * m.hidden, experts)
 
     # -- the groups of terms the moments are declared from ------------------------------
     def groups(self) -> dict[str, list[Term]]:
@@ -292,6 +307,8 @@ class Step:
         gathered = {
             f"gathered.{i}": self.framework.gathered(self, i) for i in ("start", "forward", "loss", "head", "block")
         }
+        if self.job.model.num_experts:
+            gathered["gathered.block"] = moe.without_block_grads(gathered["gathered.block"])
         groups = {
             "states": states,
             **self.grad_groups(),
@@ -315,11 +332,15 @@ class Step:
         # embedding already has it from the head)
         pending = self.pending_params()
         own = self.own_block_grads()
+        last = self.root_params
+        if model.num_experts and not own:  # a sparse block peaks in its expert loop, before any of
+            # its own gradients, and the last one's before the input embedding's (measured, DDP)
+            own, last = self.block_params, self.root_params - pending
         what = "params (all but the input embedding" + (" and the first block)" if own else ")")
         groups = {
             "grads": grads,
             "grads.carried": [],
-            "grads.last_block": self.grad_share(self.root_params, "embedding/head params"),
+            "grads.last_block": self.grad_share(last, "embedding/head params"),
             "grads.first_block": self.grad_share(self.params - pending - own, what),
         }
         j = self.last_checkpointed()
@@ -525,21 +546,29 @@ class Step:
             )
         ]
 
+    def kind(self, index: int) -> tuple[bool, bool]:
+        """What block ``index``'s activations depend on: whether it is checkpointed, and sparse
+        (an MoE model's dense layers are its dense view's blocks, ``moe.dense_view``)."""
+        model = self.job.model
+        return checkpointed(index, self.job.train.loop.ac_every), moe.is_moe_layer(model, index)
+
     def kept(self, index: int) -> list[Saved]:
-        """What block ``index`` keeps: it depends on the index only through whether it is checkpointed."""
-        policy = checkpointed(index, self.job.train.loop.ac_every)
-        if policy not in self._kept:
-            self._kept[policy] = block_kept_under(
-                self.job.model, self.job.train, self.job.train.loop, index, inputs_cast=self.casts_block_inputs
-            )
-        return self._kept[policy]
+        """What block ``index`` keeps: it depends on the index only through its ``kind``."""
+        kind = self.kind(index)
+        if kind not in self._kept:
+            model = self.job.model if kind[1] else moe.dense_view(self.job.model)
+            train = self.job.train
+            kept = block_kept_under(model, train, train.loop, index, inputs_cast=self.casts_block_inputs)
+            self._kept[kind] = moe.ep_kept(kept, model, self.job.train, self.ep) if self.ep > 1 else kept
+        return self._kept[kind]
 
     def block_terms(self, indices: range, *, first: bool = False) -> list[Term]:
         """The kept activations of these blocks: one term per policy they run under."""
         loop = self.job.train.loop
-        by_policy: dict[bool, list[int]] = {True: list(indices)} if loop.ac_every == 1 else {}
-        for i in indices if loop.ac_every > 1 else ():
-            by_policy.setdefault(checkpointed(i, loop.ac_every), []).append(i)
+        uniform = loop.ac_every == 1 and moe.all_blocks_alike(self.job.model)
+        by_policy: dict[tuple[bool, bool], list[int]] = {(True, True): list(indices)} if uniform else {}
+        for i in indices if not uniform else ():
+            by_policy.setdefault(self.kind(i), []).append(i)
         if len(by_policy) == 1:
             kept = self.kept(indices[0])
             formula = " + ".join(s.formula for s in kept)
@@ -547,14 +576,16 @@ class Step:
             name = "kept activations of the first block" if first else f"kept activations of {n} blocks"
             return [term(A, key, name, formula if first else f"{n} × ({formula})", n * sum(s.bytes for s in kept))]
         terms = []
-        for is_checkpointed, members in sorted(by_policy.items(), reverse=True):
+        for (is_checkpointed, sparse), members in sorted(by_policy.items(), reverse=True):
             kept, n = self.kept(members[0]), len(members)
-            what = f"AC {loop.ac}, every {loop.ac_every}th" if is_checkpointed else "not checkpointed"
+            policy = f"AC {loop.ac}, every {loop.ac_every}th" if is_checkpointed else "not checkpointed"
+            key = f".{'checkpointed' if is_checkpointed else 'plain'}" if loop.ac_every > 1 else ""
+            what = ", ".join(w for w in (policy if key else "", "" if sparse else "dense") if w)
             terms.append(
                 term(
                     A,
-                    f"activations.blocks.{'checkpointed' if is_checkpointed else 'plain'}",
-                    f"kept activations of {n} blocks ({what})",
+                    f"activations.blocks{key}{'' if sparse else '.dense'}",
+                    f"kept activations of {n} blocks" + (f" ({what})" if what else ""),
                     f"{n} × ({' + '.join(s.formula for s in kept)})",
                     n * sum(s.bytes for s in kept),
                 )
@@ -563,14 +594,16 @@ class Step:
 
     def transient_terms(self, index: int) -> list[Term]:
         """Block ``index``'s backward transient: like ``kept``, one per policy."""
-        job, policy = self.job, checkpointed(index, self.job.train.loop.ac_every)
-        if policy not in self._transient:
-            self._transient[policy] = _terms(
-                A,
-                block_transient_under(job.model, job.train, job.train.loop, index, inputs_cast=self.casts_block_inputs),
-                "block.backward",
-            )
-        return self._transient[policy]
+        job, kind = self.job, self.kind(index)
+        if kind not in self._transient:
+            model = job.model if kind[1] else moe.dense_view(job.model)
+            cast = self.casts_block_inputs
+            transient = block_transient_under(model, job.train, job.train.loop, index, inputs_cast=cast)
+            if self.ep > 1 and kind[1]:
+                transient = moe.ep_kept(transient, model, job.train, self.ep)
+                transient += moe.a2a_buffers(model, job.train, self.ep)
+            self._transient[kind] = _terms(A, transient, "block.backward")
+        return self._transient[kind]
 
     def last_checkpointed(self) -> int | None:
         """Block ⌊L/N⌋·N − 1 where ``ac_every`` N > 1 leaves the last block unchecked (else None)."""
@@ -695,5 +728,5 @@ def estimate(job: Job) -> Estimate:
         moments=tuple(moments),
         overhead=tuple(overhead_terms(job, peak)),
         host_bytes=host,
-        notes=loop_notes(job),
+        notes=loop_notes(job) + moe.ep_notes(job),
     )

@@ -206,6 +206,8 @@ class StrategyRequest:
     """A strategy id of memplan.STRATEGIES, or all: every one that runs on the cluster with this offload."""
     offload: str = Plan.offload
     """none | optimizer | params | all: what lives in host RAM."""
+    ep: int = Plan.ep
+    """Expert-parallel degree of an MoE model (moves into the Layout at merge)."""
 
     def __post_init__(self):
         from .strategies import STRATEGIES
@@ -241,8 +243,6 @@ class LayoutRequest:
     """Micro-batches per pipeline step; 1: as many as stages."""
     pp_virtual: int = Layout.pp_virtual
     """Stages per rank (interleaved-1f1b, zero-bubble)."""
-    ep: int = Layout.ep
-    """Expert parallel degree (MoE models)."""
 
     def __post_init__(self):
         self.spec()

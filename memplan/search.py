@@ -19,7 +19,7 @@ from .breakdown import Estimate
 from .catalog import decision_setting
 from .errors import MemplanError
 from .memory import estimate
-from .specs import Job, Plan
+from .specs import Job
 from .strategies import STRATEGIES
 
 MICRO_BATCH_LIMIT = 1_000_000  # TrainSpec refuses more
@@ -107,7 +107,7 @@ def with_gpus(job: Job, gpus: int, gpus_per_node: int = 0) -> Job:
 def with_strategy(job: Job, strategy: str) -> Job:
     """``job`` under another strategy, keeping its offload where that strategy supports it."""
     offload = job.plan.offload if STRATEGIES[strategy].supports_offload(job.plan.offload) else "none"
-    return replace(job, plan=Plan(strategy=strategy, offload=offload))
+    return replace(job, plan=replace(job.plan, strategy=strategy, offload=offload))
 
 
 @dataclass(frozen=True, kw_only=True)

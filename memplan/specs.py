@@ -85,9 +85,34 @@ class ModelSpec:
     activation: str = ""
     """MLP activation: silu (SwiGLU), gelu (fused kernel) or gelu_new (HF GPT-2's tanh
     formula in Python, which saves three more ffn-wide tensors); "" means the family's."""
+    # mixture of experts (llama family only; ``memplan.moe`` holds the formulas)
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0: a dense model."""
+    experts_per_token: int = 0
+    """Routed experts each token goes to (top-k)."""
+    moe_ffn_hidden: int = 0
+    """One routed expert's SwiGLU width; 0 means ``ffn_hidden``."""
+    shared_ffn_hidden: int = 0
+    """The always-on shared expert(s)' total SwiGLU width (DeepSeek: count × expert width); 0: none."""
+    shared_expert_gate: bool = False
+    """Qwen2-MoE's sigmoid gate on the shared expert (a linear h→1)."""
+    first_dense_layers: int = 0
+    """Leading dense layers (DeepSeek-V3's first_k_dense_replace)."""
+    moe_every: int = 1
+    """Layer i (0-based) is MoE when (i + 1) is a multiple of this (Qwen2/3-MoE's decoder_sparse_step)."""
+    normalize_top_k: bool = True
+    """The router renormalises the top-k weights (Mixtral always; Qwen-MoE's norm_topk_prob)."""
+    top_k_weights_fp32: bool = True
+    """The routing weights stay fp32 (Mixtral); Qwen2-MoE casts them to the compute dtype."""
+    capacity_factor: float = 0.0
+    """Each expert takes at most C·k·T/E tokens, padded to that (GShard, Switch); 0: dropless."""
 
     def __post_init__(self):
         _check_choice(self.arch, ARCHS, "arch")
+        if self.num_experts:
+            from .moe import check_moe
+
+            check_moe(self)
         if not self.activation:
             default = {"llama": "silu", "gpt2": "gelu_new"}.get(self.arch, "gelu")
             object.__setattr__(self, "activation", default)
@@ -153,7 +178,20 @@ class ModelSpec:
 
     @lru_cache(maxsize=1024)  # noqa: B019 - frozen specs, asked for by every term of every estimate
     def block_params(self) -> int:
+        """One block's parameters; an MoE model's largest block (a sparse one)."""
+        if self.num_experts:
+            from .moe import moe_block_params
+
+            return moe_block_params(self)
         return sum(self.block_param_counts().values())
+
+    def blocks_params(self) -> int:
+        """Every block's parameters (an MoE model mixes dense and sparse blocks)."""
+        if self.num_experts:
+            from .moe import moe_blocks_params
+
+            return moe_blocks_params(self)
+        return self.num_layers * self.block_params()
 
     def embedding_params(self) -> int:
         """Input side: token (or patch) embedding plus learned positions / class token."""
@@ -176,9 +214,10 @@ class ModelSpec:
 
     def describe(self) -> str:
         gqa = f", kv-heads {self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        moe = f", {self.num_experts} experts top-{self.experts_per_token}" if self.num_experts else ""
         return (
             f"{self.name}: {self.arch}, {self.num_layers} layers, hidden {self.hidden}, "
-            f"heads {self.num_heads}{gqa}, ffn {self.ffn_hidden}, vocab {self.vocab_size}"
+            f"heads {self.num_heads}{gqa}, ffn {self.ffn_hidden}{moe}, vocab {self.vocab_size}"
             f"{', tied embeddings' if self.tied_embeddings else ''} "
             f"= {self.num_params / 1e9:.3f}B parameters"
         )
@@ -205,7 +244,7 @@ def _loop(logits, loss, loss_chunks, ac, ac_every, compile, float8, offload_acti
 
 @lru_cache(maxsize=1024)
 def _num_params(model: ModelSpec) -> int:
-    return model.embedding_params() + model.num_layers * model.block_params() + model.head_params()
+    return model.embedding_params() + model.blocks_params() + model.head_params()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -325,9 +364,13 @@ class Plan:
 
     strategy: str = "fsdp-full-shard"
     offload: str = "none"
+    ep: int = 1
+    """Expert-parallel degree (experts sharded over ep ranks); moves into the Layout at merge."""
 
     def __post_init__(self):
         from .strategies import STRATEGIES
+
+        _check_positive(self, "ep")
 
         _check_choice(self.strategy, tuple(STRATEGIES), "strategy")
         _check_choice(self.offload, OFFLOADS, "offload")

@@ -15,6 +15,7 @@ from functools import cache
 
 from . import catalog
 from .errors import MemplanError
+from .moe import active_params, fsdp_traffic_params, num_moe_layers, routed_rows
 from .precision import POLICIES
 from .specs import Job
 from .strategies import STRATEGIES
@@ -111,11 +112,13 @@ def flops_per_token(job: Job) -> float:
     a block (its policy saves mm 1, 3, 5, ... and sdpa), about half the matmul forward, N.
     """
     m, s = job.model, job.train.seq_len
+    # an MoE token runs through its top-k experts only: N counts the active parameters
+    n = active_params(m)
     attention_fwd = 4 * m.num_layers * m.hidden * s
-    recompute = {"none": 0.0, "selective": attention_fwd, "op": m.num_params, "full": 2 * m.num_params + attention_fwd}[
+    recompute = {"none": 0.0, "selective": attention_fwd, "op": n, "full": 2 * n + attention_fwd}[
         job.train.activation_checkpointing
     ]
-    return 6 * m.num_params + 3 * attention_fwd + recompute
+    return 6 * n + 3 * attention_fwd + recompute
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,14 +164,37 @@ def comm_seconds(job: Job, link: Link) -> float:
     policy = POLICIES[job.train.precision]
     # under a layout the strategy runs over dp × cp ranks, each holding 1/(tp·pp) of the parameters
     layout = job.layout
-    p, n = job.model.num_params // (layout.tp * layout.pp), job.dp * layout.cp
-    k = max(1, job.cluster.gpus_per_node // layout.tp)
+    p: float = job.model.num_params // (layout.tp * layout.pp)
+    n = job.dp * layout.cp
+    if job.plan.ep > 1:  # the experts are gathered and reduced among the n/ep ranks holding them
+        p = fsdp_traffic_params(job.model, job.plan.ep, n)
     reduce_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}.get(job.train.reduce_dtype or "", policy.grad_bytes)
     grads, weights = p * reduce_bytes, p * policy.param_bytes
     micro = job.train.grad_accum * layout.microbatches
     slow = link.inter_node_bytes_s if job.cluster.num_nodes > 1 else link.intra_node_bytes_s
     if n == 1:
         return 0.0
+    k = max(1, job.cluster.gpus_per_node // layout.tp)
+    return _dp_seconds(n, k, link, strategy, grads, weights, micro, slow) + ep_seconds(job, link)
+
+
+def ep_seconds(job: Job, link: Link) -> float:
+    """Expert parallelism's all-to-alls: each sparse layer dispatches its k·T routed rows and
+    combines them back, forward and again in backward (4 exchanges of k·T·h in the compute
+    dtype per micro-batch; torchtitan's AllToAllTokenDispatcher), (ep-1)/ep of them leaving
+    the rank; within a node while the EP group fits in one."""
+    ep = job.plan.ep
+    if ep == 1:
+        return 0.0
+    m, train = job.model, job.train
+    rows = routed_rows(train.seq_len * train.micro_batch, m, ep)
+    volume = 4 * num_moe_layers(m) * rows * m.hidden * POLICIES[train.precision].compute_bytes * train.grad_accum
+    bw = link.intra_node_bytes_s if ep <= job.cluster.gpus_per_node else link.inter_node_bytes_s
+    return volume * (ep - 1) / ep / bw
+
+
+def _dp_seconds(n: int, k: int, link: Link, strategy, grads: float, weights: float, micro: int, slow: float) -> float:
+    """Seconds of the data-parallel traffic over ``n`` ranks, ``k`` of them in a node."""
     if strategy.shard_group == "node":
         m = n // k
         intra = _ring(k) * (2 * weights * micro + grads) / link.intra_node_bytes_s

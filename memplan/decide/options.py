@@ -12,7 +12,8 @@ from ..breakdown import Estimate, Fit
 from ..calibration import Calibration, Corrected, Correction, apply, resolve
 from ..errors import MemplanError
 from ..memory import estimate
-from ..specs import AC_MODES, OFFLOADS, Job, Plan
+from ..moe import allows_ep
+from ..specs import AC_MODES, OFFLOADS, Job
 from ..strategies import STRATEGIES, strategies_on
 from ..throughput import Link, StepTime, default, link_for, relative_to_ddp, step_time
 
@@ -204,12 +205,12 @@ def candidate_jobs(job: Job, fixed: dict, allowed: tuple[str, ...] | None = None
     offloads = [fixed["offload"]] if "offload" in fixed else list(OFFLOADS)
     jobs = []
     for s, p, a, o in itertools.product(strategies, precisions, acs, offloads):
-        if not STRATEGIES[s].supports_offload(o):
+        if not STRATEGIES[s].supports_offload(o) or not allows_ep(STRATEGIES[s], job.plan.ep):
             continue
         if not STRATEGIES[s].runs_natively(p) and not {"strategy", "precision"} <= set(fixed):
             continue  # a recommendation must be launchable: searched options only where native
         train = replace(job.train, precision=p, activation_checkpointing=a, micro_batch=1)
-        jobs.append(replace(job, train=train, plan=Plan(strategy=s, offload=o)))
+        jobs.append(replace(job, train=train, plan=replace(job.plan, strategy=s, offload=o)))
     return jobs
 
 

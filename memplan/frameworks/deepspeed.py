@@ -77,7 +77,18 @@ def tensor_numels(model) -> list[int]:
         return block * model.num_layers + root + norm + [h * model.vocab_size, model.vocab_size]
     positions = [model.max_positions * h] if model.max_positions else []
     head = [] if model.tied_embeddings else [model.vocab_size * h]
-    return block * model.num_layers + [model.vocab_size * h, *positions, *norm, *head]
+    blocks = block * model.num_layers
+    if model.num_experts:  # a sparse block's MLP: the router and the experts' two 3-D tensors
+        from .. import moe
+
+        w = moe.expert_width(model)
+        sparse = attn + attn_bias + [h * h] + 2 * norm + [model.num_experts * h]
+        sparse += [model.num_experts * 2 * w * h, model.num_experts * h * w]
+        if model.shared_ffn_hidden:  # Qwen2-MoE's shared expert (gate, up, down) and its h → 1 gate
+            sparse += [h * model.shared_ffn_hidden] * 3 + ([h] if model.shared_expert_gate else [])
+        layers = moe.num_moe_layers(model)
+        blocks = block * (model.num_layers - layers) + sparse * layers
+    return blocks + [model.vocab_size * h, *positions, *norm, *head]
 
 
 def config_json(job, strategy) -> str:
