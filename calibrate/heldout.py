@@ -184,6 +184,24 @@ class Case:
     def hf_type(self) -> str:
         return HF_TYPE[self.job.model.name]
 
+    def measure(self, emulated: bool):
+        """Run the case's loop in this process (its process group initialised)."""
+        from . import loops
+
+        return loops.run(
+            self.job,
+            loops.LOOPS[self.loop],
+            hf_type=self.hf_type,
+            ac=self.ac,
+            emulated=emulated,
+            steps=STEPS,
+            warmup=WARMUP,
+        )
+
+    def record_fields(self) -> dict:
+        """What a record of this case says beyond the held-out matrix's fields."""
+        return {}
+
 
 def _case(
     loop: str,
@@ -281,39 +299,20 @@ def _measure_emulated(case: Case):
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=case.job.cluster.gpus)
     try:
-        return loops.run(
-            case.job,
-            loops.LOOPS[case.loop],
-            hf_type=case.hf_type,
-            ac=case.ac,
-            emulated=True,
-            steps=STEPS,
-            warmup=WARMUP,
-        )
+        return case.measure(emulated=True)
     finally:
         dist.destroy_process_group()
 
 
-def _rank(rank: int, world: int, port: int, case_id: str, results) -> None:
+def _rank(rank: int, world: int, port: int, case: Case, results) -> None:
     import dataclasses
     import traceback
 
     import torch.distributed as dist
 
-    from . import loops
-
-    case = BY_ID[case_id]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        m = loops.run(
-            case.job,
-            loops.LOOPS[case.loop],
-            hf_type=case.hf_type,
-            ac=case.ac,
-            emulated=False,
-            steps=STEPS,
-            warmup=WARMUP,
-        )
+        m = case.measure(emulated=False)
         results.put((rank, dataclasses.asdict(m), None))
     except BaseException as exc:  # reported to the parent with its traceback
         results.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))
@@ -331,7 +330,7 @@ def _measure_local(case: Case):
     results = ctx.SimpleQueue()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     port = launch._free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, case.id, results)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, case, results)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -384,7 +383,7 @@ def loop_fields(case: Case) -> dict:
 def _execute(case: Case, timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="heldout-") as tmp:
         result, log = Path(tmp, "result.json"), Path(tmp, "log.txt")
-        command = [sys.executable, "-m", "calibrate.heldout", "--case", case.id, "--result", str(result)]
+        command = [sys.executable, "-m", type(case).__module__, "--case", case.id, "--result", str(result)]
         env = dict(
             os.environ,
             PYTHONPATH=os.pathsep.join(
@@ -406,7 +405,7 @@ def _execute(case: Case, timeout_s: float) -> dict:
 
 def make_record(case: Case, outcome: dict, wall_s: float) -> dict:
     record = records.make_record(_run(case), **outcome, wall_s=wall_s)
-    return record | {"id": record_id(case)} | loop_fields(case)
+    return record | {"id": record_id(case)} | loop_fields(case) | case.record_fields()
 
 
 def sweep(cases=CASES, *, out=OUT, timeout_s: float = TIMEOUT_S) -> None:
@@ -508,11 +507,16 @@ def render_report(recs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
+def main(argv=None, *, module: str = __name__, cases=CASES, out: str = OUT, report=None) -> None:
+    """The command of a matrix: this one's, or another module's (calibrate.finetune) with its
+    cases, record file and report."""
     import argparse
+    import sys
 
-    parser = argparse.ArgumentParser(prog="python -m calibrate.heldout", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=OUT)
+    by_id = {case.id: case for case in cases}
+    doc = sys.modules[module].__doc__ or ""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
+    parser.add_argument("--out", default=out)
     parser.add_argument("--report", action="store_true", help="print the table of the records and exit")
     parser.add_argument("--case", help="(child) measure this one case here")
     parser.add_argument("--result", help="(child) where to write the case's outcome")
@@ -520,13 +524,13 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S)
     args = parser.parse_args(argv)
     if args.report:
-        print(render_report(latest(records.read([args.out]))))
+        print((report or render_report)(latest(records.read([args.out]))))
     elif args.case:
-        outcome = measure_case(BY_ID[args.case])
+        outcome = measure_case(by_id[args.case])
         Path(args.result).write_text(json.dumps(outcome), encoding="utf-8")
     else:
-        cases = [BY_ID[i] for i in args.only] if args.only else CASES
-        sweep(cases, out=args.out, timeout_s=args.timeout)
+        chosen = [by_id[i] for i in args.only] if args.only else cases
+        sweep(chosen, out=args.out, timeout_s=args.timeout)
 
 
 if __name__ == "__main__":

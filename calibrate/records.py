@@ -46,16 +46,20 @@ MODES = ("local", "emulate", "cluster")
 STATUSES = ("ok", "oom", "timeout", "failed")
 WORKLOADS = ("native", "hf")
 _SPEC_TYPES = {"model": ModelSpec, "train": TrainSpec, "cluster": ClusterSpec, "plan": Plan}
+_FINETUNE = ("finetune", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
 _LOOP_DEFAULTS = {
-    f.name: f.default for f in fields(TrainSpec) if f.name in ("recipe", "ac_every", *(g.name for g in fields(Loop)))
+    f.name: f.default
+    for f in fields(TrainSpec)
+    if f.name in ("recipe", "ac_every", *_FINETUNE, *(g.name for g in fields(Loop)))
 }
 
 
 def spec_dict(job: Job) -> dict:
     """The four specs of a job as plain dicts (the ``spec`` field of a record)."""
     spec = {part: asdict(getattr(job, part)) for part in _SPEC_TYPES}
-    # the loop's settings only where they differ from the plain loop's: records made before
-    # the loop was an input keep their keys (run_key), and load with the defaults
+    # the loop's and fine-tuning's settings only where they differ from the plain loop's and a
+    # full fine-tune's: records made before they were inputs keep their keys (run_key), and
+    # load with the defaults
     spec["train"] = {k: v for k, v in spec["train"].items() if k not in _LOOP_DEFAULTS or v != _LOOP_DEFAULTS[k]}
     return spec
 

@@ -84,6 +84,8 @@ def wrap(model: nn.Module, job: Job, emulated: bool) -> nn.Module:
         )
     if not strategy.runs_natively(policy.id):
         raise Unsupported(f"{policy.id} under {strategy.id} has no native torch implementation")
-    if policy.low_precision_params and not policy.master:
+    # a fine-tune's model was cast before its adapters were added (calibrate.finetune): peft
+    # keeps them in fp32, as a cast here would not
+    if policy.low_precision_params and not policy.master and job.train.finetune == "full":
         model = model.to(DTYPES[policy.param_dtype])
     return WRAPPERS[strategy.framework](model, job, emulated)

@@ -211,6 +211,8 @@ class Step:
                     ADAM8BIT_BYTES_PER_PARAM * count,
                 )
             )
+        elif train.optimizer not in OPTIMIZER_STATES:
+            raise MemplanError(f"optimizer {train.optimizer} is not modelled yet")
         elif OPTIMIZER_STATES[train.optimizer]:
             k = OPTIMIZER_STATES[train.optimizer]
             terms.append(
