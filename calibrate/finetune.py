@@ -90,6 +90,8 @@ class FinetuneCase(heldout.Case):
         if policy.low_precision_params and not policy.master:
             model.hf.to(DTYPES[policy.param_dtype])
         tuning = train.tuning
+        if tuning.mode == "full":
+            return
         if tuning.mode == "frozen":
             model.hf.get_input_embeddings().requires_grad_(False)
             for block in list(model.layers)[: tuning.frozen_blocks]:

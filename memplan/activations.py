@@ -167,6 +167,11 @@ def block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False
         # autocast caches one low-precision copy of every linear weight (not bias) per forward
         weights = x.h * (2 * x.h + 2 * x.kv) + (3 if model.gated_mlp else 2) * x.h * x.f
         saved.append(Saved("autocast weight copies", "c·(block weight matrices)", x.c * weights))
+    if train.tuning.adapters:
+        from .finetune import adapter_block_saved
+
+        # FSDP's MixedPrecisionPolicy (the inputs_cast case) gathers the adapters in the compute dtype
+        return adapter_block_saved(model, train, saved, adapter_bytes=x.c if inputs_cast else 4)
     return saved
 
 

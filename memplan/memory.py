@@ -28,6 +28,18 @@ from .checkpointing import (
     offloaded,
 )
 from .errors import MemplanError
+from .finetune import (
+    PLACES,
+    adapter_policy,
+    block_place,
+    finetune_notes,
+    finetune_param_terms,
+    kept_in_place,
+    optimizer_state_terms,
+    outside_saved,
+    trained,
+    transient_in_place,
+)
 from .frameworks.base import term
 from .loop import recipe_rows
 from .loss import FUSED_DROPS
@@ -156,6 +168,10 @@ class Step:
         self.params = model.num_params
         self.block_params = model.block_params()
         self.root_params = self.params - model.num_layers * self.block_params
+        # what the step trains (finetune.py): the gradient, optimizer and bucket terms count these
+        self.trained = trained(model, train.tuning)
+        self.train_policy = adapter_policy(pol) if self.trained.adapters else pol
+        self.P = "P" if train.tuning.mode == "full" else "P_trained"
         offload = job.plan.offload
         moves_states = fw.offload_moves_states and offload != "none"
         self.states_on_host = moves_states or offload in ("optimizer", "all")
@@ -166,8 +182,8 @@ class Step:
         self.gather_bytes = pol.compute_bytes if pol.master else pol.param_bytes
         # the recipe's FSDP units: torchtitan's wraps the embedding alone, resharded after forward
         self.reshards_embedding = recipe_rows()[train.recipe].get("reshard_after_forward", ("all", ""))[0] == "blocks"
-        self._kept: dict[bool, list[Saved]] = {}
-        self._transient: dict[bool, list[Term]] = {}
+        self._kept: dict[tuple[bool, str], list[Saved]] = {}
+        self._transient: dict[tuple[bool, str], list[Term]] = {}
         reduce = train.reduce_dtype
         self.reduce_bytes = DTYPE_BYTES[reduce] if reduce else self.gather_bytes
 
@@ -182,6 +198,8 @@ class Step:
         sharded = self.strategy.shards_params
         if self.params_on_host:
             return [term(P, "params", "parameters (in host RAM)", "offloaded", 0)]
+        if self.job.train.tuning.mode != "full":
+            return finetune_param_terms(self)
         nbytes = 4 if self.shard_master else self.policy.param_bytes
         name = "fp32 parameter shards (the master copy)" if self.shard_master else "parameters"
         return [term(P, "params", name, f"{nbytes}·P{self.div(sharded)}", nbytes * self.local(self.params, sharded))]
@@ -190,18 +208,19 @@ class Step:
         sharded = self.strategy.shards_grads
         if self.grads_on_host:
             return [term(G, "grads", "gradients (in host RAM)", "offloaded", 0)]
-        nbytes = 4 if self.shard_master else self.policy.grad_bytes
-        return [
-            term(G, "grads", "gradients", f"{nbytes}·P{self.div(sharded)}", nbytes * self.local(self.params, sharded))
-        ]
+        nbytes = 4 if self.shard_master else self.train_policy.grad_bytes
+        count = self.local(self.trained.trainable, sharded)
+        return [term(G, "grads", "gradients", f"{nbytes}·{self.P}{self.div(sharded)}", nbytes * count)]
 
     def optimizer_terms(self) -> list[Term]:
-        train, pol, sharded = self.job.train, self.policy, self.strategy.shards_optimizer
+        train, pol, sharded = self.job.train, self.train_policy, self.strategy.shards_optimizer
         if self.states_on_host:
             return [term(O, "optimizer.states", "optimizer states (in host RAM)", "offloaded", 0)]
-        count, div = self.local(self.params, sharded), self.div(sharded)
+        count, div = self.local(self.trained.trainable, sharded), self.div(sharded)
         terms = []
-        if train.optimizer == "adam8bit":
+        if train.optimizer == "adafactor" or (train.optimizer == "adam8bit" and self.P != "P"):
+            terms += optimizer_state_terms(self)
+        elif train.optimizer == "adam8bit":
             terms.append(
                 term(
                     O,
@@ -211,8 +230,6 @@ class Step:
                     ADAM8BIT_BYTES_PER_PARAM * count,
                 )
             )
-        elif train.optimizer not in OPTIMIZER_STATES:
-            raise MemplanError(f"optimizer {train.optimizer} is not modelled yet")
         elif OPTIMIZER_STATES[train.optimizer]:
             k = OPTIMIZER_STATES[train.optimizer]
             terms.append(
@@ -220,12 +237,12 @@ class Step:
                     O,
                     "optimizer.states",
                     f"{train.optimizer} states",
-                    f"{k:g}·{pol.state_bytes}·P{div}",
+                    f"{k:g}·{pol.state_bytes}·{self.P}{div}",
                     k * pol.state_bytes * count,
                 )
             )
         if pol.master and not self.shard_master:
-            terms.append(term(O, "optimizer.master", "fp32 master weights", f"4·P{div}", 4 * count))
+            terms.append(term(O, "optimizer.master", "fp32 master weights", f"4·{self.P}{div}", 4 * count))
         return terms
 
     def step_transient(self) -> list[Term]:
@@ -235,7 +252,14 @@ class Step:
         return self.framework.step_buffers(self) + self.optimizer_temporaries()
 
     def optimizer_temporaries(self) -> list[Term]:
-        train, pol, sharded = self.job.train, self.policy, self.strategy.shards_optimizer
+        train, pol, sharded = self.job.train, self.train_policy, self.strategy.shards_optimizer
+        if train.optimizer == "adafactor":
+            # transformers' Adafactor._approx_sq_grad: grad² and the factored estimate of the
+            # largest tensor live at once, in fp32 (optimization.py Adafactor.step)
+            largest = self.local(self.largest_trained(), sharded)
+            return [
+                term(B, "optimizer.adafactor_update", "Adafactor update temporaries", "2·4·largest tensor", 8 * largest)
+            ]
         if train.optimizer not in ("adamw", "adam"):
             return []
         if train.optimizer_impl == "foreach":
@@ -246,12 +270,12 @@ class Step:
                     "optimizer.sqrt_temporaries",
                     "foreach sqrt(v) temporaries",
                     f"{pol.state_bytes}·P_local",
-                    pol.state_bytes * self.local(self.params, sharded),
+                    pol.state_bytes * self.local(self.trained.trainable, sharded),
                 )
             ]
         if train.optimizer_impl == "single":
             # _single_tensor_adam: exp_avg_sq.sqrt() / bias_correction2_sqrt, two copies of one tensor
-            largest = self.local(self.largest_param(), sharded)
+            largest = self.local(self.largest_trained(), sharded)
             return [
                 term(
                     B,
@@ -262,6 +286,9 @@ class Step:
                 )
             ]
         return []
+
+    def largest_trained(self) -> int:
+        return self.largest_param() if self.P == "P" else self.trained.largest
 
     def largest_param(self) -> int:
         m = self.job.model
@@ -292,20 +319,20 @@ class Step:
             return {"grads": grads, "grads.carried": grads, "grads.last_block": grads, "grads.first_block": grads}
         # the input embedding's gradient comes last, after the first block's backward (a tied
         # embedding already has it from the head)
-        pending = model.embedding_params() - (model.vocab_size * model.hidden if model.tied_embeddings else 0)
-        own = self.block_params if self.framework.block_grads_after_reduce else 0
+        trained, pending = self.trained, self.trained.embedding
+        own = trained.blocks[0] if self.framework.block_grads_after_reduce else 0
         what = "params (all but the input embedding" + (" and the first block)" if own else ")")
         groups = {
             "grads": grads,
             "grads.carried": [],
-            "grads.last_block": self.grad_share(self.root_params, "embedding/head params"),
-            "grads.first_block": self.grad_share(self.params - pending - own, what),
+            "grads.last_block": self.grad_share(trained.root, "embedding/head params"),
+            "grads.first_block": self.grad_share(trained.trainable - pending - own, what),
         }
         j = self.last_checkpointed()
         if j is not None:
             after = model.num_layers - 1 - j
             groups["grads.last_checkpointed"] = self.grad_share(
-                self.root_params + after * self.block_params, f"embedding/head params and {after} blocks"
+                trained.root + sum(trained.blocks[j + 1 :]), f"embedding/head params and {after} blocks"
             )
         return groups
 
@@ -319,12 +346,12 @@ class Step:
         head's, the embedding's own and their sum are live at once (measured: the tied cases
         of the held-out matrix hold three V·h gradients there)."""
         model, L = self.job.model, self.job.model.num_layers
-        tied = 2 * model.vocab_size * model.hidden if model.tied_embeddings else 0
-        count = self.root_params + tied
+        tied = 2 * model.vocab_size * model.hidden if model.tied_embeddings and self.P == "P" else 0
+        count = self.trained.root + tied
         blocks = (
             self.grad_terms()
             if self.job.train.grad_accum > 1
-            else self.grad_share(L * self.block_params, f"{L} blocks' params")
+            else self.grad_share(sum(self.trained.blocks), f"{L} blocks' params")
         )
         return {
             "grads.blocks": blocks,
@@ -358,7 +385,7 @@ class Step:
                 f"optimizer-in-backward steps inside backward: grad-accum {self.job.train.grad_accum} "
                 "is refused, as torchtune refuses it; use grad-accum 1"
             )
-        pol, largest = self.policy, self.local(self.largest_param(), self.strategy.shards_grads)
+        pol, largest = self.train_policy, self.local(self.largest_trained(), self.strategy.shards_grads)
         nbytes = 4 if self.shard_master else pol.grad_bytes
         one = [
             term(
@@ -402,7 +429,7 @@ class Step:
                 f"loss {loop.loss} is modelled for decoders' b·s·V logits, not for a vit classifier's "
                 "b·V ones; use loss ce"
             )
-        pre, post = model_saved(model, train)
+        pre, post = outside_saved(self, *model_saved(model, train))
         if loop.loss == "fused-linear-ce":
             post = [t for t in post if t.name not in FUSED_DROPS and t.key != "logits"]
         outside = _terms(A, pre + post, "activations.outside")
@@ -474,21 +501,29 @@ class Step:
             )
         ]
 
+    def kept_key(self, index: int) -> tuple[bool, str]:
+        """What block ``index``'s kept activations depend on: whether it is checkpointed, and
+        its place in a fine-tune (``finetune.block_place``)."""
+        return checkpointed(index, self.job.train.loop.ac_every), block_place(self.trained, index)
+
     def kept(self, index: int) -> list[Saved]:
-        """What block ``index`` keeps: it depends on the index only through whether it is checkpointed."""
-        policy = checkpointed(index, self.job.train.loop.ac_every)
-        if policy not in self._kept:
-            self._kept[policy] = block_kept_under(
-                self.job.model, self.job.train, self.job.train.loop, index, inputs_cast=self.casts_block_inputs
+        """What block ``index`` keeps: it depends on the index only through ``kept_key``."""
+        key = self.kept_key(index)
+        if key not in self._kept:
+            self._kept[key] = kept_in_place(
+                key[1],
+                block_kept_under(
+                    self.job.model, self.job.train, self.job.train.loop, index, inputs_cast=self.casts_block_inputs
+                ),
             )
-        return self._kept[policy]
+        return self._kept[key]
 
     def block_terms(self, indices: range, *, first: bool = False) -> list[Term]:
-        """The kept activations of these blocks: one term per policy they run under."""
+        """The kept activations of these blocks: one term per policy and place they run under."""
         loop = self.job.train.loop
-        by_policy: dict[bool, list[int]] = {True: list(indices)} if loop.ac_every == 1 else {}
-        for i in indices if loop.ac_every > 1 else ():
-            by_policy.setdefault(checkpointed(i, loop.ac_every), []).append(i)
+        by_policy: dict[tuple[bool, str], list[int]] = {}
+        for i in indices:
+            by_policy.setdefault(self.kept_key(i), []).append(i)
         if len(by_policy) == 1:
             kept = self.kept(indices[0])
             formula = " + ".join(s.formula for s in kept)
@@ -496,13 +531,15 @@ class Step:
             name = "kept activations of the first block" if first else f"kept activations of {n} blocks"
             return [term(A, key, name, formula if first else f"{n} × ({formula})", n * sum(s.bytes for s in kept))]
         terms = []
-        for is_checkpointed, members in sorted(by_policy.items(), reverse=True):
+        for (is_checkpointed, place), members in sorted(by_policy.items(), key=lambda kv: (not kv[0][0], kv[0][1])):
             kept, n = self.kept(members[0]), len(members)
             what = f"AC {loop.ac}, every {loop.ac_every}th" if is_checkpointed else "not checkpointed"
+            if loop.ac_every == 1:
+                what = PLACES[place]
             terms.append(
                 term(
                     A,
-                    f"activations.blocks.{'checkpointed' if is_checkpointed else 'plain'}",
+                    f"activations.blocks.{'checkpointed' if is_checkpointed else 'plain'}{place and '.' + place}",
                     f"kept activations of {n} blocks ({what})",
                     f"{n} × ({' + '.join(s.formula for s in kept)})",
                     n * sum(s.bytes for s in kept),
@@ -512,14 +549,13 @@ class Step:
 
     def transient_terms(self, index: int) -> list[Term]:
         """Block ``index``'s backward transient: like ``kept``, one per policy."""
-        job, policy = self.job, checkpointed(index, self.job.train.loop.ac_every)
-        if policy not in self._transient:
-            self._transient[policy] = _terms(
-                A,
-                block_transient_under(job.model, job.train, job.train.loop, index, inputs_cast=self.casts_block_inputs),
-                "block.backward",
+        job, key = self.job, self.kept_key(index)
+        if key not in self._transient:
+            transient = block_transient_under(
+                job.model, job.train, job.train.loop, index, inputs_cast=self.casts_block_inputs
             )
-        return self._transient[policy]
+            self._transient[key] = _terms(A, transient_in_place(self, key[1], transient), "block.backward")
+        return self._transient[key]
 
     def last_checkpointed(self) -> int | None:
         """Block ⌊L/N⌋·N − 1 where ``ac_every`` N > 1 leaves the last block unchecked (else None)."""
@@ -545,7 +581,7 @@ class Step:
                 "grads",
                 f"gradients of {count:,} {what}",
                 f"{full.formula} × share",
-                full.bytes * count // max(self.params, 1),
+                full.bytes * count // max(self.trained.trainable, 1),
             )
         ]
 
@@ -611,5 +647,5 @@ def estimate(job: Job) -> Estimate:
         moments=tuple(moments),
         overhead=tuple(overhead_terms(job, peak)),
         host_bytes=host,
-        notes=loop_notes(job),
+        notes=loop_notes(job) + finetune_notes(job),
     )

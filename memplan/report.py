@@ -12,6 +12,7 @@ from typing import TypeVar
 from .breakdown import Component, Estimate
 from .calibration import Applied, Corrected
 from .decide import FRAMEWORKS, Fix, Reason, Recommendation, Rejected, RuleVerdict, framework_strategies
+from .finetune import FINETUNE_FIELDS, finetune_inputs, finetune_line
 from .inputs import ModelChoice
 from .loop import in_force
 from .strategies import STRATEGIES
@@ -31,7 +32,8 @@ def inputs_dict(choice: ModelChoice, est: Estimate) -> dict:
         "model": model,
         "model_source": choice.source,
         "assumed_architecture": choice.assumed,
-        "train": {k: getattr(job.train, k) for k in job.train.__dataclass_fields__},
+        "train": {k: getattr(job.train, k) for k in job.train.__dataclass_fields__ if k not in FINETUNE_FIELDS}
+        | finetune_inputs(job),
         "cluster": {k: getattr(job.cluster, k) for k in job.cluster.__dataclass_fields__},
         "loop": [asdict(c) for c in loop.conventions + loop.elsewhere],
     }
@@ -223,6 +225,7 @@ def _header(choice: ModelChoice, job) -> str:
         f"training seq {t.seq_len} × micro-batch {t.micro_batch} × accum {t.grad_accum}, {t.precision}, "
         f"{t.optimizer} ({t.optimizer_impl}), AC {t.activation_checkpointing}, {t.attention} attention\n"
         f"loop     {in_force(t).describe()}\n"
+        f"{finetune_line(job)}"
         f"cluster  {c.gpus} × {c.gpu_name} {_g(c.gpu_mem_bytes)} GiB ({c.num_nodes} node(s) of "
         f"{c.gpus_per_node}), headroom {c.headroom:.0%}: {_g(c.usable_bytes)} GiB usable"
     )
