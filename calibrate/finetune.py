@@ -52,8 +52,8 @@ QWEN = ModelSpec(
     qkv_bias=True,
 )
 HF_TYPE = {LLAMA.name: "llama", QWEN.name: "qwen2"}
-PROJ = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj"}
-PROJ["down"] = "down_proj"
+PROJ = {name: f"{name}_proj" for name in ("q", "k", "v", "o", "gate", "up", "down")}
+"""transformers' module names of memplan's llama linears (peft's target_modules)."""
 
 
 @dataclass(frozen=True)
@@ -63,20 +63,6 @@ class FinetuneCase(heldout.Case):
     @property
     def hf_type(self) -> str:
         return HF_TYPE[self.job.model.name]
-
-    def measure(self, emulated: bool):
-        from . import loops
-
-        return loops.run(
-            self.job,
-            loops.LOOPS[self.loop],
-            hf_type=self.hf_type,
-            ac=self.ac,
-            emulated=emulated,
-            steps=heldout.STEPS,
-            warmup=heldout.WARMUP,
-            adapt=self.adapt,
-        )
 
     def adapt(self, model) -> None:
         """Cast, quantize, freeze and add adapters as the libraries do (the module docstring)."""

@@ -196,7 +196,11 @@ class Case:
             emulated=emulated,
             steps=STEPS,
             warmup=WARMUP,
+            adapt=self.adapt,
         )
+
+    def adapt(self, model) -> None:
+        """Change the built model before it is wrapped: a held-out case trains it as built."""
 
     def record_fields(self) -> dict:
         """What a record of this case says beyond the held-out matrix's fields."""
