@@ -299,7 +299,6 @@ def _measure_emulated(case: Case):
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=case.job.cluster.gpus)
     try:
         return case.measure(emulated=True)
