@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from .activations import Saved, shapes
-from .breakdown import Component, Term
+from .breakdown import Component, Estimate, Term
 from .errors import InputError
 from .frameworks.base import term
 from .precision import Policy
@@ -482,3 +482,16 @@ def finetune_notes(job) -> tuple[str, ...]:
     if tuning.mode != "full" and job.train.device == "cuda":
         notes.append("fine-tuning is measured on CPU (docs/finetune_matrix_cpu.md); CUDA's dropout mask is 1 byte")
     return tuple(notes)
+
+
+COMPARED = ("full", "lora", "qlora")
+
+
+def modes_compared(job) -> list[tuple[str, Estimate]]:
+    """The job's estimate under each fine-tune mode that applies to its model (full; lora and
+    qlora on llama-family blocks), the adapters as the job gives them: what ``recommend`` weighs
+    on one GPU. Only memory: the step time is predicted as the full fine-tune's."""
+    from .memory import estimate
+
+    modes = COMPARED if job.model.arch == "llama" else COMPARED[:1]
+    return [(mode, estimate(job.with_(finetune=mode))) for mode in modes]

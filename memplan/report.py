@@ -12,7 +12,7 @@ from typing import TypeVar
 from .breakdown import Component, Estimate
 from .calibration import Applied, Corrected
 from .decide import FRAMEWORKS, Fix, Reason, Recommendation, Rejected, RuleVerdict, framework_strategies
-from .finetune import FINETUNE_FIELDS, finetune_inputs, finetune_line
+from .finetune import FINETUNE_FIELDS, finetune_inputs, finetune_line, modes_compared
 from .inputs import ModelChoice
 from .loop import in_force
 from .strategies import STRATEGIES
@@ -641,6 +641,17 @@ def recommendation_summary(rec: Recommendation) -> list[str]:
     ]
 
 
+def finetune_lines(job) -> list[str]:
+    """A LoRA or QLoRA job on one GPU: the same option under each fine-tune mode (none otherwise)."""
+    if job.train.tuning.mode not in ("lora", "qlora") or job.cluster.gpus != 1:
+        return []
+    lines = ["", "Fine-tune modes at this option (memory only; the step time is predicted as full's):"]
+    for mode, est in modes_compared(job):
+        verdict = "fits" if est.fits else f"over by {_gib(-est.headroom_bytes)}"
+        lines.append(f"  - {mode}: {_gib(est.total_bytes)} of {_gib(est.usable_bytes)} usable, {verdict}")
+    return lines
+
+
 def render_recommendation(
     choice: ModelChoice, rec: Recommendation, launch: str | None = None, restricted_by: str | None = None
 ) -> str:
@@ -648,6 +659,7 @@ def render_recommendation(
     job = (rec.best or rec.options[0]).job
     lines = [_header(choice, job), "", *recommendation_summary(rec)[:2], "", "Reasons:"]
     lines += [f"  - {reason_text(r, restricted_by)}" for r in rec.reasons]
+    lines += finetune_lines(job)
     if rec.fixes:
         lines += ["", "Nothing fits. Single changes, each with its resulting memory:"]
         lines += [f"  - {fix_line(f)}" for f in rec.fixes]
