@@ -146,6 +146,7 @@ def _case(
     targets: str = "attention",
     dropout: float = 0.0,
     optimizer: str = "adamw",
+    ac: str = "none",
 ) -> FinetuneCase:
     job = Job(
         model=model,
@@ -154,6 +155,7 @@ def _case(
             micro_batch=b,
             precision=precision,
             optimizer=optimizer,
+            activation_checkpointing=ac,
             device="cpu",
             finetune=finetune,
             lora_rank=rank,
@@ -164,8 +166,9 @@ def _case(
         plan=Plan(strategy={"single": "single", **heldout.STRATEGY}[strategy]),
     )
     adapter = f"-{targets}-r{rank}" + (f"-p{dropout:g}" if dropout else "") if "lora" in finetune else ""
-    name = f"{model.name}-{finetune}{adapter}-{strategy}-{precision}-{optimizer}-g{gpus}-b{b}s{s}"
-    return FinetuneCase(name, job, "plain-kept", "none", "local")
+    checkpointed = f"-ac{ac}" if ac != "none" else ""
+    name = f"{model.name}-{finetune}{adapter}-{strategy}-{precision}-{optimizer}{checkpointed}-g{gpus}-b{b}s{s}"
+    return FinetuneCase(name, job, "plain-kept", ac, "local")
 
 
 CASES = (
@@ -185,6 +188,9 @@ CASES = (
     _case(LLAMA, "frozen:1", "single", "fp32"),
     _case(QWEN, "full", "single", "fp32", optimizer="adafactor"),
     _case(LLAMA, "full", "single", "fp32", optimizer="adam8bit"),
+    # measured after the model: transformers' gradient checkpointing around peft's adapters
+    _case(LLAMA, "lora", "single", "fp32", targets="all-linear", ac="full"),
+    _case(QWEN, "qlora", "single", "bf16", b=1, s=128, rank=16, targets="all-linear", ac="full"),
 )
 BY_ID = {case.id: case for case in CASES}
 
