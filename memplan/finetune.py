@@ -172,11 +172,18 @@ def _block_tensors(model) -> list[tuple[int, ...]]:
 
 
 def _root_tensors(model) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-    """(input embedding, final norm + head) tensors of a decoder."""
+    """(input embedding, final norm + head) tensors of a decoder, or of a ViT (patch conv and
+    its bias, class token, positions; the classifier and its bias)."""
     h = model.hidden
+    head: list[tuple[int, ...]] = [(h,)] if model.arch == "llama" else [(h,), (h,)]
+    if model.arch == "vit":
+        patch = (h, model.image_channels, model.patch_size, model.patch_size)
+        return [patch, (h,), (1, 1, h), (1, model.max_positions, h)], head + [
+            (model.vocab_size, h),
+            (model.vocab_size,),
+        ]
     embedding: list[tuple[int, ...]] = [(model.vocab_size, h)]
     embedding += [(model.max_positions, h)] if model.max_positions else []
-    head: list[tuple[int, ...]] = [(h,)] if model.arch == "llama" else [(h,), (h,)]
     return embedding, head + ([] if model.tied_embeddings else [(model.vocab_size, h)])
 
 

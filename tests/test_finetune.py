@@ -169,3 +169,13 @@ def test_recommend_on_one_gpu_weighs_the_fine_tune_modes():
     assert compared[2][1].allocated_bytes < compared[1][1].allocated_bytes < compared[0][1].allocated_bytes
     assert all(any(line.startswith(f"  - {mode}: ") for line in lines) for mode, _ in compared)
     assert finetune_lines(job.with_(finetune="full")) == [] == finetune_lines(job.with_(gpus=2, strategy="ddp"))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "pythia-6.9b", "qwen2.5-7b", "vit-large-patch16-224", "llama-3.2-1b"])
+def test_trained_tensors_of_a_full_fine_tune_are_the_model(name):
+    """Adafactor and 8-bit AdamW size their states per tensor: the tensors must be the model's."""
+    from memplan.catalog import model_preset
+    from memplan.finetune import full_tensors
+
+    model = model_preset(name)
+    assert sum(math.prod(t) for t in full_tensors(model)) == model.num_params
