@@ -185,6 +185,28 @@ class Case:
     def hf_type(self) -> str:
         return HF_TYPE[self.job.model.name]
 
+    def measure(self, emulated: bool):
+        """Run the case's loop in this process (its process group initialised)."""
+        from . import loops
+
+        return loops.run(
+            self.job,
+            loops.LOOPS[self.loop],
+            hf_type=self.hf_type,
+            ac=self.ac,
+            emulated=emulated,
+            steps=STEPS,
+            warmup=WARMUP,
+            adapt=self.adapt,
+        )
+
+    def adapt(self, model) -> None:
+        """Change the built model before it is wrapped: a held-out case trains it as built."""
+
+    def record_fields(self) -> dict:
+        """What a record of this case says beyond the held-out matrix's fields."""
+        return {}
+
 
 def _case(
     loop: str,
@@ -278,59 +300,37 @@ def _measure_emulated(case: Case):
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from . import loops
-
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=case.job.cluster.gpus)
     try:
-        return loops.run(
-            case.job,
-            loops.LOOPS[case.loop],
-            hf_type=case.hf_type,
-            ac=case.ac,
-            emulated=True,
-            steps=STEPS,
-            warmup=WARMUP,
-        )
+        return case.measure(emulated=True)
     finally:
         dist.destroy_process_group()
 
 
-def _loop_measurement(case_id: str) -> dict:
+def _loop_measurement(case: Case) -> dict:
     """This rank's measurement of the case's loop (a rank of ``run_ranks``)."""
     import dataclasses
 
-    from . import loops
-
-    case = BY_ID[case_id]
-    m = loops.run(
-        case.job,
-        loops.LOOPS[case.loop],
-        hf_type=case.hf_type,
-        ac=case.ac,
-        emulated=False,
-        steps=STEPS,
-        warmup=WARMUP,
-    )
-    return dataclasses.asdict(m)
+    return dataclasses.asdict(case.measure(emulated=False))
 
 
-def _rank(rank: int, world: int, port: int, work, case_id: str, results) -> None:
+def _rank(rank: int, world: int, port: int, work, arg, results) -> None:
     import traceback
 
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        results.put((rank, work(case_id), None))
+        results.put((rank, work(arg), None))
     except BaseException as exc:  # reported to the parent with its traceback
         results.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, work, case_id: str, *, worst=None):
-    """``work(case_id)`` (a module-level function) on ``world`` spawned gloo ranks; rank 0's
-    result, or with ``worst`` (a key) the largest rank's."""
+def run_ranks(world: int, work, arg, *, worst=None):
+    """``work(arg)`` (a module-level function, ``arg`` picklable) on ``world`` spawned gloo ranks;
+    rank 0's result, or with ``worst`` (a key) the largest rank's."""
     import torch.multiprocessing as mp
 
     from . import launch
@@ -339,7 +339,7 @@ def run_ranks(world: int, work, case_id: str, *, worst=None):
     results = ctx.SimpleQueue()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     port = launch._free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, work, case_id, results)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, work, arg, results)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -358,7 +358,7 @@ def run_ranks(world: int, work, case_id: str, *, worst=None):
 def _measure_local(case: Case):
     from . import measure
 
-    return measure.Measurement(**run_ranks(case.job.cluster.gpus, _loop_measurement, case.id))
+    return measure.Measurement(**run_ranks(case.job.cluster.gpus, _loop_measurement, case))
 
 
 def measure_case(case: Case) -> dict:
@@ -422,7 +422,7 @@ def execute_child(case, timeout_s: float, *, module: str = "calibrate.heldout") 
 
 def make_record(case: Case, outcome: dict, wall_s: float) -> dict:
     record = records.make_record(_run(case), **outcome, wall_s=wall_s)
-    return record | {"id": record_id(case)} | loop_fields(case)
+    return record | {"id": record_id(case)} | loop_fields(case) | case.record_fields()
 
 
 def _module_name(module) -> str:
@@ -536,6 +536,7 @@ def render_report(recs: list[dict]) -> str:
 def main(argv=None, matrix=None) -> None:
     """The command line of this matrix, or of ``matrix`` (a module with the same functions)."""
     import argparse
+    import sys
 
     m = matrix or sys.modules[__name__]
     parser = argparse.ArgumentParser(

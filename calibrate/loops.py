@@ -322,9 +322,12 @@ def _forward_ends_at_backward(meter, phase_peaks: dict):
         setattr(torch.Tensor, "backward", original)  # noqa: B010
 
 
-def run(job: Job, loop: Loop, *, hf_type: str, ac: str, emulated: bool, steps: int = 2, warmup: int = 1) -> Measurement:
+def run(
+    job: Job, loop: Loop, *, hf_type: str, ac: str, emulated: bool, steps: int = 2, warmup: int = 1, adapt=None
+) -> Measurement:
     """Build the HF model, wrap it as the job's strategy, and train ``steps`` steps with the
-    loop's step; measure the last (MemTracker's peak of live tensors, by phase)."""
+    loop's step; measure the last (MemTracker's peak of live tensors, by phase). ``adapt``
+    changes the model after AC and before wrapping (calibrate.finetune's peft adapters)."""
     if steps <= warmup:
         raise ValueError("steps must exceed warmup: the measured step needs optimizer states")
     torch.manual_seed(dist.get_rank() if dist.is_initialized() else 0)
@@ -342,6 +345,8 @@ def run(job: Job, loop: Loop, *, hf_type: str, ac: str, emulated: bool, steps: i
             autocast_dtype=DTYPES[policy.compute_dtype] if policy.autocast else None,
         )
         apply_ac(model, ac, loop)
+        if adapt is not None:
+            adapt(model)
         hf_model = model.hf
         wrapped = wrap(model, job.with_(recipe=loop.recipe), emulated)  # the recipe's FSDP units
         optimizer = _optimizer(wrapped, job)

@@ -51,16 +51,46 @@ def _optimizer(model: nn.Module, job: Job) -> torch.optim.Optimizer:
         return cls(params, lr=1e-4, **flags)
     if name in ("sgd", "sgd-momentum"):
         return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if name == "sgd-momentum" else 0.0, **flags)
+    if name == "adam8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=1e-4)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # the HF Trainer's optim="adafactor" (Trainer.get_optimizer_cls_and_kwargs): no first moment
+        return Adafactor(params, lr=1e-4, scale_parameter=False, relative_step=False)
     raise Unsupported(f"optimizer {name} is not available in the calibration harness")
+
+
+class _NoHook:
+    """A hook handle with nothing to remove."""
+
+    def remove(self) -> None:
+        return None
+
+
+def _frozen_aware_tracker():
+    """torch's MemTracker, which registers a gradient hook on every parameter of a module and
+    so fails on frozen ones (torch 2.13, mem_tracker.py _track_module_params_and_buffers):
+    frozen parameters are marked as hooked already, with handles that remove nothing."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class FrozenAwareMemTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            for param in module.parameters():
+                if not param.requires_grad:
+                    self._param_to_grad_hook_handles.setdefault(param, (_NoHook(), _NoHook()))
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return FrozenAwareMemTracker()
 
 
 class _CpuMeter:
     """Peak live tensor bytes by category from torch's MemTracker (CPU ground truth)."""
 
     def __init__(self):
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        self.tracker = MemTracker()
+        self.tracker = _frozen_aware_tracker()
         self.device = torch.device("cpu")
 
     def __enter__(self):

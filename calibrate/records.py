@@ -49,8 +49,11 @@ MODES = ("local", "emulate", "cluster")
 STATUSES = ("ok", "oom", "timeout", "failed", "cancelled")
 WORKLOADS = ("native", "hf")
 _SPEC_TYPES = {"model": ModelSpec, "train": TrainSpec, "cluster": ClusterSpec, "plan": Plan}
+_FINETUNE = ("finetune", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
 _LOOP_DEFAULTS = {
-    f.name: f.default for f in fields(TrainSpec) if f.name in ("recipe", "ac_every", *(g.name for g in fields(Loop)))
+    f.name: f.default
+    for f in fields(TrainSpec)
+    if f.name in ("recipe", "ac_every", *_FINETUNE, *(g.name for g in fields(Loop)))
 }
 _LATER_DEFAULTS: dict[str, dict[str, Any]] = {
     "train": _LOOP_DEFAULTS,

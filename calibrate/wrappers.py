@@ -110,7 +110,9 @@ def wrap(model: nn.Module, job: Job, emulated: bool) -> nn.Module:
         )
     if not strategy.runs_natively(policy.id):
         raise Unsupported(f"{policy.id} under {strategy.id} has no native torch implementation")
-    if policy.low_precision_params and not policy.master:
+    # a fine-tune's model was cast before its adapters were added (calibrate.finetune): peft
+    # keeps them in fp32, as a cast here would not
+    if policy.low_precision_params and not policy.master and job.train.finetune == "full":
         model = model.to(DTYPES[policy.param_dtype])
     if job.plan.ep > 1:
         from .moe_ep import apply_expert_parallel

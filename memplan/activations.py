@@ -172,6 +172,11 @@ def block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False
         if model.num_experts:  # the router, every expert hit, the shared expert and its gate
             weights = x.h * (2 * x.h + 2 * x.kv) + moe_matrices(model)
         saved.append(Saved("autocast weight copies", "c·(block weight matrices)", x.c * weights))
+    if train.tuning.adapters:
+        from .finetune import adapter_block_saved
+
+        # FSDP's MixedPrecisionPolicy (the inputs_cast case) gathers the adapters in the compute dtype
+        return adapter_block_saved(model, train, saved, adapter_bytes=x.c if inputs_cast else 4)
     return saved
 
 

@@ -112,6 +112,26 @@ TRAIN_OPTIONS = [
         help="cpu estimates what the same job allocates on CPU (no CUDA-side overhead).",
     ),
 ]
+FINETUNE_OPTIONS = [
+    click.option(
+        "--finetune",
+        default=default("finetune"),
+        show_default=True,
+        help="What is trained: full, lora, qlora (LoRA on 4-bit NF4 base weights) or frozen:N "
+        "(the input embedding and the first N blocks frozen).",
+    ),
+    click.option("--lora-rank", type=int, default=default("lora_rank"), show_default=True),
+    click.option(
+        "--lora-alpha", type=float, default=default("lora_alpha"), show_default=True, help="Accepted; no memory effect."
+    ),
+    click.option(
+        "--lora-targets",
+        default=default("lora_targets"),
+        show_default=True,
+        help="attention (q,k,v,o), all-linear, or a list of a block's linears (q,k,v,o,gate,up,down).",
+    ),
+    click.option("--lora-dropout", type=float, default=default("lora_dropout"), show_default=True),
+]
 CLUSTER_OPTIONS = [
     click.option("--gpus", type=int, default=default("gpus"), show_default=True),
     click.option("--gpus-per-node", type=int, default=default("gpus_per_node"), help="[default: min(gpus, 8)]"),
@@ -203,7 +223,7 @@ DECISION_OPTIONS = [
 
 
 def job_options(f):
-    return _apply(MODEL_OPTIONS + TRAIN_OPTIONS + CLUSTER_OPTIONS + PLAN_OPTIONS + LAYOUT_OPTIONS)(f)
+    return _apply(MODEL_OPTIONS + TRAIN_OPTIONS + FINETUNE_OPTIONS + CLUSTER_OPTIONS + PLAN_OPTIONS + LAYOUT_OPTIONS)(f)
 
 
 def decision_options(f):

@@ -28,6 +28,18 @@ from .checkpointing import (
     offloaded,
 )
 from .errors import MemplanError
+from .finetune import (
+    PLACES,
+    adapter_policy,
+    block_place,
+    finetune_notes,
+    finetune_param_terms,
+    kept_in_place,
+    optimizer_state_terms,
+    outside_saved,
+    trained,
+    transient_in_place,
+)
 from .frameworks.base import term
 from .loop import fsdp_units, loss_in_model
 from .loss import FUSED_DROPS
@@ -180,6 +192,10 @@ class Step:
         if self.ep > 1:  # expert parallel (memplan.moe): experts on their EP rank, FSDP over the rest
             moe.check_ep_step(job, s, self.n)
             self.block_params = moe.gathered_block_params(model, self.ep, self.n)
+        # what the step trains (finetune.py): the gradient, optimizer and bucket terms count these
+        self.trained = trained(model, train.tuning)
+        self.train_policy = adapter_policy(pol) if self.trained.adapters else pol
+        self.P = "P" if train.tuning.mode == "full" else "P_trained"
         offload = job.plan.offload
         moves_states = fw.offload_moves_states and offload != "none"
         self.states_on_host = moves_states or offload in ("optimizer", "all")
@@ -190,8 +206,8 @@ class Step:
         self.gather_bytes = pol.compute_bytes if pol.master else pol.param_bytes
         self.fsdp_units = fsdp_units(train.recipe)
         self.loss_in_model = loss_in_model(train.recipe)
-        self._kept: dict[tuple[bool, bool], list[Saved]] = {}
-        self._transient: dict[tuple[bool, bool], list[Term]] = {}
+        self._kept: dict[tuple[bool, bool, str], list[Saved]] = {}
+        self._transient: dict[tuple[bool, bool, str], list[Term]] = {}
         reduce = train.reduce_dtype
         self.reduce_bytes = DTYPE_BYTES[reduce] if reduce else self.gather_bytes
 
@@ -211,11 +227,20 @@ class Step:
         """The formula's symbol for ``local_params``: P/n, or P_ep (the rest over n, experts over ep)."""
         return f"P{self.div(sharded)}" if self.ep == 1 else "P_ep"
 
+    def trained_local(self, sharded: bool) -> int:
+        """This rank's trained parameters: ``local_params`` in a full fine-tune, else the trained ones'."""
+        return self.local_params(sharded) if self.P == "P" else self.local(self.trained.trainable, sharded)
+
+    def trained_symbol(self, sharded: bool) -> str:
+        return self.p_local(sharded) if self.P == "P" else f"{self.P}{self.div(sharded)}"
+
     # -- model states ----------------------------------------------------------------
     def param_terms(self) -> list[Term]:
         sharded = self.strategy.shards_params
         if self.params_on_host:
             return [term(P, "params", "parameters (in host RAM)", "offloaded", 0)]
+        if self.job.train.tuning.mode != "full":
+            return finetune_param_terms(self)
         nbytes = 4 if self.shard_master else self.policy.param_bytes
         name = "fp32 parameter shards (the master copy)" if self.shard_master else "parameters"
         return [term(P, "params", name, f"{nbytes}·{self.p_local(sharded)}", nbytes * self.local_params(sharded))]
@@ -224,16 +249,26 @@ class Step:
         sharded = self.strategy.shards_grads
         if self.grads_on_host:
             return [term(G, "grads", "gradients (in host RAM)", "offloaded", 0)]
-        nbytes = 4 if self.shard_master else self.policy.grad_bytes
-        return [term(G, "grads", "gradients", f"{nbytes}·{self.p_local(sharded)}", nbytes * self.local_params(sharded))]
+        nbytes = 4 if self.shard_master else self.train_policy.grad_bytes
+        return [
+            term(
+                G,
+                "grads",
+                "gradients",
+                f"{nbytes}·{self.trained_symbol(sharded)}",
+                nbytes * self.trained_local(sharded),
+            )
+        ]
 
     def optimizer_terms(self) -> list[Term]:
-        train, pol, sharded = self.job.train, self.policy, self.strategy.shards_optimizer
+        train, pol, sharded = self.job.train, self.train_policy, self.strategy.shards_optimizer
         if self.states_on_host:
             return [term(O, "optimizer.states", "optimizer states (in host RAM)", "offloaded", 0)]
-        count, div = self.local_params(sharded), self.p_local(sharded)
+        count, div = self.trained_local(sharded), self.trained_symbol(sharded)
         terms = []
-        if train.optimizer == "adam8bit":
+        if train.optimizer == "adafactor" or (train.optimizer == "adam8bit" and self.P != "P"):
+            terms += optimizer_state_terms(self)
+        elif train.optimizer == "adam8bit":
             terms.append(
                 term(
                     O,
@@ -265,7 +300,14 @@ class Step:
         return self.framework.step_buffers(self) + self.optimizer_temporaries()
 
     def optimizer_temporaries(self) -> list[Term]:
-        train, pol, sharded = self.job.train, self.policy, self.strategy.shards_optimizer
+        train, pol, sharded = self.job.train, self.train_policy, self.strategy.shards_optimizer
+        if train.optimizer == "adafactor":
+            # transformers' Adafactor._approx_sq_grad: grad² and the factored estimate of the
+            # largest tensor live at once, in fp32 (optimization.py Adafactor.step)
+            largest = self.local(self.largest_trained(), sharded)
+            return [
+                term(B, "optimizer.adafactor_update", "Adafactor update temporaries", "2·4·largest tensor", 8 * largest)
+            ]
         if train.optimizer not in ("adamw", "adam"):
             return []
         if train.optimizer_impl == "foreach":
@@ -276,14 +318,19 @@ class Step:
                     "optimizer.sqrt_temporaries",
                     "foreach sqrt(v) temporaries",
                     f"{pol.state_bytes}·P_local",
-                    pol.state_bytes * self.local_params(sharded),
+                    pol.state_bytes * self.trained_local(sharded),
                 )
             ]
         if train.optimizer_impl == "single":
             # _single_tensor_adam: exp_avg_sq.sqrt() / bias_correction2_sqrt, two copies of one tensor
             flat = self.framework.steps_flat_partition
-            largest = self.local(self.params if flat else self.largest_param(), sharded)
-            what = f"P{self.div(sharded)} (one flat partition)" if flat else "largest tensor"
+            whole, one = (
+                (self.params, self.largest_param())
+                if self.P == "P"
+                else (self.trained.trainable, self.largest_trained())
+            )
+            largest = self.local(whole if flat else one, sharded)
+            what = f"{self.trained_symbol(sharded)} (one flat partition)" if flat else "largest tensor"
             return [
                 term(
                     B,
@@ -294,6 +341,9 @@ class Step:
                 )
             ]
         return []
+
+    def largest_trained(self) -> int:
+        return self.largest_param() if self.P == "P" else self.trained.largest
 
     def largest_param(self) -> int:
         m = self.job.model
@@ -330,9 +380,10 @@ class Step:
             return {"grads": grads, "grads.carried": grads, "grads.last_block": grads, "grads.first_block": grads}
         # the input embedding's gradient comes last, after the first block's backward (a tied
         # embedding already has it from the head)
-        pending = self.pending_params()
-        own = self.own_block_grads()
-        last = self.root_params
+        trained, full = self.trained, self.P == "P"
+        pending = self.pending_params() if full else trained.embedding
+        own = self.own_block_grads() if full else (trained.blocks[0] if self.framework.block_grads_after_reduce else 0)
+        last = self.root_params if full else trained.root
         if model.num_experts and not own:  # a sparse block peaks in its expert loop, before any of
             # its own gradients, and the last one's before the input embedding's (measured, DDP)
             own, last = self.block_params, self.root_params - pending
@@ -341,13 +392,13 @@ class Step:
             "grads": grads,
             "grads.carried": [],
             "grads.last_block": self.grad_share(last, "embedding/head params"),
-            "grads.first_block": self.grad_share(self.params - pending - own, what),
+            "grads.first_block": self.grad_share((self.params if full else trained.trainable) - pending - own, what),
         }
         j = self.last_checkpointed()
         if j is not None:
             after = model.num_layers - 1 - j
             groups["grads.last_checkpointed"] = self.grad_share(
-                self.root_params + after * self.block_params, f"embedding/head params and {after} blocks"
+                trained.root + sum(trained.blocks[j + 1 :]), f"embedding/head params and {after} blocks"
             )
         return groups
 
@@ -370,14 +421,14 @@ class Step:
         head's, the embedding's own and their sum are live at once (measured: the tied cases
         of the held-out matrix hold three V·h gradients there)."""
         model, L = self.job.model, self.job.model.num_layers
-        tied = 2 * model.vocab_size * model.hidden if model.tied_embeddings else 0
+        tied = 2 * model.vocab_size * model.hidden if model.tied_embeddings and self.P == "P" else 0
         # torchtitan's / accelerate's head unit has reduced its gradients after its own backward
         head = model.head_params() if self.fsdp_units == "blocks" and not model.tied_embeddings else 0
-        count = self.root_params - head + tied
+        count = (self.root_params - head if self.P == "P" else self.trained.root) + tied
         blocks = (
             self.grad_terms()
             if self.job.train.grad_accum > 1
-            else self.grad_share(L * self.block_params, f"{L} blocks' params")
+            else self.grad_share(sum(self.trained.blocks), f"{L} blocks' params")
         )
         return {
             "grads.blocks": blocks,
@@ -430,7 +481,7 @@ class Step:
                 f"optimizer-in-backward steps inside backward: grad-accum {self.job.train.grad_accum} "
                 "is refused, as torchtune refuses it; use grad-accum 1"
             )
-        pol, largest = self.policy, self.local(self.largest_param(), self.strategy.shards_grads)
+        pol, largest = self.train_policy, self.local(self.largest_trained(), self.strategy.shards_grads)
         nbytes = 4 if self.shard_master else pol.grad_bytes
         one = [
             term(
@@ -474,7 +525,7 @@ class Step:
                 f"loss {loop.loss} is modelled for decoders' b·s·V logits, not for a vit classifier's "
                 "b·V ones; use loss ce"
             )
-        pre, post = model_saved(model, train)
+        pre, post = outside_saved(self, *model_saved(model, train))
         if loop.loss == "fused-linear-ce":
             post = [t for t in post if t.name not in FUSED_DROPS and t.key != "logits"]
         outside = _terms(A, pre + post, "activations.outside")
@@ -546,11 +597,13 @@ class Step:
             )
         ]
 
-    def kind(self, index: int) -> tuple[bool, bool]:
-        """What block ``index``'s activations depend on: whether it is checkpointed, and sparse
-        (an MoE model's dense layers are its dense view's blocks, ``moe.dense_view``)."""
+    def kind(self, index: int) -> tuple[bool, bool, str]:
+        """What block ``index``'s activations depend on: whether it is checkpointed, sparse (an
+        MoE model's dense layers are its dense view's blocks, ``moe.dense_view``), and its place
+        in a fine-tune (``finetune.block_place``)."""
         model = self.job.model
-        return checkpointed(index, self.job.train.loop.ac_every), moe.is_moe_layer(model, index)
+        ac_every = self.job.train.loop.ac_every
+        return checkpointed(index, ac_every), moe.is_moe_layer(model, index), block_place(self.trained, index)
 
     def kept(self, index: int) -> list[Saved]:
         """What block ``index`` keeps: it depends on the index only through its ``kind``."""
@@ -559,14 +612,15 @@ class Step:
             model = self.job.model if kind[1] else moe.dense_view(self.job.model)
             train = self.job.train
             kept = block_kept_under(model, train, train.loop, index, inputs_cast=self.casts_block_inputs)
-            self._kept[kind] = moe.ep_kept(kept, model, self.job.train, self.ep) if self.ep > 1 else kept
+            kept = moe.ep_kept(kept, model, train, self.ep) if self.ep > 1 else kept
+            self._kept[kind] = kept_in_place(kind[2], kept)
         return self._kept[kind]
 
     def block_terms(self, indices: range, *, first: bool = False) -> list[Term]:
-        """The kept activations of these blocks: one term per policy they run under."""
+        """The kept activations of these blocks: one term per policy and place they run under."""
         loop = self.job.train.loop
-        uniform = loop.ac_every == 1 and moe.all_blocks_alike(self.job.model)
-        by_policy: dict[tuple[bool, bool], list[int]] = {(True, True): list(indices)} if uniform else {}
+        uniform = loop.ac_every == 1 and moe.all_blocks_alike(self.job.model) and self.P == "P"
+        by_policy: dict[tuple[bool, bool, str], list[int]] = {(True, True, ""): list(indices)} if uniform else {}
         for i in indices if not uniform else ():
             by_policy.setdefault(self.kind(i), []).append(i)
         if len(by_policy) == 1:
@@ -576,15 +630,18 @@ class Step:
             name = "kept activations of the first block" if first else f"kept activations of {n} blocks"
             return [term(A, key, name, formula if first else f"{n} × ({formula})", n * sum(s.bytes for s in kept))]
         terms = []
-        for (is_checkpointed, sparse), members in sorted(by_policy.items(), reverse=True):
+        for (is_checkpointed, sparse, place), members in sorted(
+            by_policy.items(), key=lambda kv: (not kv[0][0], not kv[0][1], kv[0][2])
+        ):
             kept, n = self.kept(members[0]), len(members)
             policy = f"AC {loop.ac}, every {loop.ac_every}th" if is_checkpointed else "not checkpointed"
             key = f".{'checkpointed' if is_checkpointed else 'plain'}" if loop.ac_every > 1 else ""
-            what = ", ".join(w for w in (policy if key else "", "" if sparse else "dense") if w)
+            parts = (policy if key else "", "" if sparse else "dense", PLACES[place] if self.P != "P" else "")
+            what = ", ".join(w for w in parts if w)
             terms.append(
                 term(
                     A,
-                    f"activations.blocks{key}{'' if sparse else '.dense'}",
+                    f"activations.blocks{key}{'' if sparse else '.dense'}{place and '.' + place}",
                     f"kept activations of {n} blocks" + (f" ({what})" if what else ""),
                     f"{n} × ({' + '.join(s.formula for s in kept)})",
                     n * sum(s.bytes for s in kept),
@@ -602,7 +659,7 @@ class Step:
             if self.ep > 1 and kind[1]:
                 transient = moe.ep_kept(transient, model, job.train, self.ep)
                 transient += moe.a2a_buffers(model, job.train, self.ep)
-            self._transient[kind] = _terms(A, transient, "block.backward")
+            self._transient[kind] = _terms(A, transient_in_place(self, kind[2], transient), "block.backward")
         return self._transient[kind]
 
     def last_checkpointed(self) -> int | None:
@@ -656,7 +713,7 @@ class Step:
                 "grads",
                 f"gradients of {count:,} {what}",
                 f"{full.formula} × share",
-                full.bytes * count // max(self.params, 1),
+                full.bytes * count // max(self.trained.trainable, 1),
             )
         ]
 
@@ -728,5 +785,5 @@ def estimate(job: Job) -> Estimate:
         moments=tuple(moments),
         overhead=tuple(overhead_terms(job, peak)),
         host_bytes=host,
-        notes=loop_notes(job) + moe.ep_notes(job),
+        notes=loop_notes(job) + moe.ep_notes(job) + finetune_notes(job),
     )

@@ -12,6 +12,7 @@ from typing import TypeVar
 from .breakdown import Component, Estimate
 from .calibration import Applied, Corrected
 from .decide import FRAMEWORKS, Fix, Reason, Recommendation, Rejected, RuleVerdict, framework_strategies
+from .finetune import FINETUNE_FIELDS, finetune_inputs, finetune_line, modes_compared
 from .inputs import ModelChoice
 from .loop import in_force
 from .overheads import expandable_excess, reserved_bytes
@@ -32,7 +33,8 @@ def inputs_dict(choice: ModelChoice, est: Estimate) -> dict:
         "model": model,
         "model_source": choice.source,
         "assumed_architecture": choice.assumed,
-        "train": {k: getattr(job.train, k) for k in job.train.__dataclass_fields__},
+        "train": {k: getattr(job.train, k) for k in job.train.__dataclass_fields__ if k not in FINETUNE_FIELDS}
+        | finetune_inputs(job),
         "cluster": {k: getattr(job.cluster, k) for k in job.cluster.__dataclass_fields__},
         "loop": [asdict(c) for c in loop.conventions + loop.elsewhere],
         **({} if job.layout.is_data_parallel else {"layout": {**asdict(job.layout), "dp": job.dp}}),
@@ -267,6 +269,7 @@ def _header(choice: ModelChoice, job, searched: tuple[str, ...] = ()) -> str:
         f"training seq {t.seq_len} × micro-batch {t.micro_batch} × accum {t.grad_accum}, {t.precision}, "
         f"{t.optimizer} ({t.optimizer_impl}), AC {t.activation_checkpointing}, {t.attention} attention\n"
         f"loop     {in_force(t, searched).describe()}\n"
+        f"{finetune_line(job)}"
         f"cluster  {c.gpus} × {c.gpu_name} {_g(c.gpu_mem_bytes)} GiB ({c.num_nodes} node(s) of "
         f"{c.gpus_per_node}), headroom {c.headroom:.0%}: {_g(c.usable_bytes)} GiB usable"
         f"{layout}"
@@ -706,6 +709,17 @@ def recommendation_summary(rec: Recommendation) -> list[str]:
     ]
 
 
+def finetune_lines(job) -> list[str]:
+    """A LoRA or QLoRA job on one GPU: the same option under each fine-tune mode (none otherwise)."""
+    if job.train.tuning.mode not in ("lora", "qlora") or job.cluster.gpus != 1:
+        return []
+    lines = ["", "Fine-tune modes at this option (memory only; the step time is predicted as full's):"]
+    for mode, est in modes_compared(job):
+        verdict = "fits" if est.fits else f"over by {_gib(-est.headroom_bytes)}"
+        lines.append(f"  - {mode}: {_gib(est.total_bytes)} of {_gib(est.usable_bytes)} usable, {verdict}")
+    return lines
+
+
 def render_recommendation(
     choice: ModelChoice, rec: Recommendation, launch: str | None = None, restricted_by: str | None = None
 ) -> str:
@@ -714,6 +728,7 @@ def render_recommendation(
     searched = () if "ac" in rec.fixed_axes else ("ac",)  # the loop setting recommend searches
     lines = [_header(choice, job, searched), "", *recommendation_summary(rec)[:2], "", "Reasons:"]
     lines += [f"  - {reason_text(r, restricted_by)}" for r in rec.reasons]
+    lines += finetune_lines(job)
     if rec.fixes:
         lines += ["", "Nothing fits. Single changes, each with its resulting memory:"]
         lines += [f"  - {fix_line(f)}" for f in rec.fixes]

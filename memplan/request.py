@@ -97,7 +97,7 @@ class TrainingRequest:
     reduce_dtype: str | None = None
     """Gradient reduction dtype (fp32 | bf16 | fp16); None: the precision's compute dtype."""
     optimizer: str = TrainSpec.optimizer
-    """adamw | adam | sgd | sgd-momentum | adam8bit."""
+    """adamw | adam | sgd | sgd-momentum | adam8bit | adafactor."""
     optimizer_impl: str | None = None
     """foreach | fused | single; None: torch's default (foreach on cuda, single on cpu)."""
     attention: str = TrainSpec.attention
@@ -126,6 +126,18 @@ class TrainingRequest:
     """torchtune's activation offloading to host memory."""
     optimizer_in_backward: bool | None = None
     """The optimizer steps each parameter inside backward."""
+    # what is trained (memplan.finetune)
+    finetune: str = TrainSpec.finetune
+    """full | lora | qlora (LoRA on 4-bit NF4 base weights) | frozen:N (the input embedding and
+    the first N blocks frozen)."""
+    lora_rank: int = TrainSpec.lora_rank
+    """The adapters' rank r (lora, qlora)."""
+    lora_alpha: float = TrainSpec.lora_alpha
+    """LoRA's scaling numerator: accepted, it changes no memory."""
+    lora_targets: str = TrainSpec.lora_targets
+    """attention (q, k, v, o) | all-linear | a list of a block's linears (q,k,v,o,gate,up,down)."""
+    lora_dropout: float = TrainSpec.lora_dropout
+    """Dropout on each adapter's input (its output and mask are kept for backward)."""
 
     def __post_init__(self):
         self.spec()

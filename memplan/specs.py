@@ -17,7 +17,7 @@ from .layout import Layout, check_layout
 ARCHS = ("llama", "gpt2", "neox", "vit")
 ACTIVATIONS = ("silu", "gelu", "gelu_new")
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "mixed-bf16", "mixed-fp16", "bf16")
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adam8bit")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adam8bit", "adafactor")
 OPTIMIZER_IMPLS = ("foreach", "fused", "single")
 AC_MODES = ("none", "selective", "full")
 """The policies the recommendation searches; ``loop.AC_POLICIES`` adds torchtitan's op SAC."""
@@ -276,6 +276,12 @@ class TrainSpec:
     optimizer_in_backward: bool = False
     recipe: str = "plain"
     """The recipe the loop's conventions were resolved from (``loop.resolve``)."""
+    # what is trained (``finetune.Tuning``, whose docstrings say what each does)
+    finetune: str = "full"
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_targets: str = "attention"
+    lora_dropout: float = 0.0
 
     def __post_init__(self):
         _check_positive(self, "seq_len", "micro_batch", "grad_accum")
@@ -285,6 +291,7 @@ class TrainSpec:
 
         _check_choice(self.activation_checkpointing, AC_POLICIES, "activation checkpointing")
         self.loop  # noqa: B018 -- the loop's conventions checked
+        self.tuning  # noqa: B018 -- the fine-tuning mode checked
         _check_choice(self.attention, ATTENTIONS, "attention")
         _check_choice(self.device, DEVICES, "device")
         if self.reduce_dtype is not None:
@@ -317,6 +324,13 @@ class TrainSpec:
             self.optimizer_in_backward,
             self.recipe,
         )
+
+    @property
+    def tuning(self):
+        """What is trained, as a ``finetune.Tuning``."""
+        from .finetune import tuning
+
+        return tuning(self.finetune, self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_dropout)
 
     @property
     def tokens_per_micro_batch(self) -> int:

@@ -14,8 +14,10 @@ class DDP(Framework):
 
     def persistent_buffers(self, step) -> list:
         # Reducer buckets: with gradient_as_bucket_view=False a second copy of every gradient
-        nbytes = step.policy.grad_bytes
-        return [term(Component.BUFFERS, "ddp.buckets", "DDP gradient buckets", f"{nbytes}·P", nbytes * step.params)]
+        nbytes = step.train_policy.grad_bytes  # the trained parameters' gradients only
+        count = step.trained_local(sharded=False)
+        symbol = step.trained_symbol(sharded=False)
+        return [term(Component.BUFFERS, "ddp.buckets", "DDP gradient buckets", f"{nbytes}·{symbol}", nbytes * count)]
 
     def accelerate(self, job, strategy) -> dict:
         return {"distributed_type": "MULTI_GPU"}

@@ -257,8 +257,9 @@ class FSDP(Framework):
                     B,
                     "fsdp.block_grads",
                     "unsharded block gradients + reduce-scatter input",
-                    f"({step.gather_bytes} + {step.reduce_bytes})·block params",
-                    (step.gather_bytes + step.reduce_bytes) * bp,
+                    f"({step.gather_bytes} + {step.reduce_bytes})·block {'params' if step.P == 'P' else 'trained'}",
+                    (step.gather_bytes + step.reduce_bytes)
+                    * (step.block_params if step.P == "P" else step.trained.blocks[-1]),
                 )
             )
         return terms

@@ -1,0 +1,211 @@
+"""The fine-tuning matrix: peft's LoRA (and QLoRA on bitsandbytes' NF4 layers) on Hugging Face
+models built from configs, frozen blocks, Adafactor and 8-bit AdamW, measured on CPU as the
+held-out matrix is (calibrate.heldout: real gloo ranks, MemTracker's peak of live tensors).
+
+    python -m calibrate.finetune            # measure every case not yet recorded
+    python -m calibrate.finetune --report   # measured, estimated today, error %, peak phase
+
+Each case is the memplan Job a user would type (``--finetune lora --lora-rank 8 ...``) and the
+model the libraries build for it:
+
+    lora    ``peft.get_peft_model(model, LoraConfig(r, lora_alpha, target_modules, lora_dropout))``
+            after the model is cast to the precision's parameter dtype (peft then keeps the
+            adapters in fp32: ``autocast_adapter_dtype=True``)
+    qlora   every linear layer of the blocks replaced by ``bitsandbytes.nn.Linear4bit`` (NF4,
+            double quantization, bf16 compute: transformers' BitsAndBytesConfig(load_in_4bit,
+            bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True), whose quantizer leaves
+            the head out), then LoRA as above
+    frozen  ``requires_grad_(False)`` on the input embedding and the first N blocks
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import metadata
+
+from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
+
+from . import heldout
+
+OUT = "docs/finetune_matrix_cpu.jsonl"
+
+LLAMA = ModelSpec(
+    name="llama-h256",
+    arch="llama",
+    num_layers=4,
+    hidden=256,
+    num_heads=4,
+    num_kv_heads=2,
+    ffn_hidden=688,
+    vocab_size=2048,
+)
+QWEN = ModelSpec(
+    name="qwen2-h256",
+    arch="llama",
+    num_layers=3,
+    hidden=256,
+    num_heads=4,
+    num_kv_heads=1,
+    ffn_hidden=704,
+    vocab_size=3072,
+    tied_embeddings=True,
+    qkv_bias=True,
+)
+HF_TYPE = {LLAMA.name: "llama", QWEN.name: "qwen2"}
+PROJ = {name: f"{name}_proj" for name in ("q", "k", "v", "o", "gate", "up", "down")}
+"""transformers' module names of memplan's llama linears (peft's target_modules)."""
+
+
+@dataclass(frozen=True)
+class FinetuneCase(heldout.Case):
+    """A held-out case whose model peft (and bitsandbytes) adapt before it is wrapped."""
+
+    @property
+    def hf_type(self) -> str:
+        return HF_TYPE[self.job.model.name]
+
+    def adapt(self, model) -> None:
+        """Cast, quantize, freeze and add adapters as the libraries do (the module docstring)."""
+        import torch
+
+        from memplan.precision import POLICIES
+
+        from .wrappers import DTYPES
+
+        train, policy = self.job.train, POLICIES[self.job.train.precision]
+        if policy.low_precision_params and not policy.master:
+            model.hf.to(DTYPES[policy.param_dtype])
+        tuning = train.tuning
+        if tuning.mode == "full":
+            return
+        if tuning.mode == "frozen":
+            model.hf.get_input_embeddings().requires_grad_(False)
+            for block in list(model.layers)[: tuning.frozen_blocks]:
+                block.requires_grad_(False)
+            return
+        if tuning.mode == "qlora":
+            for block in model.layers:
+                _quantize_linears(block, compute_dtype=torch.bfloat16)
+        from peft import LoraConfig, get_peft_model
+
+        targets = "all-linear" if tuning.targets == ("all-linear",) else _modules(tuning.targets)
+        config = LoraConfig(
+            r=tuning.rank, lora_alpha=int(tuning.alpha), target_modules=targets, lora_dropout=tuning.dropout
+        )
+        get_peft_model(model.hf, config)  # adapters injected into model.hf in place, the rest frozen
+
+    def record_fields(self) -> dict:
+        libraries = ["peft", "bitsandbytes"] if self.job.train.tuning.mode == "qlora" else ["peft"]
+        if self.job.train.optimizer == "adam8bit":
+            libraries.append("bitsandbytes")
+        return {"libraries": {name: metadata.version(name) for name in dict.fromkeys(libraries)}}
+
+
+def _modules(targets: tuple[str, ...]) -> list[str]:
+    if targets == ("attention",):
+        return [PROJ[n] for n in ("q", "k", "v", "o")]
+    return [PROJ[n] for n in targets]
+
+
+def _quantize_linears(block, *, compute_dtype) -> None:
+    """Every nn.Linear of the block as bitsandbytes' Linear4bit: NF4 with double quantization,
+    quantized on the move to the device (Params4bit._quantize)."""
+    import bitsandbytes as bnb
+    import torch.nn as nn
+
+    for parent in list(block.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            layer = bnb.nn.Linear4bit(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                compute_dtype=compute_dtype,
+                compress_statistics=True,
+                quant_type="nf4",
+            )
+            layer.weight = bnb.nn.Params4bit(
+                child.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4"
+            )
+            if child.bias is not None:
+                layer.bias = nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(parent, name, layer.to("cpu"))
+
+
+def _case(
+    model: ModelSpec,
+    finetune: str,
+    strategy: str,
+    precision: str,
+    *,
+    gpus: int = 1,
+    b: int = 2,
+    s: int = 256,
+    rank: int = 8,
+    targets: str = "attention",
+    dropout: float = 0.0,
+    optimizer: str = "adamw",
+    ac: str = "none",
+) -> FinetuneCase:
+    job = Job(
+        model=model,
+        train=TrainSpec(
+            seq_len=s,
+            micro_batch=b,
+            precision=precision,
+            optimizer=optimizer,
+            activation_checkpointing=ac,
+            device="cpu",
+            finetune=finetune,
+            lora_rank=rank,
+            lora_targets=targets,
+            lora_dropout=dropout,
+        ),
+        cluster=ClusterSpec(gpus=gpus),
+        plan=Plan(strategy={"single": "single", **heldout.STRATEGY}[strategy]),
+    )
+    adapter = f"-{targets}-r{rank}" + (f"-p{dropout:g}" if dropout else "") if "lora" in finetune else ""
+    checkpointed = f"-ac{ac}" if ac != "none" else ""
+    name = f"{model.name}-{finetune}{adapter}-{strategy}-{precision}-{optimizer}{checkpointed}-g{gpus}-b{b}s{s}"
+    return FinetuneCase(name, job, "plain-kept", ac, "local")
+
+
+CASES = (
+    _case(LLAMA, "lora", "single", "fp32"),
+    _case(LLAMA, "lora", "single", "fp32", rank=16, targets="all-linear", dropout=0.1),
+    _case(LLAMA, "lora", "single", "bf16", b=1, s=128),
+    _case(LLAMA, "lora", "ddp", "fp32", gpus=2),
+    _case(LLAMA, "lora", "fsdp", "fp32", gpus=2, targets="all-linear"),
+    _case(LLAMA, "lora", "fsdp", "mixed-bf16", gpus=2, b=1, s=128, targets="all-linear"),
+    _case(QWEN, "lora", "single", "fp32"),
+    _case(QWEN, "lora", "ddp", "bf16", gpus=2, b=1, s=128, targets="all-linear", dropout=0.05),
+    _case(QWEN, "lora", "fsdp", "fp32", gpus=2),
+    _case(LLAMA, "qlora", "single", "bf16", b=1, s=128, rank=16, targets="all-linear"),
+    _case(QWEN, "qlora", "single", "bf16", b=1, s=128),
+    _case(LLAMA, "lora", "single", "fp32", rank=16, targets="all-linear", optimizer="adafactor"),
+    _case(LLAMA, "lora", "single", "fp32", rank=16, targets="all-linear", optimizer="adam8bit"),
+    _case(LLAMA, "frozen:1", "single", "fp32"),
+    _case(QWEN, "full", "single", "fp32", optimizer="adafactor"),
+    _case(LLAMA, "full", "single", "fp32", optimizer="adam8bit"),
+    # measured after the model: transformers' gradient checkpointing around peft's adapters
+    _case(LLAMA, "lora", "single", "fp32", targets="all-linear", ac="full"),
+    _case(QWEN, "qlora", "single", "bf16", b=1, s=128, rank=16, targets="all-linear", ac="full"),
+)
+BY_ID = {case.id: case for case in CASES}
+
+
+def render_report(recs: list[dict]) -> str:
+    from .report import render_table
+
+    return render_table(heldout.table_rows(recs))
+
+
+# the held-out matrix's child, record and command line serve this one (heldout.main's matrix)
+TIMEOUT_S = heldout.TIMEOUT_S
+measure_case, make_record = heldout.measure_case, heldout.make_record
+
+if __name__ == "__main__":  # the cases as calibrate.finetune's, which the child processes import
+    from calibrate import finetune
+
+    heldout.main(matrix=finetune)

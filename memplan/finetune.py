@@ -1,0 +1,504 @@
+"""Fine-tuning: which parameters a step trains, and what that changes in memory.
+
+``--finetune`` names the mode: ``full`` (every parameter, the default), ``lora`` (peft's LoRA
+adapters on frozen base weights), ``qlora`` (LoRA on 4-bit NF4 base weights) or ``frozen:N``
+(the input embedding and the first N blocks frozen, the rest trained in full).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from .activations import Saved, shapes
+from .breakdown import Component, Estimate, Term
+from .errors import InputError
+from .frameworks.base import term
+from .precision import Policy
+
+P, O = Component.PARAMS, Component.OPTIMIZER  # noqa: E741 - the paper's P/G/O notation, as memory.py
+
+MODES = ("full", "lora", "qlora", "frozen:N")
+TARGET_SETS = ("attention", "all-linear")
+"""``attention``: every projection of the attention (q, k, v, o); ``all-linear``: every linear
+layer of the blocks (peft's ``all-linear``, which leaves the output head out)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tuning:
+    """What one step trains (validated when built by ``tuning``)."""
+
+    mode: str
+    """full | lora | qlora | frozen."""
+    frozen_blocks: int = 0
+    """frozen:N: the first N blocks (and the input embedding) get no gradient."""
+    rank: int = 8
+    alpha: float = 16.0
+    """LoRA's scaling numerator: it scales the adapter's output and changes no memory."""
+    targets: tuple[str, ...] = ()
+    """The block projections that carry an adapter (``LINEARS``' names)."""
+    dropout: float = 0.0
+
+    @property
+    def adapters(self) -> bool:
+        return self.mode in ("lora", "qlora")
+
+    def describe(self) -> str:
+        if self.mode == "frozen":
+            return f"frozen:{self.frozen_blocks} (input embedding and first {self.frozen_blocks} blocks frozen)"
+        if not self.adapters:
+            return "full"
+        drop = f", dropout {self.dropout:g}" if self.dropout else ""
+        return f"{self.mode} rank {self.rank} on {','.join(self.targets)}{drop}"
+
+
+LINEARS = {
+    "llama": ("q", "k", "v", "o", "gate", "up", "down"),
+    "gpt2": ("qkv", "o", "up", "down"),
+    "neox": ("qkv", "o", "up", "down"),
+    "vit": ("q", "k", "v", "o", "up", "down"),
+}
+"""The linear layers of one block per family, by the names ``--lora-targets`` takes."""
+ATTENTION = ("q", "k", "v", "qkv", "o")
+
+
+def _bad(field: str, value, accepted: str) -> InputError:
+    return InputError(
+        lambda n: f"{n.word(field)} {value!r} is not accepted; give {accepted}",
+        field=field,
+        value=value,
+        accepted=accepted,
+    )
+
+
+def _targets(value: str) -> tuple[str, ...]:
+    """The names a target list gives (``q,v``; peft's ``q_proj`` style too)."""
+    if value in TARGET_SETS:
+        return (value,)
+    names = tuple(dict.fromkeys(n.strip().removesuffix("_proj") for n in value.split(",") if n.strip()))
+    known = {n for names in LINEARS.values() for n in names}
+    if not names or any(n not in known for n in names):
+        raise _bad("lora_targets", value, f"attention, all-linear or a list of {', '.join(sorted(known))}")
+    return names
+
+
+@lru_cache(maxsize=256)
+def tuning(mode: str, rank: int, alpha: float, targets: str, dropout: float) -> Tuning:
+    """The ``Tuning`` of TrainSpec's fine-tuning fields, checked."""
+    if mode.startswith("frozen:"):
+        count = mode.removeprefix("frozen:")
+        if not count.isdigit() or int(count) < 1:
+            raise _bad("finetune", mode, "full, lora, qlora or frozen:N with N ≥ 1 blocks")
+        return Tuning(mode="frozen", frozen_blocks=int(count))
+    if mode not in MODES[:3]:
+        raise _bad("finetune", mode, "full, lora, qlora or frozen:N")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise _bad("lora_rank", rank, "a positive integer")
+    if not 0.0 <= dropout < 1.0:
+        raise _bad("lora_dropout", dropout, "a probability in [0, 1)")
+    return Tuning(mode=mode, rank=rank, alpha=float(alpha), targets=_targets(targets), dropout=float(dropout))
+
+
+# --- what is trained ---------------------------------------------------------------------
+
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+"""bitsandbytes' NF4 with double quantization (Params4bit, compress_statistics=True): two
+4-bit codes a byte, one absmax per block of 64 quantized to 8 bits, and one fp32 absmax of
+those per block of 256 (functional.quantize_4bit, QuantState.state2)."""
+
+
+def _linears(model) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each linear layer of one block, by ``LINEARS``' names."""
+    h, kv, f = model.hidden, model.kv_hidden, model.ffn_hidden
+    shapes = {"q": (h, h), "k": (h, kv), "v": (h, kv), "qkv": (h, h + 2 * kv), "o": (h, h)}
+    shapes |= {"gate": (h, f), "up": (h, f), "down": (f, h)}
+    return {name: shapes[name] for name in LINEARS[model.arch]}
+
+
+def targets_of(model, tuning: Tuning) -> tuple[str, ...]:
+    """The block's linear layers that carry an adapter."""
+    names = LINEARS[model.arch]
+    if tuning.targets == ("all-linear",):
+        return names
+    if tuning.targets == ("attention",):
+        return tuple(n for n in names if n in ATTENTION)
+    missing = [n for n in tuning.targets if n not in names]
+    if missing:
+        raise InputError(
+            f"lora targets {', '.join(missing)} are no linear layer of a {model.arch} block "
+            f"(it has {', '.join(names)})",
+            field="lora_targets",
+            value=",".join(tuning.targets),
+            accepted=", ".join(names),
+        )
+    return tuning.targets
+
+
+@dataclass(frozen=True, kw_only=True)
+class Trained:
+    """The parameter counts of one job by what the step does with them."""
+
+    total: int
+    """Every parameter, adapters included."""
+    trainable: int
+    frozen: int
+    quantized: int
+    """Frozen base weights held in NF4 (qlora)."""
+    root: int
+    """Trainable parameters outside the blocks (embeddings, final norm, head)."""
+    embedding: int
+    """Trainable parameters of the input embedding whose gradient comes last (untied)."""
+    blocks: tuple[int, ...]
+    """Trainable parameters of each block."""
+    tensors: tuple[tuple[int, ...], ...]
+    """The shape of every trainable tensor (what per-tensor optimizers size their states by)."""
+    adapters: bool
+    head_trained: bool
+
+    @property
+    def largest(self) -> int:
+        return max((math.prod(t) for t in self.tensors), default=0)
+
+
+def _block_tensors(model) -> list[tuple[int, ...]]:
+    shapes: list[tuple[int, ...]] = []
+    for name, (n_in, n_out) in _linears(model).items():
+        shapes.append((n_out, n_in))
+        bias = model.linear_bias or (model.qkv_bias and name in ("q", "k", "v", "qkv"))
+        shapes += [(n_out,)] if bias else []
+    norm = [(model.hidden,)] if model.arch == "llama" else [(model.hidden,), (model.hidden,)]
+    return shapes + 2 * norm
+
+
+def _root_tensors(model) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """(input embedding, final norm + head) tensors of a decoder, or of a ViT (patch conv and
+    its bias, class token, positions; the classifier and its bias)."""
+    h = model.hidden
+    head: list[tuple[int, ...]] = [(h,)] if model.arch == "llama" else [(h,), (h,)]
+    if model.arch == "vit":
+        patch = (h, model.image_channels, model.patch_size, model.patch_size)
+        return [patch, (h,), (1, 1, h), (1, model.max_positions, h)], head + [
+            (model.vocab_size, h),
+            (model.vocab_size,),
+        ]
+    embedding: list[tuple[int, ...]] = [(model.vocab_size, h)]
+    embedding += [(model.max_positions, h)] if model.max_positions else []
+    return embedding, head + ([] if model.tied_embeddings else [(model.vocab_size, h)])
+
+
+@lru_cache(maxsize=1024)
+def trained(model, tuning: Tuning) -> Trained:
+    """What a fine-tune of ``model`` trains: peft freezes every base parameter and adds
+    lora_A (r × in) and lora_B (out × r) to each target linear (peft tuners/lora/layer.py
+    update_layer); frozen:N freezes the input embedding and the first N blocks."""
+    L, P = model.num_layers, model.num_params
+    block_tensors = _block_tensors(model)
+    if tuning.mode == "full":
+        return Trained(
+            total=P,
+            trainable=P,
+            frozen=0,
+            quantized=0,
+            root=P - L * model.block_params(),
+            embedding=model.embedding_params() - (model.vocab_size * model.hidden if model.tied_embeddings else 0),
+            blocks=(model.block_params(),) * L,
+            tensors=(),
+            adapters=False,
+            head_trained=True,
+        )
+    if tuning.mode == "frozen":
+        n = tuning.frozen_blocks
+        if n >= L:
+            raise InputError(
+                f"finetune frozen:{n} freezes every block of {model.name} ({L}); give N < {L}",
+                field="finetune",
+                value=f"frozen:{n}",
+                accepted=f"frozen:N with 1 ≤ N < {L}",
+            )
+        _, head = _root_tensors(model)
+        # the final norm and the head; a tied head is the frozen embedding (head_params has it not)
+        root = model.head_params()
+        tensors = tuple(head + block_tensors * (L - n))
+        trainable = root + (L - n) * model.block_params()
+        return Trained(
+            total=P,
+            trainable=trainable,
+            frozen=P - trainable,
+            quantized=0,
+            root=root,
+            embedding=0,
+            blocks=(0,) * n + (model.block_params(),) * (L - n),
+            tensors=tensors,
+            adapters=False,
+            head_trained=not model.tied_embeddings,
+        )
+    if model.arch != "llama":
+        raise InputError(
+            f"{tuning.mode} is modelled for llama-family blocks (llama, qwen2, mistral), not {model.arch}: "
+            "what peft's adapters save there is not measured",
+            field="finetune",
+            value=tuning.mode,
+            accepted="full or frozen:N for this model",
+        )
+    linears = _linears(model)
+    adapter_tensors = [
+        shape
+        for n in targets_of(model, tuning)
+        for shape in ((tuning.rank, linears[n][0]), (linears[n][1], tuning.rank))
+    ]
+    per_block = sum(math.prod(s) for s in adapter_tensors)
+    quantized = L * sum(i * o for i, o in linears.values()) if tuning.mode == "qlora" else 0
+    return Trained(
+        total=P + L * per_block,
+        trainable=L * per_block,
+        frozen=P,
+        quantized=quantized,
+        root=0,
+        embedding=0,
+        blocks=(per_block,) * L,
+        tensors=tuple(adapter_tensors * L),
+        adapters=True,
+        head_trained=False,
+    )
+
+
+# --- what it changes in the step's memory (memory.Step calls these) ----------------------
+
+
+def adapter_policy(policy: Policy) -> Policy:
+    """The dtypes of peft's adapters: fp32 parameters, gradients and optimizer states whatever
+    the base model's dtype (get_peft_model's autocast_adapter_dtype=True upcasts bf16/fp16
+    adapters), so no master copy."""
+    return replace(policy, param_bytes=4, grad_bytes=4, state_bytes=4, master_bytes=0)
+
+
+def _adapter_bytes(step) -> int:
+    """Bytes of an adapter's weight where it runs: FSDP's MixedPrecisionPolicy gathers it in the
+    compute dtype; elsewhere it stays fp32."""
+    return step.gather_bytes if step.shard_master else 4
+
+
+def finetune_param_terms(step) -> list[Term]:
+    """Frozen base weights (NF4 for qlora's block linears) beside the trained parameters."""
+    t, pol, sharded = step.trained, step.policy, step.strategy.shards_params
+    base = 4 if step.shard_master else pol.param_bytes
+    trained_bytes = 4 if step.shard_master else step.train_policy.param_bytes
+    div = step.div(sharded)
+    plain = t.frozen - t.quantized
+    terms = [
+        term(P, "params.frozen", "frozen base parameters", f"{base}·P_frozen{div}", base * step.local(plain, sharded)),
+        term(
+            P,
+            "params",
+            "adapter parameters" if t.adapters else "trained parameters",
+            f"{trained_bytes}·P_trained{div}",
+            trained_bytes * step.local(t.trainable, sharded),
+        ),
+    ]
+    if t.quantized:
+        terms.insert(
+            1,
+            term(
+                P,
+                "params.nf4",
+                "NF4 base weights (double quantization)",
+                "(1/2 + 1/64 + 4/(64·256))·P_linear",
+                math.ceil(NF4_BYTES_PER_PARAM * step.local(t.quantized, sharded)),
+            ),
+        )
+    return terms
+
+
+ADAM8BIT_MIN_SIZE = 4096
+"""bitsandbytes' 8-bit optimizers keep fp32 states for a tensor of fewer elements
+(Optimizer8bit min_8bit_size, optim/optimizer.py init_state)."""
+
+
+def _state_bytes(optimizer: str, shape: tuple[int, ...]) -> int:
+    n = math.prod(shape)
+    if optimizer == "adafactor":
+        # transformers' Adafactor (beta1 None): a 2-D tensor keeps its row and column means of
+        # grad² (exp_avg_sq_row, exp_avg_sq_col), anything else the full exp_avg_sq; RMS a scalar
+        return 4 * (shape[0] + shape[1] if len(shape) == 2 else n) + 4
+    # bitsandbytes AdamW8bit: two uint8 states and one fp32 absmax per 256-element block each
+    return 2 * (n + 4 * math.ceil(n / 256)) if n >= ADAM8BIT_MIN_SIZE else 2 * 4 * n
+
+
+def optimizer_state_terms(step) -> list[Term]:
+    """States sized per trained tensor (Adafactor; 8-bit AdamW of a fine-tune)."""
+    job = step.job
+    tensors = step.trained.tensors or full_tensors(job.model)
+    nbytes = sum(_state_bytes(job.train.optimizer, t) for t in tensors)
+    sharded = step.strategy.shards_optimizer
+    formula = "Σ 4·(rows + cols) per matrix" if job.train.optimizer == "adafactor" else "Σ 8-bit states per tensor"
+    name = "Adafactor factored second moments" if job.train.optimizer == "adafactor" else "8-bit AdamW states"
+    return [term(O, "optimizer.states", name, formula + step.div(sharded), step.local(nbytes, sharded))]
+
+
+def full_tensors(model) -> tuple[tuple[int, ...], ...]:
+    """Every tensor of a decoder (the trained ones of a full fine-tune)."""
+    embedding, head = _root_tensors(model)
+    return tuple(embedding + head + _block_tensors(model) * model.num_layers)
+
+
+PLACES = {
+    "": "trained",
+    "frozen": "frozen: nothing saved",
+    "first": "first trained block: its input needs no gradient",
+}
+
+
+def block_place(t: Trained, index: int) -> str:
+    """Where block ``index`` sits in a fine-tune: frozen (frozen:N's first N), the first that
+    trains behind a frozen input embedding, or like any other block ("")."""
+    if t.blocks[index] == 0 and not t.adapters:
+        return "frozen"
+    if t.frozen and t.embedding == 0 and index == next(i for i, n in enumerate(t.blocks) if n):
+        return "first"
+    return ""
+
+
+FIRST_NORM: tuple[str, ...] = ("norm 1: fp32 input", "norm 1: rstd", "block input (norm input)", "norm 1: mean, rstd")
+FIRST_NORM += tuple(f"lora {name}: dropout mask" for name in ("q", "k", "v", "qkv"))
+"""What the first trained block does not keep: its input norm's tensors and the dropout masks of
+the adapters on that norm's output (x · mask keeps the mask only for x's gradient)."""
+
+
+def kept_in_place(place: str, kept: list[Saved]) -> list[Saved]:
+    """A block's kept tensors at its place: a frozen block keeps nothing; the first trained
+    one's input norm keeps nothing, its input needing no gradient (autograd saves a tensor
+    only for a gradient it computes: measured)."""
+    if place == "frozen":
+        return []
+    if place == "first":
+        return [s for s in kept if s.name not in FIRST_NORM]
+    return kept
+
+
+def transient_in_place(step, place: str, transient: list[Saved]) -> list[Saved]:
+    """A frozen block runs no backward; a qlora block's backward dequantizes one linear's
+    weight at a time (bitsandbytes MatMul4Bit.backward: dequantize_4bit(B) @ grad)."""
+    if place == "frozen":
+        return []
+    if step.trained.quantized:
+        x = shapes(step.job.model, step.job.train)
+        largest = max(i * o for i, o in _linears(step.job.model).values())
+        return [*transient, Saved("dequantized NF4 weight (one linear)", "c·largest linear", x.c * largest)]
+    return transient
+
+
+def outside_saved(step, pre: list[Saved], post: list[Saved]) -> tuple[list[Saved], list[Saved]]:
+    """What a frozen input embedding and a frozen head do not keep: the embedding's dropout
+    mask, the final norm's normalised input to its weight and the head's input (autograd
+    keeps a frozen weight's input only for the gradient of the other operand)."""
+    t = step.trained
+    if t.total == t.trainable:
+        return pre, post
+    pre = [s for s in pre if s.name != "embedding dropout mask"]
+    if not t.head_trained:
+        dropped = ("final norm: normalised", "final norm output (head input)", "head input cast")
+        post = [s for s in post if s.name not in (*dropped, "autocast head weight copy")]
+    return pre, post
+
+
+def adapter_block_saved(model, train, full: list[Saved], *, adapter_bytes: int) -> list[Saved]:
+    """What a llama block with frozen base weights and peft's LoRA keeps (peft lora/layer.py
+    Linear.forward: ``result = base_layer(x); result + lora_B(lora_A(dropout(x))) * scaling``,
+    x first cast to the adapter's dtype): the norms keep their input and rstd but not their
+    normalised product with the frozen weight; a frozen linear keeps no input; per adapter,
+    lora_A's input (the dropout output and mask, or x's cast, or x itself once per input)
+    and lora_B's input, the b·s·r intermediate (measured: docs/finetune_matrix_cpu.md)."""
+    x = shapes(model, train)
+    t, a = x.tokens, adapter_bytes
+    targets = targets_of(model, train.tuning)
+    p = train.tuning.dropout
+    dropped = {
+        "norm 1: normalised",
+        "norm 2: normalised",
+        "norm outputs (linear inputs)",
+        "autocast input casts",
+        "autocast weight copies",
+        "SwiGLU gate, silu, up, product",
+    }
+    saved = [s for s in full if s.name not in dropped]
+    saved.append(Saved("SwiGLU gate, silu, up", "3·c·b·s·f", 3 * x.c * t * x.f))
+    inputs = {"q": "h", "k": "h", "v": "h", "o": "h", "gate": "h", "up": "h", "down": "f"}
+    width = {"h": x.h, "f": x.f}
+    shared = {"q": "norm 1 output", "k": "norm 1 output", "v": "norm 1 output", "gate": "norm 2 output"}
+    shared |= {"up": "norm 2 output", "down": "SwiGLU product"}
+    once: dict[str, Saved] = {}
+    mask = a if train.device == "cpu" else 1
+    for name in targets:
+        w = inputs[name]
+        n = width[w]
+        if p > 0:
+            saved.append(Saved(f"lora {name}: dropout output", f"{a}·b·s·{w}", a * t * n))
+            saved.append(Saved(f"lora {name}: dropout mask", f"{mask}·b·s·{w}", mask * t * n))
+        elif a != x.c:
+            saved.append(Saved(f"lora {name}: input cast to the adapter dtype", f"{a}·b·s·{w}", a * t * n))
+        elif name in shared:  # the o projection's input is the attention output sdpa keeps
+            once[shared[name]] = Saved(f"lora input: {shared[name]}", f"c·b·s·{w}", x.c * t * n)
+        saved.append(Saved(f"lora {name}: low-rank intermediate", f"{a}·b·s·r", a * t * train.tuning.rank))
+    return saved + list(once.values())
+
+
+# --- what the reports say of it ----------------------------------------------------------
+
+FINETUNE_FIELDS = ("finetune", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
+"""TrainSpec's fine-tuning fields: reported only for a fine-tune other than full (a full one's
+report reads as before they existed)."""
+
+
+def finetune_inputs(job) -> dict:
+    """The JSON inputs of a fine-tune: its fields and what it trains (nothing for full)."""
+    tuning = job.train.tuning
+    if tuning.mode == "full":
+        return {}
+    t = trained(job.model, tuning)
+    return {k: getattr(job.train, k) for k in FINETUNE_FIELDS} | {
+        "trainable_params": t.trainable,
+        "frozen_params": t.frozen,
+        "total_params": t.total,
+    }
+
+
+def finetune_line(job) -> str:
+    """The header line of a fine-tune (none for full)."""
+    tuning = job.train.tuning
+    if tuning.mode == "full":
+        return ""
+    t = trained(job.model, tuning)
+    nf4 = f" ({t.quantized / 1e6:,.1f}M of them in NF4)" if t.quantized else ""
+    return f"finetune {tuning.describe()}: {t.trainable / 1e6:,.2f}M trainable, {t.frozen / 1e6:,.1f}M frozen{nf4}\n"
+
+
+def finetune_notes(job) -> tuple[str, ...]:
+    """What the estimate models of a fine-tune without a measurement behind it."""
+    from .strategies import STRATEGIES
+
+    tuning, strategy = job.train.tuning, STRATEGIES[job.plan.strategy]
+    notes = []
+    if tuning.mode == "qlora" and strategy.framework != "ddp" and strategy.id != "single":
+        notes.append(
+            f"qlora under {strategy.id} is modelled with NF4 shards gathered in the compute dtype "
+            "(FSDP-QLoRA's bnb_4bit_quant_storage gathers them packed): an upper bound, not measured"
+        )
+    if tuning.mode != "full" and strategy.framework == "deepspeed":
+        notes.append(f"{tuning.mode} under DeepSpeed is modelled as under FSDP's counts, not measured")
+    if tuning.mode != "full" and job.train.device == "cuda":
+        notes.append("fine-tuning is measured on CPU (docs/finetune_matrix_cpu.md); CUDA's dropout mask is 1 byte")
+    return tuple(notes)
+
+
+COMPARED = ("full", "lora", "qlora")
+
+
+def modes_compared(job) -> list[tuple[str, Estimate]]:
+    """The job's estimate under each fine-tune mode that applies to its model (full; lora and
+    qlora on llama-family blocks), the adapters as the job gives them: what ``recommend`` weighs
+    on one GPU. Only memory: the step time is predicted as the full fine-tune's."""
+    from .memory import estimate
+
+    modes = COMPARED if job.model.arch == "llama" else COMPARED[:1]
+    return [(mode, estimate(job.with_(finetune=mode))) for mode in modes]

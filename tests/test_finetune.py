@@ -1,0 +1,181 @@
+"""Fine-tuning (memplan.finetune) against the fine-tune matrix (docs/finetune_matrix_cpu.jsonl:
+peft LoRA, bitsandbytes QLoRA, frozen blocks, Adafactor and 8-bit AdamW measured on CPU), and
+its inputs and reports."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from memplan.cli import main
+from memplan.errors import MemplanError
+from memplan.finetune import NF4_BYTES_PER_PARAM, trained, tuning
+from memplan.memory import estimate
+from memplan.specs import Job, ModelSpec, TrainSpec
+
+pytest.importorskip("torch")
+from calibrate import finetune, heldout, records
+
+RECORDS = Path(__file__).resolve().parent.parent / finetune.OUT
+TOLERANCE_PCT = 2.0
+"""The matrix's bar: every case within 2 % of the measured peak of live tensors."""
+HELD_OUT_AFTER = {c.id for c in finetune.CASES if c.ac != "none"}
+"""Measured after the model was fitted (gradient checkpointing around peft's adapters): a
+residual of up to 3 % (LoRA under full AC is 2.75 % low: two b·s·h fp32 tensors at the start of
+backward that the model does not place) is reported in docs/finetune_matrix_cpu.md, not fitted."""
+HELD_OUT_TOLERANCE_PCT = 3.0
+RELATIVE_TOLERANCE = 0.005
+"""A live re-run against its record (the measurement's own repeatability)."""
+
+
+@pytest.fixture(scope="module")
+def recs() -> list[dict]:
+    return heldout.latest(records.read([RECORDS]))
+
+
+def test_every_case_has_an_ok_record_that_rebuilds_it(recs):
+    assert len(finetune.CASES) >= 12
+    assert {r["case"] for r in recs} == set(finetune.BY_ID)
+    for record in recs:
+        assert record["status"] == "ok", record["error"]
+        assert records.job_from_spec(record["spec"]) == finetune.BY_ID[record["case"]].job
+        assert "peft" in record["libraries"] or record["spec"]["train"].get("finetune", "full") in ("full", "frozen:1")
+
+
+@pytest.mark.parametrize("case", finetune.CASES, ids=lambda c: c.id)
+def test_estimate_within_tolerance_of_the_measurement(case, recs):
+    record = next(r for r in recs if r["case"] == case.id)
+    measured = record["measurement"]["peak_allocated_bytes"]
+    estimated = estimate(heldout.loop_job(record)).allocated_bytes
+    tolerance = HELD_OUT_TOLERANCE_PCT if case.id in HELD_OUT_AFTER else TOLERANCE_PCT
+    assert abs(estimated - measured) <= tolerance / 100 * measured, (estimated, measured)
+
+
+def _cases_by_mode(mode: str) -> list:
+    return [c for c in finetune.CASES if c.job.train.tuning.mode == mode]
+
+
+@pytest.mark.parametrize("case", _cases_by_mode("lora")[:1] + _cases_by_mode("qlora")[:1] + _cases_by_mode("frozen"))
+def test_trained_counts_are_what_the_libraries_build(case):
+    pytest.importorskip("peft")
+    from calibrate.loops import LoopLM
+
+    model = LoopLM(case.job.model, hf_type=case.hf_type, attention="sdpa")
+    case.adapt(model)
+    expected = trained(case.job.model, case.job.train.tuning)
+    params = list(model.parameters())
+    assert sum(p.numel() for p in params if p.requires_grad) == expected.trainable
+    # bitsandbytes packs two NF4 codes a byte: a quantized weight counts half its elements
+    frozen = sum(p.numel() * (2 if p.dtype.itemsize == 1 else 1) for p in params if not p.requires_grad)
+    assert frozen == expected.frozen
+
+
+def test_nf4_bytes_are_bitsandbytes_storage():
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+    import torch
+
+    out_features, in_features = 512, 256
+    weight = bnb.nn.Params4bit(
+        torch.randn(out_features, in_features), requires_grad=False, compress_statistics=True, quant_type="nf4"
+    ).to("cpu")
+    state = weight.quant_state
+    # codes, 8-bit block absmax, and the nested state's fp32 absmax (its code table is shared)
+    stored = weight.numel() + state.absmax.numel() * state.absmax.element_size() + 4 * state.state2.absmax.numel()
+    assert stored == math.ceil(NF4_BYTES_PER_PARAM * out_features * in_features)
+
+
+LLAMA = ModelSpec(num_layers=4, hidden=512, num_heads=8, num_kv_heads=2, ffn_hidden=1376, vocab_size=4096)
+
+
+def test_full_is_the_default_and_changes_nothing():
+    assert TrainSpec().tuning.mode == "full"
+    job = Job(model=LLAMA)
+    other = estimate(job.with_(finetune="full", lora_rank=64, lora_targets="all-linear"))
+    assert (estimate(job).moments, estimate(job).notes) == (other.moments, other.notes)
+
+
+def test_lora_trains_only_the_adapters():
+    job = Job(model=LLAMA, train=TrainSpec(finetune="lora", lora_rank=16, lora_targets="q,v", micro_batch=1))
+    t = trained(job.model, job.train.tuning)
+    per_block = 16 * (512 + 512) + 16 * (512 + 128)  # q: r·(h + h), v: r·(h + kv), kv = 2 heads of 64
+    assert t.trainable == 4 * per_block
+    assert t.total == LLAMA.num_params + t.trainable
+    full = estimate(job.with_(finetune="full"))
+    assert estimate(job).allocated_bytes < full.allocated_bytes
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "accepted"),
+    [
+        ("finetune", "partial", "frozen:N"),
+        ("finetune", "frozen:0", "N ≥ 1"),
+        ("lora_targets", "mlp", "all-linear"),
+        ("lora_dropout", 1.5, "[0, 1)"),
+        ("lora_rank", 0, "positive integer"),
+    ],
+)
+def test_bad_fine_tuning_inputs_are_refused_by_name(field, value, accepted):
+    with pytest.raises(MemplanError, match=field) as info:
+        TrainSpec(**{field: value})
+    assert accepted in str(info.value)
+
+
+def test_frozen_blocks_must_leave_one_trained():
+    with pytest.raises(MemplanError, match="frozen:4"):
+        estimate(Job(model=LLAMA, train=TrainSpec(finetune="frozen:4")))
+
+
+def test_cli_json_states_trainable_and_frozen_counts():
+    args = ["estimate", "--model", "llama-2-7b", "--gpus", "1", "--strategy", "single", "--finetune", "qlora"]
+    args += ["--lora-rank", "16", "--lora-targets", "all-linear", "--format", "json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    train = json.loads(result.output)["inputs"]["train"]
+    from memplan.catalog import model_preset
+
+    expected = trained(model_preset("llama-2-7b"), tuning("qlora", 16, 16.0, "all-linear", 0.0))
+    assert (train["trainable_params"], train["frozen_params"]) == (expected.trainable, expected.frozen)
+    assert train["finetune"] == "qlora"
+
+
+def test_cli_bad_mode_is_one_line():
+    result = CliRunner().invoke(main, ["estimate", "--params", "1e9", "--finetune", "half"])
+    assert result.exit_code == 2
+    assert "--finetune" in result.output or "finetune 'half'" in result.output
+
+
+@pytest.mark.slow
+def test_live_measurement_matches_the_record(recs):
+    case = finetune.BY_ID["llama-h256-lora-attention-r8-single-fp32-adamw-g1-b2s256"]
+    record = next(r for r in recs if r["case"] == case.id)
+    outcome = heldout.measure_case(case)
+    assert outcome["status"] == "ok", outcome["error"]
+    recorded = record["measurement"]["peak_allocated_bytes"]
+    measured = outcome["measurement"]["peak_allocated_bytes"]
+    assert abs(measured - recorded) <= RELATIVE_TOLERANCE * recorded, (measured, recorded)
+
+
+def test_recommend_on_one_gpu_weighs_the_fine_tune_modes():
+    from memplan.finetune import modes_compared
+    from memplan.report import finetune_lines
+
+    job = Job(model=LLAMA, train=TrainSpec(finetune="qlora", seq_len=512))
+    lines = finetune_lines(job)
+    compared = modes_compared(job)
+    assert [mode for mode, _ in compared] == ["full", "lora", "qlora"]
+    assert compared[2][1].allocated_bytes < compared[1][1].allocated_bytes < compared[0][1].allocated_bytes
+    assert all(any(line.startswith(f"  - {mode}: ") for line in lines) for mode, _ in compared)
+    assert finetune_lines(job.with_(finetune="full")) == [] == finetune_lines(job.with_(gpus=2, strategy="ddp"))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "pythia-6.9b", "qwen2.5-7b", "vit-large-patch16-224", "llama-3.2-1b"])
+def test_trained_tensors_of_a_full_fine_tune_are_the_model(name):
+    """Adafactor and 8-bit AdamW size their states per tensor: the tensors must be the model's."""
+    from memplan.catalog import model_preset
+    from memplan.finetune import full_tensors
+
+    model = model_preset(name)
+    assert sum(math.prod(t) for t in full_tensors(model)) == model.num_params
