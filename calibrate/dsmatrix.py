@@ -269,24 +269,11 @@ def _measure_emulated(case: Case) -> dict:
 
 def measure_case(case: Case) -> dict:
     """The case's outcome here: status, measurement, error, host_bytes, tracker_peak_bytes."""
-    import traceback
-
-    from . import launch
-
     os.environ["DS_ACCELERATOR"] = "cpu"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        if case.mode == "local":
-            result = heldout.run_ranks(case.job.cluster.gpus, _measure_rank, case.id)
-        else:
-            result = _measure_emulated(case)
-        return {"status": "ok", "error": None, **result}
-    except BaseException as exc:  # an outcome, whatever went wrong: the sweep goes on
-        return {
-            "status": launch.failure_status(exc),
-            "measurement": None,
-            "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}".strip(),
-        }
+    if case.mode == "local":
+        return heldout.outcome(lambda: heldout.run_ranks(case.job.cluster.gpus, _measure_rank, case.id))
+    return heldout.outcome(lambda: _measure_emulated(case))
 
 
 # --- the parent: one child per case, one record per case -------------------------------

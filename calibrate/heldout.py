@@ -361,22 +361,32 @@ def _measure_local(case: Case):
     return measure.Measurement(**run_ranks(case.job.cluster.gpus, _loop_measurement, case))
 
 
-def measure_case(case: Case) -> dict:
-    """The case's outcome here: ``{"status", "measurement", "error"}`` (rank 0's measurement)."""
-    import dataclasses
+def outcome(measure) -> dict:
+    """``measure()`` (a dict of the record's fields) as a case's outcome, ``status`` ok; or, whatever
+    went wrong, the failure's status and traceback (the sweep goes on)."""
     import traceback
 
     from . import launch
 
     try:
-        m = _measure_local(case) if case.mode == "local" else _measure_emulated(case)
-        return {"status": "ok", "measurement": dataclasses.asdict(m), "error": None}
-    except BaseException as exc:  # an outcome, whatever went wrong: the sweep goes on
+        return {"status": "ok", "error": None, **measure()}
+    except BaseException as exc:
         return {
             "status": launch.failure_status(exc),
             "measurement": None,
-            "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}".strip(),
+            "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}".strip(),
         }
+
+
+def measure_case(case: Case) -> dict:
+    """The case's outcome here: ``{"status", "measurement", "error"}`` (rank 0's measurement)."""
+    import dataclasses
+
+    def measure() -> dict:
+        m = _measure_local(case) if case.mode == "local" else _measure_emulated(case)
+        return {"measurement": dataclasses.asdict(m)}
+
+    return outcome(measure)
 
 
 # --- the parent: one child per case, one record per case -------------------------------

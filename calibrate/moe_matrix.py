@@ -133,24 +133,22 @@ BY_ID = {case.id: case for case in CASES}
 
 
 def measure_case(case: Case) -> dict:
-    """The case's outcome in this process: one rank (single) or 2 gloo ranks (spawned)."""
+    """The case's outcome in this process: one rank (single) or 2 gloo ranks (spawned), the
+    largest rank's peak."""
     import dataclasses
-    import traceback
 
-    from . import launch, measure
+    from . import measure
 
-    try:
+    def run() -> dict:
         if case.job.cluster.gpus == 1:
             from . import loops
 
             m = loops.run(case.job, loops.LOOPS[case.loop], hf_type=case.hf_type, ac=case.ac, emulated=False)
-        else:
-            worst = heldout.run_ranks(case.job.cluster.gpus, _rank_measurement, case.id, worst=_peak)
-            m = measure.Measurement(**worst)
-        return {"status": "ok", "measurement": dataclasses.asdict(m), "error": None}
-    except BaseException as exc:  # an outcome, whatever went wrong: the sweep goes on
-        error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}".strip()
-        return {"status": launch.failure_status(exc), "measurement": None, "error": error}
+            return {"measurement": dataclasses.asdict(m)}
+        worst = heldout.run_ranks(case.job.cluster.gpus, _rank_measurement, case.id, worst=_peak)
+        return {"measurement": dataclasses.asdict(measure.Measurement(**worst))}
+
+    return heldout.outcome(run)
 
 
 def _peak(measurement: dict) -> int:
