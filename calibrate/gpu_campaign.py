@@ -62,6 +62,11 @@ def nvml_view() -> dict:
     }
 
 
+def _nccl_version() -> str:
+    version = torch.cuda.nccl.version()  # a tuple (major, minor, patch); an int in old releases
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
 def environment() -> dict:
     """What the numbers were measured with: versions, the device, the allocator settings."""
     cuda = torch.cuda.is_available()
@@ -69,7 +74,7 @@ def environment() -> dict:
         "torch_version": torch.__version__,
         "cuda_version": torch.version.cuda,
         "cudnn_version": torch.backends.cudnn.version() if cuda else None,
-        "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "nccl_version": _nccl_version() if cuda else None,
         "device_name": torch.cuda.get_device_name() if cuda else "cpu",
         "device_total_bytes": torch.cuda.mem_get_info()[1] if cuda else None,
         "cuda_module_loading": os.environ.get("CUDA_MODULE_LOADING"),
@@ -102,7 +107,8 @@ def save_snapshot(snapshot: dict, directory: Path, name: str) -> dict:
 
 
 def run_case(case: Case, snapshot_dir: Path) -> dict:
-    """The case's outcome (calibrate.runner's), with ``campaign_extra``."""
+    """The case's outcome (calibrate.runner's, which never raises), with ``campaign_extra``:
+    what goes wrong after the measurement is noted there and loses nothing measured."""
     recording = case.snapshot and torch.cuda.is_available()
     if recording:
         # no stack frames (context None): the replay needs sizes, order and streams only
@@ -112,13 +118,20 @@ def run_case(case: Case, snapshot_dir: Path) -> dict:
     extra: dict = {"loss_source": "calibrate.measure.chunked_ce"} if case.run.job.train.loss == "chunked-ce" else {}
     if case.run.job.train.compile:
         extra["compile_scope"] = "blocks"
-    if recording:
-        snapshot = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(enabled=None)
-        extra |= save_snapshot(snapshot, snapshot_dir, case.name)
-    elif case.snapshot:
-        extra["snapshot_skipped"] = "no CUDA device: the allocator history is CUDA's"
-    outcome["campaign_extra"] = {**extra, **environment()}
+    try:
+        if recording:
+            snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            extra |= save_snapshot(snapshot, snapshot_dir, case.name)
+        elif case.snapshot:
+            extra["snapshot_skipped"] = "no CUDA device: the allocator history is CUDA's"
+    except Exception as exc:  # the measurement stands without its snapshot
+        extra["snapshot_error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        extra |= environment()
+    except Exception as exc:  # likewise without the versions NVML or torch could not give
+        extra["environment_error"] = f"{type(exc).__name__}: {exc}"
+    outcome["campaign_extra"] = extra
     return outcome
 
 

@@ -7,6 +7,7 @@ The process group must already be initialised (``gloo``/``nccl`` for a real job,
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -170,6 +171,10 @@ class _CudaMeter:
         self.device = torch.device("cuda", torch.cuda.current_device())
 
     def __enter__(self):
+        # start from an empty cache: what an earlier run in this process left cached (the
+        # shallow copies of a layer-scaled run) would count in this run's reserved and used bytes
+        gc.collect()
+        torch.cuda.empty_cache()
         return self
 
     def __exit__(self, *exc):
