@@ -163,6 +163,7 @@ def test_chunked_ce_is_torchtunes_loss():
     assert torch.equal(chunked_ce(chunks, labels), expected)
 
 
+@pytest.mark.slow  # importing torch's partitioner (the save list) takes ~5 s
 def test_op_checkpoint_recomputes_to_the_same_gradients():
     import torch
 
