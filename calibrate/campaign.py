@@ -563,7 +563,10 @@ def sweep(
 
         def do_case(case=case) -> None:
             t0 = time.perf_counter()
-            outcome = run_case(case, out_dir, timeout_s(case))
+            try:
+                outcome = run_case(case, out_dir, timeout_s(case))
+            except Exception as exc:  # the driver's own failure around the child: recorded, the sweep goes on
+                outcome = {"status": "failed", "measurement": None, "error": f"{type(exc).__name__}: {exc}"}
             record = campaign_record(case, outcome, wall_s=time.perf_counter() - t0, gpu=gpu)
             records.append(out_dir / RECORDS, record)
             say(f"{case.name}: {record['status']} in {record['wall_s']:.1f} s")

@@ -110,7 +110,7 @@ def test_sweep_records_each_run_as_it_ends_and_resumes(tmp_path):
             return _outcome("oom")
         if case is cases[1]:
             return _outcome("timeout")
-        return _outcome("failed")
+        raise OSError("the driver itself failed")
 
     probes = []
     progress = sweep(
@@ -129,6 +129,7 @@ def test_sweep_records_each_run_as_it_ends_and_resumes(tmp_path):
         (cases[1].name, "timeout"),
         (cases[2].name, "failed"),
     ]
+    assert got[2]["error"] == "OSError: the driver itself failed"
     assert got[0]["estimate"]["reserved_bytes"] >= got[0]["estimate"]["allocated_bytes"]
     assert progress.done == [f"probe/{p}" for p in campaign.PROBES] + [c.name for c in cases]
     # resume: nothing recorded runs again; a new case does
