@@ -403,6 +403,10 @@ def timeout_s(case: Case) -> float:
     return min(MAX_TIMEOUT_S, max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * estimated_s(case)))
 
 
+def probe_timeout_s(probe: str) -> float:
+    return MIN_TIMEOUT_S * (3 if probe == "context-eager" else 1)
+
+
 def probe_estimated_s(probe: str) -> float:
     """A probe is a start-up; loading every module eagerly is planned as three."""
     return STARTUP_S * (3 if probe == "context-eager" else 1)
@@ -445,7 +449,7 @@ def dry_run(cases: list[Case], *, budget_s: float = BUDGET_S, probes=PROBES) -> 
     for i, probe in enumerate(probes):
         s = probe_estimated_s(probe)
         total += s
-        lines.append(f"{i:>3}  {s:>6.1f}  {MIN_TIMEOUT_S:>7.0f}  probe/{probe}")
+        lines.append(f"{i:>3}  {s:>6.1f}  {probe_timeout_s(probe):>7.0f}  probe/{probe}")
     for i, case in enumerate(cases, start=len(probes)):
         s = estimated_s(case)
         total += s
@@ -541,8 +545,9 @@ def sweep(
     run_probe: Callable[[str, float], dict] = child_probe,
     say: Callable[[str], None] = print,
 ) -> Progress:
-    """Run the probes, then every case, appending each record as it ends; stop before a run
-    whose estimate would overrun ``budget_s`` (seconds for this call)."""
+    """Run the probes, then every case, appending each record as it ends. With ``budget_s``
+    (seconds for this call), a run starts only if its timeout would still end inside it: the
+    call ends in time whatever the runs do (a device command has a hard limit)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     done = recorded_names(out_dir) if resume else set()
@@ -553,12 +558,12 @@ def sweep(
 
         def do_probe(probe=probe) -> None:
             t0 = time.perf_counter()
-            outcome = run_probe(probe, MIN_TIMEOUT_S * (3 if probe == "context-eager" else 1))
+            outcome = run_probe(probe, probe_timeout_s(probe))
             record = {"probe": probe, **outcome, "wall_s": round(time.perf_counter() - t0, 3)}
             records.append(out_dir / PROBE_RECORDS, record)
             say(f"probe/{probe}: {outcome['status']}")
 
-        work.append((f"probe/{probe}", probe_estimated_s(probe), do_probe))
+        work.append((f"probe/{probe}", probe_timeout_s(probe), do_probe))
     for case in cases:
 
         def do_case(case=case) -> None:
@@ -571,12 +576,12 @@ def sweep(
             records.append(out_dir / RECORDS, record)
             say(f"{case.name}: {record['status']} in {record['wall_s']:.1f} s")
 
-        work.append((case.name, estimated_s(case), do_case))
-    for name, planned_s, do in work:
+        work.append((case.name, timeout_s(case), do_case))
+    for name, worst_s, do in work:
         if name in done:
             progress.skipped.append(name)
             continue
-        if budget_s is not None and time.perf_counter() - start + planned_s > budget_s:
+        if budget_s is not None and time.perf_counter() - start + worst_s > budget_s:
             progress.left.append(name)
             continue
         do()
