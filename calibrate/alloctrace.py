@@ -109,7 +109,8 @@ def from_snapshot(snapshot: dict, device: int = 0) -> list[Alloc | Free]:
     with ``_record_memory_history`` on) in the form ``memplan.allocator`` replays.
 
     The device's ``device_traces`` hold, in order, an ``alloc`` per request (its address, the
-    requested size, its stream) and a ``free_completed`` when the block went back to the pool
+    requested size: ``orig_size`` in CUDACachingAllocator.cpp's ``malloc`` record_trace, which
+    the replay rounds as the allocator does; its stream) and a ``free_completed`` when the block went back to the pool
     (after the streams it was recorded on caught up: ``free_requested`` comes first and is not
     a free yet; torch/cuda/_memory_viz.py reads them the same way). Streams are numbered in
     order of first use, the first one 0. A free of a block allocated before the history was

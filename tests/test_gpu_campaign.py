@@ -197,6 +197,10 @@ def test_snapshot_events_in_the_replay_form(tmp_path):
     ]
     events = alloctrace.from_snapshot({"segments": [], "device_traces": [trace]})
     assert events == [Alloc(0, 1000, 0), Alloc(1, 512, 1), Free(0), Alloc(2, 600, 0), Free(1)]
+    # the replay takes them: at most 1000 (rounded to 1024 by round_size) and 512 live at once
+    from memplan.allocator import replay, round_size
+
+    assert replay(events).peak_allocated_bytes == round_size(1000) + round_size(512)
     path = tmp_path / "t.trace.jsonl.gz"
     alloctrace.save(events, path)
     assert alloctrace.load(path) == events
