@@ -84,14 +84,48 @@ def record(job: Job, *, steps: int = 2) -> list[Alloc | Free]:
     return recorder.events
 
 
+def _row(e: Alloc | Free) -> list:
+    if isinstance(e, Free):
+        return ["f", e.id]
+    return ["a", e.id, e.size] + ([e.stream] if e.stream else [])
+
+
 def save(events: list[Alloc | Free], path: Path) -> None:
-    """One JSON list per event (``["a", id, size]`` or ``["f", id]``), gzip-compressed."""
+    """One JSON list per event (``["a", id, size]``, ``["a", id, size, stream]`` off the first
+    stream, or ``["f", id]``), gzip-compressed."""
     with gzip.open(path, "wt") as f:
         for e in events:
-            f.write(json.dumps(["a", e.id, e.size] if isinstance(e, Alloc) else ["f", e.id]) + "\n")
+            f.write(json.dumps(_row(e)) + "\n")
 
 
 def load(path: Path) -> list[Alloc | Free]:
     with gzip.open(path, "rt") as f:
         rows = [json.loads(line) for line in f]
-    return [Alloc(r[1], r[2]) if r[0] == "a" else Free(r[1]) for r in rows]
+    return [Alloc(*r[1:]) if r[0] == "a" else Free(r[1]) for r in rows]
+
+
+def from_snapshot(snapshot: dict, device: int = 0) -> list[Alloc | Free]:
+    """The events of a CUDA caching-allocator snapshot (``torch.cuda.memory._snapshot()`` taken
+    with ``_record_memory_history`` on) in the form ``memplan.allocator`` replays.
+
+    The device's ``device_traces`` hold, in order, an ``alloc`` per request (its address, the
+    requested size: ``orig_size`` in CUDACachingAllocator.cpp's ``malloc`` record_trace, which
+    the replay rounds as the allocator does; its stream) and a ``free_completed`` when the block went back to the pool
+    (after the streams it was recorded on caught up: ``free_requested`` comes first and is not
+    a free yet; torch/cuda/_memory_viz.py reads them the same way). Streams are numbered in
+    order of first use, the first one 0. A free of a block allocated before the history was
+    switched on has no allocation here and is dropped.
+    """
+    events: list[Alloc | Free] = []
+    live: dict[int, int] = {}
+    streams: dict[int, int] = {}
+    ids = count()
+    for entry in snapshot["device_traces"][device]:
+        action, addr = entry["action"], entry.get("addr")
+        if action == "alloc":
+            i = next(ids)
+            live[addr] = i
+            events.append(Alloc(i, entry["size"], streams.setdefault(entry.get("stream", 0), len(streams))))
+        elif action == "free_completed" and addr in live:
+            events.append(Free(live.pop(addr)))
+    return events

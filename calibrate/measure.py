@@ -7,6 +7,7 @@ The process group must already be initialised (``gloo``/``nccl`` for a real job,
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,11 +15,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 from memplan.precision import POLICIES
 from memplan.specs import Job
 
-from .workloads import build_model, make_batch
+from .workloads import blocks, build_model, make_batch
 from .wrappers import DTYPES, Unsupported, wrap
 
 
@@ -61,6 +63,49 @@ def _optimizer(model: nn.Module, job: Job) -> torch.optim.Optimizer:
         # the HF Trainer's optim="adafactor" (Trainer.get_optimizer_cls_and_kwargs): no first moment
         return Adafactor(params, lr=1e-4, scale_parameter=False, relative_step=False)
     raise Unsupported(f"optimizer {name} is not available in the calibration harness")
+
+
+def chunked_ce(chunks: list[torch.Tensor], labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """torchtune's CEWithChunkedOutputLoss.forward (modules/loss/ce_chunked_output_loss.py),
+    transcribed so that it runs where torchtune is not installed: each chunk upcast to fp32
+    inside its own cross-entropy (reduction sum), over the count of labelled tokens."""
+    total_elements = (labels != ignore_index).sum()
+    total: Any = 0.0
+    for logits, target in zip(chunks, labels.chunk(len(chunks), dim=1)):
+        total = total + F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1), ignore_index=ignore_index, reduction="sum"
+        )
+    return total / total_elements
+
+
+def _micro_step(model: nn.Module, inputs, labels, train, autocast, on_forward_end) -> None:
+    """One micro-batch's forward and backward as the job's loop writes it: the logits kept
+    through backward or dropped before it (``logits``), or the chunked output and loss."""
+    if train.loss == "chunked-ce":
+        with autocast:
+            _, chunks = model(inputs, labels, chunks=train.loss_chunks)
+            loss = chunked_ce(chunks, labels)
+        del chunks  # torchtune's recipe: del logits before backward
+        on_forward_end()
+        (loss / train.grad_accum).backward()
+        return
+    if train.loss != "ce":
+        raise Unsupported(f"loss {train.loss} is not in the calibration harness (ce, chunked-ce)")
+    with autocast:
+        loss, logits = model(inputs, labels)
+    if train.logits == "freed":
+        del logits
+        logits = None
+    on_forward_end()
+    (loss / train.grad_accum).backward()
+    del loss, logits
+
+
+def _compile_blocks(model: nn.Module) -> None:
+    """torch.compile (inductor) of each transformer block in place, before wrapping, as
+    torchtitan's apply_compile and torchtune's compile_model do; the loss is not compiled."""
+    for block in blocks(model):
+        block.compile()
 
 
 class _NoHook:
@@ -126,6 +171,10 @@ class _CudaMeter:
         self.device = torch.device("cuda", torch.cuda.current_device())
 
     def __enter__(self):
+        # start from an empty cache: what an earlier run in this process left cached (the
+        # shallow copies of a layer-scaled run) would count in this run's reserved and used bytes
+        gc.collect()
+        torch.cuda.empty_cache()
         return self
 
     def __exit__(self, *exc):
@@ -175,6 +224,8 @@ def run(job: Job, *, steps: int = 3, warmup: int = 2, emulated: bool = False, wo
             model = build_model(
                 job.model, attention=train.attention, ac=train.activation_checkpointing, workload=workload
             )
+        if train.compile:
+            _compile_blocks(model)
         model = wrap(model, job, emulated)
         optimizer = _optimizer(model, job)
         phase_peaks: dict[str, int] = {}
@@ -186,12 +237,12 @@ def run(job: Job, *, steps: int = 3, warmup: int = 2, emulated: bool = False, wo
             start = time.perf_counter()
             for _ in range(train.grad_accum):
                 meter.new_step()
-                with autocast:
-                    loss, logits = model(inputs, labels)
-                if measured:
-                    phase_peaks["forward"] = max(phase_peaks.get("forward", 0), meter.peak())
-                (loss / train.grad_accum).backward()
-                del loss, logits
+
+                def forward_end(measured=measured):
+                    if measured:
+                        phase_peaks["forward"] = max(phase_peaks.get("forward", 0), meter.peak())
+
+                _micro_step(model, inputs, labels, train, autocast, forward_end)
                 if measured:
                     phase_peaks["backward"] = max(phase_peaks.get("backward", 0), meter.peak())
             optimizer.step()

@@ -112,33 +112,45 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def execute(run: Run, *, timeout_s: float, max_host_mem_bytes: int | None = None) -> dict:
     """Run one point in a child process group; its outcome, ``timeout`` if it outlived ``timeout_s``."""
     with tempfile.TemporaryDirectory(prefix="calibrate-") as tmp:
-        runs_path, result, log = Path(tmp, "run.jsonl"), Path(tmp, "result.json"), Path(tmp, "log.txt")
+        runs_path = Path(tmp, "run.jsonl")
         records.write_runs(runs_path, [run])
-        command = [sys.executable, "-m", "calibrate", "--runs", str(runs_path), "--index", "0", "--result", str(result)]
-        if max_host_mem_bytes:
-            command += ["--max-host-mem", str(max_host_mem_bytes)]
-        with open(log, "wb") as log_file:
-            proc = subprocess.Popen(
-                command, stdout=log_file, stderr=subprocess.STDOUT, env=_child_env(), start_new_session=True
-            )
-            try:
-                exit_code = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                return {
-                    "status": "timeout",
-                    "measurement": None,
-                    "error": f"no result after {timeout_s:g} s; the run's processes were killed",
-                }
-            finally:
-                if proc.poll() is None:
-                    _kill_group(proc)
-        if result.exists():
-            return json.loads(result.read_text(encoding="utf-8"))
-        return {
-            "status": "failed",
-            "measurement": None,
-            "error": f"the run's process exited with code {exit_code} without a result:\n{_tail(log)}",
-        }
+        command = ["-m", "calibrate", "--runs", str(runs_path), "--index", "0", "--result"]
+        extra = ["--max-host-mem", str(max_host_mem_bytes)] if max_host_mem_bytes else []
+        return execute_child(command, extra, tmp=Path(tmp), timeout_s=timeout_s)
+
+
+def execute_child(args: list[str], extra: list[str], *, tmp: Path, timeout_s: float, env: dict | None = None) -> dict:
+    """``python ARGS RESULT EXTRA`` in a process group of its own, killed with its children
+    after ``timeout_s``: the outcome it wrote to RESULT, or ``timeout`` / ``failed`` with the
+    tail of its log."""
+    result, log = tmp / "result.json", tmp / "log.txt"
+    command = [sys.executable, *args, str(result), *extra]
+    with open(log, "wb") as log_file:
+        proc = subprocess.Popen(
+            command,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**_child_env(), **(env or {})},
+            start_new_session=True,
+        )
+        try:
+            exit_code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {
+                "status": "timeout",
+                "measurement": None,
+                "error": f"no result after {timeout_s:g} s; the run's processes were killed",
+            }
+        finally:
+            if proc.poll() is None:
+                _kill_group(proc)
+    if result.exists():
+        return json.loads(result.read_text(encoding="utf-8"))
+    return {
+        "status": "failed",
+        "measurement": None,
+        "error": f"the run's process exited with code {exit_code} without a result:\n{_tail(log)}",
+    }
 
 
 @dataclass

@@ -154,7 +154,9 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = spec.arch in ("llama", "neox")
 
-    def forward(self, input_ids, labels):
+    def forward(self, input_ids, labels, chunks: int = 0):
+        """(loss, logits); with ``chunks``: (None, the logits as that many chunks along the
+        sequence), the LM head applied per chunk as torchtune's TransformerDecoder.chunked_output."""
         _b, s = input_ids.shape
         x = self.embed_tokens(input_ids)
         if self.embed_positions is not None:
@@ -163,6 +165,8 @@ class CausalLM(nn.Module):
         cos, sin = rotary_tables(s, self.spec.head_dim, x.device) if self.rotary else (None, None)
         for layer in self.layers:
             x = layer(x, cos, sin)
+        if chunks:
+            return None, [self.lm_head(chunk) for chunk in self.norm(x).chunk(chunks, dim=1)]
         logits = self.lm_head(self.norm(x))
         # ForCausalLMLoss: cross-entropy on logits upcast to fp32
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
@@ -178,12 +182,72 @@ def build_model(spec: ModelSpec, *, attention: str, ac: str, workload: str = "na
     if workload == "hf":
         return HFCausalLM(spec, attention=attention, ac=ac)
     model = CausalLM(spec, attention=attention, ac=ac)
-    if ac == "full":
+    if ac in ("full", "op"):
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
         for i, layer in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(layer)
+            model.layers[i] = checkpoint_wrapper(layer) if ac == "full" else op_checkpoint(layer)
     return model
+
+
+def _op_save_list() -> set:
+    """torchtitan's default save list (torchtitan 0.3.0 distributed/activation_checkpoint.py
+    _get_default_save_ops): the partitioner's compute-intensive ops, the SDPA variants, max,
+    linear, topk and the functional reduce-scatter / all-to-all; ops this torch lacks are skipped."""
+    from torch._functorch.partitioners import get_default_op_list
+
+    save = {op.default for op in get_default_op_list().compute_intensive_ops}  # type: ignore[attr-defined]
+    names = (
+        "aten._scaled_dot_product_cudnn_attention.default",
+        "aten._scaled_dot_product_attention_math.default",
+        "aten._scaled_dot_product_fused_attention_overrideable.default",
+        "aten.max.default",
+        "aten.linear.default",
+        "aten.topk.default",
+        "_c10d_functional.reduce_scatter_tensor.default",
+        "_c10d_functional.all_to_all_single.default",
+    )
+    for name in names:
+        op = torch.ops
+        try:
+            for part in name.split("."):
+                op = getattr(op, part)
+        except AttributeError:
+            continue
+        save.add(op)
+    return save
+
+
+def op_checkpoint(block: nn.Module) -> nn.Module:
+    """torchtitan's per-op selective AC (SelectiveAC._wrap_block, no forced-recompute shapes),
+    written against torch's API so that it runs where torchtitan is not installed: the save
+    list's outputs are kept, except every second mm/linear, everything else recomputed
+    (torchtitan's SelectiveAC.Config defaults: preserve_rng_state, no early stop)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    save_ops = _op_save_list()
+    mm_ops = (torch.ops.aten.mm.default, torch.ops.aten.linear.default)
+
+    def policy_fn():
+        counts = {"forward": 0, "recompute": 0}
+
+        def policy(ctx, func, *args, **kwargs):
+            to_host = func == torch.ops.aten._to_copy.default and str(kwargs.get("device")) == "cpu"
+            if to_host and "cuda" in str(args[0].device):  # a device-to-host copy (MoE sync): saved
+                return CheckpointPolicy.MUST_SAVE
+            mode = "recompute" if ctx.is_recompute else "forward"
+            if func in mm_ops:
+                counts[mode] += 1
+            if func in save_ops:
+                if func in mm_ops and counts[mode] % 2 == 0:
+                    return CheckpointPolicy.PREFER_RECOMPUTE
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return checkpoint_wrapper(block, context_fn=policy_fn, preserve_rng_state=True, early_stop=False)
 
 
 def make_batch(spec: ModelSpec, *, micro_batch: int, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,626 @@
+"""The GPU calibration campaign: a planned design of runs on one CUDA device, each rank of an
+N-GPU job emulated on it (fake process group), its time budgeted from memplan's own
+throughput model, and the driver that runs it (torch-free: every run is a child process,
+``calibrate.gpu_campaign``, killed with its children past its timeout).
+
+The design is not the full cross product of the issue's axes: a base configuration
+(llama-3.2-1b, FSDP2 full-shard over 8 ranks, mixed-bf16, no AC, SDPA, foreach AdamW, logits
+kept, b2 × s2048) varied one axis at a time (main effects), plus a few crossed blocks
+(precision × strategy on a 0.5B model, AC and attention against precision, the loop's
+options on other models and strategies) and four runs with allocator snapshots. A model
+whose estimate does not fit the device is measured layer-scaled (calibrate.layerscale).
+
+Records: ``OUT/records.jsonl`` (calibrate.records schema, one per run, appended and flushed
+as each ends, with the campaign's own fields under ``campaign``), ``OUT/probes.jsonl`` (the
+CUDA context with and without lazy loading, the cuBLAS workspace) and ``OUT/snapshots/``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from memplan import catalog
+from memplan.errors import MemplanError
+from memplan.memory import estimate
+from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
+from memplan.strategies import STRATEGIES
+from memplan.throughput import link_for, step_time
+
+from . import layerscale, records, runs
+from .records import Run
+
+BUDGET_S = 25 * 60
+"""The campaign's whole wall-clock budget on one device (issue 16)."""
+STARTUP_S = 10.0
+"""Planning allowance per child process: Python, torch (0.9 s to import on the CPU machine),
+memplan, the CUDA context, the fake process group. Not a measurement of the GPU machine:
+each record's ``wall_s`` is, and replaces it when the campaign is planned again."""
+HF_IMPORT_S = 5.0
+"""Planning allowance for importing transformers in a child that builds a Hugging Face model."""
+BUILD_S_PER_GIB = 0.5
+"""Planning allowance for initialising a model's parameters on the device, per GiB of them."""
+STEP_FLOOR_S = 0.05
+"""Planning allowance: the least one step takes (kernel launches of a small model, the fake
+process group's Python), however few FLOPs it does."""
+COMPILE_S = 90.0
+"""Planning allowance for inductor compiling a block's forward and backward, cold cache."""
+SNAPSHOT_S = 10.0
+"""Planning allowance for recording the allocator's history and writing it out."""
+MIN_TIMEOUT_S, MAX_TIMEOUT_S, TIMEOUT_FACTOR = 90.0, 420.0, 4.0
+"""A run is killed after TIMEOUT_FACTOR × its estimate, within these bounds (seconds); the
+upper bound keeps every run inside one 10-minute device command."""
+SNAPSHOT_MAX_ENTRIES = 2_000_000
+"""Trace entries the allocator history keeps (a ring buffer): more than a snapshot run makes."""
+PROBES = ("context-lazy", "context-eager")
+"""Child processes measuring the CUDA context under CUDA_MODULE_LOADING=LAZY and EAGER; the
+lazy one then measures the cuBLAS workspace of the first matmuls."""
+SDPA_BACKENDS = ("default", "flash", "efficient")
+
+QWEN25_05B = ModelSpec(
+    name="qwen2.5-0.5b",
+    arch="llama",
+    num_layers=24,
+    hidden=896,
+    num_heads=14,
+    num_kv_heads=2,
+    ffn_hidden=4864,
+    vocab_size=151936,
+    tied_embeddings=True,
+    qkv_bias=True,
+)
+"""Qwen/Qwen2.5-0.5B config.json (hidden_size 896, 24 layers, 14 heads, 2 KV heads,
+intermediate 4864, vocab 151936, tied embeddings; Qwen2 attention has q/k/v biases)."""
+ENCODER = "vit-large-patch16-224"
+"""The encoder: a ViT (transformers' ViTForImageClassification from its config). BERT is not
+measured: memplan has no BERT family (memplan.hfconfig refuses model_type bert), so there is
+no estimate to compare it with."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """One run of the campaign."""
+
+    name: str
+    axis: str
+    """The design block it belongs to (model, strategy, precision, ac, attention, optimizer,
+    loop, batch, snapshot)."""
+    run: Run
+    sdpa_backend: str = "default"
+    """default: torch's SDPA dispatch; flash / efficient: that backend alone (sdpa_kernel)."""
+    snapshot: bool = False
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "axis": self.axis,
+            "run": self.run.to_dict(),
+            "sdpa_backend": self.sdpa_backend,
+            "snapshot": self.snapshot,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Case:
+        return cls(
+            name=data["name"],
+            axis=data["axis"],
+            run=Run.from_dict(data["run"]),
+            sdpa_backend=data["sdpa_backend"],
+            snapshot=data["snapshot"],
+        )
+
+
+def _model(model: str | ModelSpec) -> ModelSpec:
+    if isinstance(model, ModelSpec):
+        return model
+    return QWEN25_05B if model == QWEN25_05B.name else catalog.model_preset(model)
+
+
+_SHORT = {
+    "qwen2.5-0.5b": "0.5b",
+    "llama-3.2-1b": "1b",
+    "llama-3.2-3b": "3b",
+    "llama-3.1-8b": "8b",
+    "gpt2": "gpt2",
+    ENCODER: "vit-l",
+}
+_STRATEGY_SHORT = {
+    "single": "single",
+    "ddp": "ddp",
+    "fsdp-full-shard": "fsdp",
+    "fsdp-shard-grad-op": "sgo",
+    "fsdp-hybrid-shard": "hsdp",
+}
+BASE = dict(
+    model="llama-3.2-1b",
+    strategy="fsdp-full-shard",
+    world=8,
+    precision="mixed-bf16",
+    ac="none",
+    attention="sdpa",
+    optimizer_impl="foreach",
+    logits="kept",
+    loss="ce",
+    compile=False,
+    micro_batch=2,
+    seq_len=2048,
+    sdpa_backend="default",
+)
+
+
+def _name(axis: str, c: dict, snapshot: bool, seq_len: int) -> str:
+    """The run's configuration, every axis that differs from the base named."""
+    model = c["model"]
+    parts = [
+        _SHORT.get(model, model) if isinstance(model, str) else model.name,
+        _STRATEGY_SHORT.get(c["strategy"], c["strategy"]),
+        f"w{c['world']}",
+        c["precision"],
+    ]
+    for key, label in (
+        ("ac", "ac-"),
+        ("attention", ""),
+        ("sdpa_backend", "sdpa-"),
+        ("optimizer_impl", ""),
+        ("logits", "logits-"),
+        ("loss", ""),
+    ):
+        if c[key] != BASE[key]:
+            parts.append(f"{label}{c[key]}")
+    if c["compile"]:
+        parts.append("compile")
+    parts.append(f"b{c['micro_batch']}s{seq_len}")
+    if snapshot:
+        parts.append("snapshot")
+    return f"{axis}/" + "-".join(parts)
+
+
+def make_case(axis: str, *, gpu: str, device: str = "cuda", snapshot: bool = False, **changes) -> Case:
+    """The base configuration with ``changes``, on ``gpu`` (a tables/gpus.csv name), layer-scaled
+    when memplan's estimate of the whole model does not fit that GPU's usable memory."""
+    c = {**BASE, **changes}
+    model = _model(c["model"])
+    spec = catalog.gpu(gpu)
+    workload = "hf" if model.arch == "vit" else "native"
+    train = TrainSpec(
+        seq_len=model.max_positions if model.arch == "vit" else c["seq_len"],
+        micro_batch=c["micro_batch"],
+        precision=c["precision"],
+        optimizer_impl=c["optimizer_impl"],
+        activation_checkpointing=c["ac"],
+        attention=c["attention"],
+        device=device,
+        logits=c["logits"],
+        loss=c["loss"],
+        compile=c["compile"],
+    )
+    job = Job(
+        model=model,
+        train=train,
+        cluster=ClusterSpec(
+            gpus=c["world"], gpus_per_node=min(c["world"], 8), gpu_mem_bytes=spec.memory_bytes, gpu_name=spec.name
+        ),
+        plan=Plan(strategy=c["strategy"]),
+    )
+    scaled = estimate(job).total_bytes > job.cluster.usable_bytes
+    run = Run(job=job, mode="emulate", steps=3, warmup=2, workload=workload, layers_scaled=scaled)
+    return Case(
+        name=_name(axis, c, snapshot, train.seq_len),
+        axis=axis,
+        run=run,
+        sdpa_backend=c["sdpa_backend"],
+        snapshot=snapshot,
+    )
+
+
+def _design_points() -> list[tuple[str, dict]]:
+    """(axis, changes from BASE) of every run, in the order they run: cheap and informative first."""
+    points: list[tuple[str, dict]] = [("model", {})]
+    # strategy × emulated world size at the base model, and at 8B where DDP and single are layer-scaled
+    for strategy, world in (
+        ("single", 1),
+        ("ddp", 8),
+        ("ddp", 64),
+        ("fsdp-full-shard", 1),
+        ("fsdp-full-shard", 64),
+        ("fsdp-shard-grad-op", 8),
+        ("fsdp-shard-grad-op", 64),
+        ("fsdp-hybrid-shard", 64),
+    ):
+        points.append(("strategy", {"strategy": strategy, "world": world}))
+    # precision × strategy on a 0.5B model (every precision each strategy runs natively)
+    for strategy, world in (
+        ("single", 1),
+        ("ddp", 8),
+        ("fsdp-full-shard", 8),
+        ("fsdp-shard-grad-op", 8),
+        ("fsdp-hybrid-shard", 64),
+    ):
+        for precision in ("fp32", "amp-bf16", "mixed-bf16", "bf16"):
+            points.append(
+                ("precision", {"model": "qwen2.5-0.5b", "strategy": strategy, "world": world, "precision": precision})
+            )
+    # precision at the base model
+    for precision in ("fp32", "amp-bf16", "bf16"):
+        points.append(("precision", {"precision": precision}))
+    # activation checkpointing, and against precision and strategy
+    for ac in ("selective", "op", "full"):
+        points.append(("ac", {"ac": ac}))
+    points += [
+        ("ac", {"ac": "full", "strategy": "single", "world": 1, "precision": "bf16"}),
+        ("ac", {"ac": "op", "model": "qwen2.5-0.5b", "strategy": "ddp", "precision": "amp-bf16"}),
+        ("ac", {"ac": "selective", "attention": "eager", "seq_len": 1024}),
+        ("ac", {"ac": "full", "model": "llama-3.1-8b"}),
+    ]
+    # attention: SDPA's flash and memory-efficient backends, and eager
+    points += [
+        ("attention", {"sdpa_backend": "flash"}),
+        ("attention", {"sdpa_backend": "efficient"}),
+        ("attention", {"attention": "eager"}),
+        # without GQA (GPT-2's heads are all key/value heads): a backend that refuses enable_gqa still runs
+        ("attention", {"model": "gpt2", "micro_batch": 8, "seq_len": 1024, "sdpa_backend": "flash"}),
+        ("attention", {"model": "gpt2", "micro_batch": 8, "seq_len": 1024, "sdpa_backend": "efficient"}),
+        (
+            "attention",
+            {
+                "attention": "eager",
+                "model": "qwen2.5-0.5b",
+                "strategy": "single",
+                "world": 1,
+                "precision": "fp32",
+                "seq_len": 1024,
+            },
+        ),
+        (
+            "attention",
+            {
+                "sdpa_backend": "efficient",
+                "model": "qwen2.5-0.5b",
+                "strategy": "single",
+                "world": 1,
+                "precision": "fp32",
+                "seq_len": 1024,
+            },
+        ),
+    ]
+    # AdamW: fused against foreach
+    points += [
+        ("optimizer", {"optimizer_impl": "fused"}),
+        ("optimizer", {"optimizer_impl": "fused", "strategy": "single", "world": 1, "precision": "bf16"}),
+        ("optimizer", {"optimizer_impl": "fused", "model": "qwen2.5-0.5b", "strategy": "ddp", "precision": "amp-bf16"}),
+    ]
+    # the loop: logits freed, chunked loss, torch.compile
+    points += [
+        ("loop", {"logits": "freed"}),
+        ("loop", {"loss": "chunked-ce", "logits": "freed"}),
+        ("loop", {"compile": True}),
+        ("loop", {"logits": "freed", "strategy": "single", "world": 1, "precision": "bf16"}),
+        (
+            "loop",
+            {
+                "loss": "chunked-ce",
+                "logits": "freed",
+                "model": "llama-3.2-3b",
+                "strategy": "single",
+                "world": 1,
+                "precision": "bf16",
+            },
+        ),
+        (
+            "loop",
+            {
+                "compile": True,
+                "ac": "full",
+                "model": "qwen2.5-0.5b",
+                "strategy": "single",
+                "world": 1,
+                "precision": "bf16",
+            },
+        ),
+    ]
+    # models at the base settings, and at the strategies that do not fit the 8B
+    points += [
+        ("model", {"model": "qwen2.5-0.5b"}),
+        ("model", {"model": "llama-3.2-3b"}),
+        ("model", {"model": "llama-3.1-8b"}),
+        ("model", {"model": "gpt2", "micro_batch": 8, "seq_len": 1024}),
+        ("model", {"model": "gpt2", "micro_batch": 8, "seq_len": 1024, "attention": "eager", "strategy": "ddp"}),
+        ("model", {"model": ENCODER, "micro_batch": 32}),
+        ("model", {"model": ENCODER, "micro_batch": 32, "strategy": "ddp", "precision": "amp-bf16"}),
+        ("model", {"model": "llama-3.2-3b", "strategy": "ddp"}),
+        ("model", {"model": "llama-3.1-8b", "strategy": "single", "world": 1, "precision": "bf16"}),
+        ("model", {"model": "llama-3.1-8b", "strategy": "ddp", "precision": "amp-bf16"}),
+        ("model", {"model": "llama-3.1-8b", "world": 64}),
+        ("model", {"model": "llama-3.1-8b", "strategy": "fsdp-hybrid-shard", "world": 64}),
+    ]
+    # micro-batch and sequence shapes
+    points += [
+        ("batch", {"micro_batch": 1, "seq_len": 4096}),
+        ("batch", {"micro_batch": 8, "seq_len": 512}),
+        ("batch", {"micro_batch": 4, "seq_len": 2048}),
+    ]
+    return points
+
+
+SNAPSHOTS: tuple[dict, ...] = (
+    {"model": "qwen2.5-0.5b", "strategy": "single", "world": 1, "precision": "bf16"},
+    {},
+    {"strategy": "ddp", "precision": "amp-bf16"},
+    {"ac": "full"},
+)
+"""Runs repeated with the allocator's history recorded (their own records: the history's
+hooks slow the step, so the timed runs stay the plain ones)."""
+
+
+def design(gpu: str = "h100-sxm", *, device: str = "cuda") -> tuple[list[Case], list[str]]:
+    """The campaign's cases on ``gpu``, each distinct run once, and the points left out (a
+    precision the strategy has no native implementation of), with why."""
+    cases: dict[tuple, Case] = {}
+    left_out = []
+    points = _design_points() + [("snapshot", {**s, "snapshot": True}) for s in SNAPSHOTS]
+    for axis, changes in points:
+        c = {**BASE, **changes}
+        if c["precision"] == "mixed-bf16" and not STRATEGIES[c["strategy"]].runs_natively("mixed-bf16"):
+            # DDP and a single GPU have no fp32-master policy of their own: torch.autocast is theirs
+            changes = {**changes, "precision": "amp-bf16"}
+            c["precision"] = "amp-bf16"
+        if not STRATEGIES[c["strategy"]].runs_natively(c["precision"]):
+            left_out.append(f"{axis}: {c['precision']} under {c['strategy']} has no native torch implementation")
+            continue
+        case = make_case(axis, gpu=gpu, device=device, **changes)
+        cases.setdefault((case.run.key, case.sdpa_backend, case.snapshot), case)
+    return list(cases.values()), left_out
+
+
+def _params_gib(job: Job) -> float:
+    return job.model.num_params * 4 / 2**30
+
+
+def estimated_s(case: Case) -> float:
+    """Seconds the case is planned to take: start-up, building each model it measures, its
+    steps at memplan's compute time on the job's GPU (the fake process group moves no bytes,
+    so no communication time), compilation and the snapshot."""
+    job, run = case.run.job, case.run
+    depths = layerscale.DEPTHS if run.layers_scaled else (job.model.num_layers,)
+    seconds = STARTUP_S + (HF_IMPORT_S if run.workload == "hf" else 0.0)
+    for depth in depths:
+        shallow = job.with_(num_layers=depth) if depth != job.model.num_layers else job
+        step_s = max(step_time(shallow, link_for(shallow)).compute_s, STEP_FLOOR_S)
+        seconds += BUILD_S_PER_GIB * _params_gib(shallow) + run.steps * step_s
+    if job.train.compile:
+        seconds += COMPILE_S * len(depths)
+    if case.snapshot:
+        seconds += SNAPSHOT_S
+    return seconds
+
+
+def timeout_s(case: Case) -> float:
+    return min(MAX_TIMEOUT_S, max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * estimated_s(case)))
+
+
+def probe_timeout_s(probe: str) -> float:
+    return MIN_TIMEOUT_S * (3 if probe == "context-eager" else 1)
+
+
+def probe_estimated_s(probe: str) -> float:
+    """A probe is a start-up; loading every module eagerly is planned as three."""
+    return STARTUP_S * (3 if probe == "context-eager" else 1)
+
+
+def select(cases: list[Case], only: str | None) -> list[Case]:
+    """The cases whose name matches the regular expression ``only`` (all when None)."""
+    if not only:
+        return cases
+    try:
+        pattern = re.compile(only)
+    except re.error as exc:
+        raise MemplanError(f"--only {only!r} is not a regular expression ({exc})") from None
+    return [c for c in cases if pattern.search(c.name)]
+
+
+def detect_gpu() -> str:
+    """The tables/gpus.csv name of this machine's CUDA device; h100-sxm without one."""
+    import subprocess
+    import sys
+
+    from memplan.calibration import same_device
+
+    probe = "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
+    name = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip()
+    if not name:
+        return "h100-sxm"
+    found = [g.name for g in catalog.gpus().values() if same_device(name, g.name)]
+    if not found:
+        raise MemplanError(f"the device {name!r} is not in tables/gpus.csv; pass --gpu NAME")
+    # "NVIDIA H100 80GB HBM3" matches h100-sxm and h100-pcie alike: the SXM part unless PCIe is named
+    pcie = [g for g in found if "pcie" in g]
+    return (pcie if "pcie" in name.lower() else [g for g in found if g not in pcie] or found)[0]
+
+
+def dry_run(cases: list[Case], *, budget_s: float = BUDGET_S, probes=PROBES) -> tuple[list[str], float]:
+    """The listing of every run with its configuration and estimated time, and the total."""
+    lines = [f"{'#':>3}  {'est s':>6}  {'timeout':>7}  name  [memplan's description]"]
+    total = 0.0
+    for i, probe in enumerate(probes):
+        s = probe_estimated_s(probe)
+        total += s
+        lines.append(f"{i:>3}  {s:>6.1f}  {probe_timeout_s(probe):>7.0f}  probe/{probe}")
+    for i, case in enumerate(cases, start=len(probes)):
+        s = estimated_s(case)
+        total += s
+        extra = f" sdpa-{case.sdpa_backend}" if case.sdpa_backend != "default" else ""
+        flags = " snapshot" if case.snapshot else ""
+        lines.append(f"{i:>3}  {s:>6.1f}  {timeout_s(case):>7.0f}  {case.name}  [{case.run.describe()}{extra}{flags}]")
+    verdict = "within" if total <= budget_s else "OVER"
+    lines.append(
+        f"{len(cases)} runs + {len(probes)} probes: {total:.0f} s estimated ({total / 60:.1f} min), "
+        f"{verdict} the {budget_s / 60:.0f}-minute budget"
+    )
+    return lines, total
+
+
+# ---- the driver ------------------------------------------------------------------------
+
+RECORDS, PROBE_RECORDS, SNAPSHOT_DIR = "records.jsonl", "probes.jsonl", "snapshots"
+
+
+def recorded_names(out_dir: Path) -> set[str]:
+    """Cases and probes the output folder already records (``--resume`` skips them)."""
+    names = set()
+    path = Path(out_dir, RECORDS)
+    if path.exists():
+        names |= {r.get("campaign", {}).get("name") for r in records.read([path])}
+    probes = Path(out_dir, PROBE_RECORDS)
+    if probes.exists():
+        for line in probes.read_text(encoding="utf-8").splitlines():
+            try:
+                names.add("probe/" + json.loads(line)["probe"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    return names
+
+
+def child_case(case: Case, out_dir: Path, timeout: float) -> dict:
+    """Run the case in ``python -m calibrate.gpu_campaign`` (killed past ``timeout``)."""
+    with tempfile.TemporaryDirectory(prefix="campaign-") as tmp:
+        case_path = Path(tmp, "case.json")
+        case_path.write_text(json.dumps(case.to_dict()), encoding="utf-8")
+        args = ["-m", "calibrate.gpu_campaign", "case", str(case_path), "--snapshots", str(out_dir / SNAPSHOT_DIR)]
+        return runs.execute_child([*args, "--result"], [], tmp=Path(tmp), timeout_s=timeout)
+
+
+def child_probe(probe: str, timeout: float) -> dict:
+    loading = "LAZY" if probe == "context-lazy" else "EAGER"
+    with tempfile.TemporaryDirectory(prefix="campaign-") as tmp:
+        args = ["-m", "calibrate.gpu_campaign", "probe", probe, "--result"]
+        return runs.execute_child(args, [], tmp=Path(tmp), timeout_s=timeout, env={"CUDA_MODULE_LOADING": loading})
+
+
+def campaign_record(case: Case, outcome: dict, *, wall_s: float, gpu: str) -> dict:
+    """A calibrate.records record of the case, with memplan's reserved estimate beside its
+    allocated and total, and the campaign's own fields (name, axis, SDPA backend, snapshot
+    files, versions, NVML's view) under ``campaign``."""
+    outcome = dict(outcome)
+    extra = outcome.pop("campaign_extra", None) or {}
+    record = records.make_record(case.run, **outcome, wall_s=wall_s)
+    if record["estimate"] is not None:
+        from memplan.overheads import reserved_bytes
+
+        record["estimate"]["reserved_bytes"] = reserved_bytes(estimate(case.run.job))
+    record["campaign"] = {
+        "name": case.name,
+        "axis": case.axis,
+        "gpu": gpu,
+        "sdpa_backend": case.sdpa_backend,
+        "snapshot": case.snapshot,
+        "estimated_s": round(estimated_s(case), 1),
+        "timeout_s": timeout_s(case),
+        **extra,
+    }
+    return record
+
+
+@dataclass
+class Progress:
+    done: list[str]
+    skipped: list[str]
+    left: list[str]
+    """Not started: the call's budget would not hold them (run again with --resume)."""
+
+
+def sweep(
+    cases: list[Case],
+    out_dir,
+    *,
+    gpu: str,
+    resume: bool = False,
+    probes=PROBES,
+    budget_s: float | None = None,
+    run_case: Callable[[Case, Path, float], dict] = child_case,
+    run_probe: Callable[[str, float], dict] = child_probe,
+    say: Callable[[str], None] = print,
+) -> Progress:
+    """Run the probes, then every case, appending each record as it ends. With ``budget_s``
+    (seconds for this call), a run starts only if its timeout would still end inside it: the
+    call ends in time whatever the runs do (a device command has a hard limit)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    done = recorded_names(out_dir) if resume else set()
+    progress = Progress(done=[], skipped=[], left=[])
+    start = time.perf_counter()
+    work: list[tuple[str, float, Callable[[], None]]] = []
+    for probe in probes:
+
+        def do_probe(probe=probe) -> None:
+            t0 = time.perf_counter()
+            outcome = run_probe(probe, probe_timeout_s(probe))
+            record = {"probe": probe, **outcome, "wall_s": round(time.perf_counter() - t0, 3)}
+            records.append(out_dir / PROBE_RECORDS, record)
+            say(f"probe/{probe}: {outcome['status']}")
+
+        work.append((f"probe/{probe}", probe_timeout_s(probe), do_probe))
+    for case in cases:
+
+        def do_case(case=case) -> None:
+            t0 = time.perf_counter()
+            try:
+                outcome = run_case(case, out_dir, timeout_s(case))
+            except Exception as exc:  # the driver's own failure around the child: recorded, the sweep goes on
+                outcome = {"status": "failed", "measurement": None, "error": f"{type(exc).__name__}: {exc}"}
+            record = campaign_record(case, outcome, wall_s=time.perf_counter() - t0, gpu=gpu)
+            records.append(out_dir / RECORDS, record)
+            say(f"{case.name}: {record['status']} in {record['wall_s']:.1f} s")
+
+        work.append((case.name, timeout_s(case), do_case))
+    for name, worst_s, do in work:
+        if name in done:
+            progress.skipped.append(name)
+            continue
+        if budget_s is not None and time.perf_counter() - start + worst_s > budget_s:
+            progress.left.append(name)
+            continue
+        do()
+        progress.done.append(name)
+    return progress
+
+
+def ship_stem(gpu: str, torch_version: str) -> str:
+    """``h100-sxm-torch2.11.0-cu130``: the device key ``memplan.calibration.shipped`` globs
+    for (``GPU-*.corrections.json``), then the torch version ('+' made '-')."""
+    return f"{gpu}-torch{torch_version.replace('+', '-')}"
+
+
+def ship(out_dir, tables_dir) -> tuple[Path, Path]:
+    """Copy the campaign's records to ``TABLES/calibration/GPU-torchVERSION.jsonl`` and fit
+    their corrections beside them (``.corrections.json``), where ``memplan.calibration.shipped``
+    finds them for ``--gpu GPU``. Refused unless every ok record was measured on that GPU and
+    one torch version (only figures that came back from the device are shipped)."""
+    from memplan.calibration import SHIPPED_DIR, same_device
+
+    from .fit import fit_records
+
+    path = Path(out_dir, RECORDS)
+    found = records.read([path])
+    ok = [r for r in found if r["status"] == "ok"]
+    if not ok:
+        raise MemplanError(f"{path} holds no ok records: nothing to ship")
+    gpus = {r["campaign"]["gpu"] for r in ok}
+    versions = {r["measurement"]["torch_version"] for r in ok}
+    if len(gpus) != 1 or len(versions) != 1:
+        raise MemplanError(f"{path} mixes GPUs {sorted(gpus)} or torch versions {sorted(versions)}: ship one of each")
+    (gpu,), (version,) = gpus, versions
+    strangers = sorted({r["measurement"]["device"] for r in ok if not same_device(r["measurement"]["device"], gpu)})
+    if strangers:
+        raise MemplanError(f"{path}: records measured on {', '.join(strangers)} are not {gpu} records")
+    stem = Path(tables_dir, SHIPPED_DIR, ship_stem(gpu, version))
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    shipped_records = stem.with_name(stem.name + ".jsonl")
+    shipped_records.write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    corrections = stem.with_name(stem.name + ".corrections.json")
+    fit_records(found, sources=[f"tables/{SHIPPED_DIR}/{shipped_records.name}"]).save(corrections)
+    return shipped_records, corrections
