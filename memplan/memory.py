@@ -27,7 +27,7 @@ from .checkpointing import (
     offload_stash_blocks,
     offloaded,
 )
-from .errors import MemplanError
+from .errors import InputError, MemplanError
 from .finetune import (
     PLACES,
     adapter_policy,
@@ -265,6 +265,13 @@ class Step:
         if self.states_on_host:
             return [term(O, "optimizer.states", "optimizer states (in host RAM)", "offloaded", 0)]
         count, div = self.trained_local(sharded), self.trained_symbol(sharded)
+        if train.optimizer in ("torch-adafactor", "lion", "lion8bit", "paged-adamw8bit"):
+            raise InputError(
+                f"optimizer {train.optimizer} is not modelled yet",
+                field="optimizer",
+                value=train.optimizer,
+                accepted="adamw, adam, sgd, sgd-momentum, adam8bit or adafactor",
+            )
         terms = []
         if train.optimizer == "adafactor" or (train.optimizer == "adam8bit" and self.P != "P"):
             terms += optimizer_state_terms(self)

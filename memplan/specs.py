@@ -17,7 +17,22 @@ from .layout import Layout, check_layout
 ARCHS = ("llama", "gpt2", "neox", "vit")
 ACTIVATIONS = ("silu", "gelu", "gelu_new")
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "mixed-bf16", "mixed-fp16", "bf16")
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adam8bit", "adafactor")
+OPTIMIZERS = (
+    "adamw",
+    "adam",
+    "sgd",
+    "sgd-momentum",
+    "adam8bit",
+    "adafactor",
+    "torch-adafactor",
+    "lion",
+    "lion8bit",
+    "paged-adamw8bit",
+)
+"""adafactor: transformers' Adafactor (the HF Trainer's optim="adafactor"); torch-adafactor:
+torch.optim.Adafactor (torch >= 2.5); lion, lion8bit, adam8bit, paged-adamw8bit: bitsandbytes'
+Lion, Lion8bit, AdamW8bit, PagedAdamW8bit (the HF Trainer's lion_32bit, lion_8bit, adamw_bnb_8bit,
+paged_adamw_8bit)."""
 OPTIMIZER_IMPLS = ("foreach", "fused", "single")
 AC_MODES = ("none", "selective", "full")
 """The policies the recommendation searches; ``loop.AC_POLICIES`` adds torchtitan's op SAC."""
