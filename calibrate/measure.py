@@ -60,8 +60,8 @@ def _optimizer(model: nn.Module, job: Job) -> torch.optim.Optimizer:
 
         # the HF Trainer's optim="lion_32bit" / "lion_8bit" / "paged_adamw_8bit"; on CPU a paged
         # optimizer falls back to ordinary tensors (Optimizer8bit.get_state_buffer)
-        cls = {"lion": bnb.optim.Lion, "lion8bit": bnb.optim.Lion8bit, "paged-adamw8bit": bnb.optim.PagedAdamW8bit}
-        return cls[name](params, lr=1e-4)
+        bnb_cls = {"lion": bnb.optim.Lion, "lion8bit": bnb.optim.Lion8bit, "paged-adamw8bit": bnb.optim.PagedAdamW8bit}
+        return bnb_cls[name](params, lr=1e-4)
     if name == "torch-adafactor":
         return torch.optim.Adafactor(params, lr=1e-4, foreach=impl == "foreach")
     if name == "adafactor":

@@ -27,9 +27,11 @@ from .checkpointing import (
     offload_stash_blocks,
     offloaded,
 )
-from .errors import InputError, MemplanError
+from .errors import MemplanError
 from .finetune import (
+    PER_TENSOR,
     PLACES,
+    adafactor_step_elements,
     adapter_policy,
     block_place,
     finetune_notes,
@@ -265,15 +267,8 @@ class Step:
         if self.states_on_host:
             return [term(O, "optimizer.states", "optimizer states (in host RAM)", "offloaded", 0)]
         count, div = self.trained_local(sharded), self.trained_symbol(sharded)
-        if train.optimizer in ("torch-adafactor", "lion", "lion8bit", "paged-adamw8bit"):
-            raise InputError(
-                f"optimizer {train.optimizer} is not modelled yet",
-                field="optimizer",
-                value=train.optimizer,
-                accepted="adamw, adam, sgd, sgd-momentum, adam8bit or adafactor",
-            )
         terms = []
-        if train.optimizer == "adafactor" or (train.optimizer == "adam8bit" and self.P != "P"):
+        if train.optimizer in PER_TENSOR and (train.optimizer != "adam8bit" or self.P != "P"):
             terms += optimizer_state_terms(self)
         elif train.optimizer == "adam8bit":
             terms.append(
@@ -308,6 +303,19 @@ class Step:
 
     def optimizer_temporaries(self) -> list[Term]:
         train, pol, sharded = self.job.train, self.train_policy, self.strategy.shards_optimizer
+        if train.optimizer == "torch-adafactor":
+            foreach = train.optimizer_impl == "foreach"
+            n = adafactor_step_elements(self, foreach=foreach)
+            what = "Σ every trained tensor (foreach)" if foreach else "two consecutive tensors (for-loop)"
+            return [
+                term(
+                    B,
+                    "optimizer.adafactor_update",
+                    "torch Adafactor var_estimate / update",
+                    f"{pol.state_bytes}·{what}",
+                    pol.state_bytes * self.local(n, sharded),
+                )
+            ]
         if train.optimizer == "adafactor":
             # transformers' Adafactor._approx_sq_grad: grad² and the factored estimate of the
             # largest tensor live at once, in fp32 (optimization.py Adafactor.step)
