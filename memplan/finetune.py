@@ -544,11 +544,12 @@ report reads as before they existed)."""
 
 
 def finetune_inputs(job) -> dict:
-    """The JSON inputs of a fine-tune: its fields and what it trains (nothing for full)."""
+    """The JSON inputs of a fine-tune: its fields and what it trains (a full one: only the counts,
+    every parameter trainable)."""
     tuning = job.train.tuning
-    if tuning.mode == "full":
-        return {}
     t = trained(job.model, tuning)
+    if tuning.mode == "full":
+        return {"trainable_params": t.trainable, "frozen_params": t.frozen, "total_params": t.total}
     return {k: getattr(job.train, k) for k in FINETUNE_FIELDS} | {
         "trainable_params": t.trainable,
         "frozen_params": t.frozen,
@@ -596,7 +597,7 @@ COMPARED = ("full", "lora", "qlora")
 def modes_compared(job) -> list[tuple[str, Estimate]]:
     """The job's estimate under each fine-tune mode that applies to its model (full; lora and
     qlora on llama-family blocks), the adapters as the job gives them: what ``recommend`` weighs
-    on one GPU. Only memory: the step time is predicted as the full fine-tune's."""
+    on one GPU with each one's step time (throughput.flops_per_token, dequant_seconds)."""
     from .memory import estimate
 
     modes = COMPARED if job.model.arch == "llama" else COMPARED[:1]

@@ -154,6 +154,10 @@ def test_cli_json_states_trainable_and_frozen_counts():
     expected = trained(model_preset("llama-2-7b"), tuning("qlora", 16, 16.0, "all-linear", 0.0))
     assert (train["trainable_params"], train["frozen_params"]) == (expected.trainable, expected.frozen)
     assert train["finetune"] == "qlora"
+    full = CliRunner().invoke(main, [*args[:7], "--format", "json"])  # no --finetune: full
+    counts = json.loads(full.output)["inputs"]["train"]
+    P = model_preset("llama-2-7b").num_params
+    assert (counts["trainable_params"], counts["frozen_params"], counts["total_params"]) == (P, 0, P)
 
 
 def test_cli_bad_mode_is_one_line():
