@@ -44,22 +44,7 @@ def test_every_case_has_an_ok_record_that_rebuilds_it(recs):
         assert "peft" in record["libraries"] or record["spec"]["train"].get("finetune", "full") in ("full", "frozen:1")
 
 
-KNOWN_MISS = {
-    "qwen2-h256-full-single-bf16-torch-adafactor-g1-b1s32": "-11 %: peaks at the tied embedding's backward, "
-    "where its gradient and the head's are summed out of place (three V·h bf16 tensors, measured as Temp); "
-    "memplan places that sum under FSDP's root unit only, not on one GPU: not the optimizer's"
-}
-"""Measured cases the model misses, with the cause (strict xfails: fixing one must say so)."""
-
-
-def _case_params():
-    return [
-        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISS[c.id])) if c.id in KNOWN_MISS else c
-        for c in finetune.CASES
-    ]
-
-
-@pytest.mark.parametrize("case", _case_params(), ids=lambda c: c.id)
+@pytest.mark.parametrize("case", finetune.CASES, ids=lambda c: c.id)
 def test_estimate_within_tolerance_of_the_measurement(case, recs):
     record = next(r for r in recs if r["case"] == case.id)
     measured = record["measurement"]["peak_allocated_bytes"]
@@ -198,3 +183,17 @@ def test_trained_tensors_of_a_full_fine_tune_are_the_model(name):
 
     model = model_preset(name)
     assert sum(math.prod(t) for t in full_tensors(model)) == model.num_params
+
+
+def test_tied_embedding_gradients_are_summed_out_of_place_outside_fsdp():
+    """memory.TIED_SUM: the head's and the embedding's gradients and their sum at once (measured:
+    the qwen2 bf16 full torch-adafactor case)."""
+    from memplan.memory import Step
+
+    tied = finetune.QWEN
+    job = Job(model=tied, train=TrainSpec(precision="bf16", seq_len=32, device="cpu")).with_(strategy="single")
+    moment = next(m for m in estimate(job).moments if m.label.startswith("backward of the tied"))
+    summed = sum(t.bytes for t in moment.terms if t.key == "grads.tied_sum")
+    assert summed == 2 * 2 * tied.vocab_size * tied.hidden
+    assert not Step(Job(model=LLAMA, train=job.train, plan=job.plan)).tied_sum()
+    assert not Step(job.with_(gpus=2, strategy="fsdp-full-shard")).tied_sum()  # FSDP's root unit holds it
