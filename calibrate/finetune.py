@@ -51,7 +51,19 @@ QWEN = ModelSpec(
     tied_embeddings=True,
     qkv_bias=True,
 )
-HF_TYPE = {LLAMA.name: "llama", QWEN.name: "qwen2"}
+QWEN3 = ModelSpec(
+    name="qwen3-h256",
+    arch="llama",
+    num_layers=3,
+    hidden=256,
+    num_heads=4,
+    num_kv_heads=2,
+    ffn_hidden=768,
+    vocab_size=3072,
+    tied_embeddings=True,
+    qk_norm=True,
+)
+HF_TYPE = {LLAMA.name: "llama", QWEN.name: "qwen2", QWEN3.name: "qwen3"}
 PROJ = {name: f"{name}_proj" for name in ("q", "k", "v", "o", "gate", "up", "down")}
 """transformers' module names of memplan's llama linears (peft's target_modules)."""
 
@@ -208,6 +220,11 @@ CASES = (
     _case(LLAMA, "full", "single", "fp32", b=1, s=32, optimizer="sgd-momentum", impl="foreach"),
     _case(QWEN, "lora", "ddp", "fp32", gpus=2, optimizer="sgd-momentum"),
     _case(LLAMA, "full", "single", "fp32", b=1, s=32, optimizer="paged-adamw8bit"),
+    # Qwen3's per-head q/k norms, measured before their saves were modelled
+    _case(QWEN3, "full", "single", "fp32"),
+    _case(QWEN3, "full", "single", "bf16", b=1, s=128),
+    _case(QWEN3, "lora", "single", "fp32", targets="all-linear"),
+    _case(QWEN3, "full", "fsdp", "fp32", gpus=2),
 )
 STAND_IN = {
     "lion": "sgd-momentum",

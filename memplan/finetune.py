@@ -167,6 +167,8 @@ def _block_tensors(model) -> list[tuple[int, ...]]:
         shapes.append((n_out, n_in))
         bias = model.linear_bias or (model.qkv_bias and name in ("q", "k", "v", "qkv"))
         shapes += [(n_out,)] if bias else []
+        if name == "o" and model.qk_norm:  # Qwen3Attention registers q_norm, k_norm after o_proj
+            shapes += [(model.head_dim,), (model.head_dim,)]
     norm = [(model.hidden,)] if model.arch == "llama" else [(model.hidden,), (model.hidden,)]
     return shapes + 2 * norm
 

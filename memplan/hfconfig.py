@@ -109,6 +109,15 @@ FAMILIES = {
     "mistral": Family("llama", False, {"attention_dropout": 0.0}),
     # Qwen2Attention: q/k/v always have a bias, o_proj and the MLP never (modeling_qwen2.py).
     "qwen2": Family("llama", False, {"attention_dropout": 0.0}, lambda cfg: (True, False)),
+    # Qwen3Attention: q/k/v biases only with attention_bias (default false), per-head q_norm and
+    # k_norm over head_dim (modeling_qwen3.py); a head_dim apart from hidden/heads is refused below
+    "qwen3": Family(
+        "llama",
+        False,
+        {"attention_dropout": 0.0},
+        lambda cfg: (_flag(cfg, "attention_bias", False), False),
+        lambda cfg: {"qk_norm": True},
+    ),
     # Phi3Attention / Phi3MLP fuse qkv_proj and gate_up_proj: the llama counts, no biases
     # (modeling_phi3.py); resid_pdrop and embd_pdrop default to 0
     "phi3": Family("llama", False, {"attention_dropout": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
@@ -149,8 +158,6 @@ UNDESCRIBED = {
     "deepseek_v2": "its multi-head latent attention (q_lora_rank, kv_lora_rank) has no ModelSpec fields",
     "qwen3_moe": "Qwen3 attention's per-head q/k RMSNorms (q_norm, k_norm) and its head_dim apart from "
     "hidden/heads have no ModelSpec fields",
-    "qwen3": "Qwen3 attention's per-head q/k RMSNorms (q_norm, k_norm: what they save for backward) are not "
-    "modelled or measured yet",
     "gemma2": "its alternating sliding-window / global attention and its attention and final logit soft-caps "
     "(attn_logit_softcapping, final_logit_softcapping) are not modelled",
     "gemma3_text": "its interleaved sliding-window / global attention (layer_types) and per-head q/k norms are "

@@ -100,6 +100,9 @@ class ModelSpec:
     activation: str = ""
     """MLP activation: silu (SwiGLU), gelu (fused kernel) or gelu_new (HF GPT-2's tanh
     formula in Python, which saves three more ffn-wide tensors); "" means the family's."""
+    qk_norm: bool = False
+    """Qwen3's per-head RMSNorms on q and k before the rotary embedding (q_norm, k_norm of
+    head_dim each: modeling_qwen3.py Qwen3Attention)."""
     # mixture of experts (llama family only; ``memplan.moe`` holds the formulas)
     num_experts: int = 0
     """Routed experts per MoE layer; 0: a dense model."""
@@ -187,7 +190,7 @@ class ModelSpec:
             "attn_out": h * h + h * bias,
             "mlp_in": (2 if self.gated_mlp else 1) * h * f + f * bias * (2 if self.gated_mlp else 1),
             "mlp_out": f * h + h * bias,
-            "norms": 2 * self.norm_params,
+            "norms": 2 * self.norm_params + (2 * self.head_dim if self.qk_norm else 0),
         }
         return counts
 

@@ -28,13 +28,25 @@ def test_phi3_config_counts_what_transformers_builds():
     assert spec.arch == "llama" and spec.num_params == sum(p.numel() for p in model.parameters())
 
 
+def test_qwen3_config_counts_what_transformers_builds_and_a_decoupled_head_dim_is_refused():
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    cfg = PHI3 | {"model_type": "qwen3", "head_dim": 64}
+    spec = model_from_hf_config(cfg)
+    keys = {k: v for k, v in cfg.items() if k != "model_type"}
+    with torch.device("meta"):
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**keys))
+    assert spec.qk_norm and spec.num_params == sum(p.numel() for p in model.parameters())
+    with pytest.raises(MemplanError, match="head_dim 128 differs"):  # Qwen3-0.6B / 4B
+        model_from_hf_config(cfg | {"head_dim": 128})
+
+
 @pytest.mark.parametrize(
     ("model_type", "feature"),
     [
         ("gemma2", "soft-caps"),
         ("gemma3_text", "sliding-window"),
         ("gemma3", "sliding-window"),
-        ("qwen3", "q_norm, k_norm"),
         ("ministral", "sliding-window"),
     ],
 )

@@ -161,7 +161,7 @@ def test_unsupported_model_type():
     one_line_error(
         {"model_type": "bert"},
         "model_type 'bert' is not supported; supported: "
-        "gpt2, gpt_neox, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, vit",
+        "gpt2, gpt_neox, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, vit",
     )
 
 
