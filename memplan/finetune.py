@@ -515,6 +515,7 @@ def adapter_block_saved(model, train, full: list[Saved], *, adapter_bytes: int) 
         "autocast input casts",
         "autocast weight copies",
         "SwiGLU gate, silu, up, product",
+        "q_norm, k_norm: normalised",
     }
     saved = [s for s in full if s.name not in dropped]
     saved.append(Saved("SwiGLU gate, silu, up", "3·c·b·s·f", 3 * x.c * t * x.f))

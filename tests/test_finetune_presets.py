@@ -4,6 +4,7 @@ transformers builds; the families memplan cannot describe refused with the featu
 import pytest
 
 from memplan.errors import MemplanError
+from memplan.finetune import full_tensors
 from memplan.hfconfig import UNDESCRIBED, model_from_hf_config
 
 PHI3 = {
@@ -37,6 +38,8 @@ def test_qwen3_config_counts_what_transformers_builds_and_a_decoupled_head_dim_i
     with torch.device("meta"):
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**keys))
     assert spec.qk_norm and spec.num_params == sum(p.numel() for p in model.parameters())
+    # per-tensor optimizers step the tensors in module order, q_norm and k_norm after o_proj
+    assert [tuple(p.shape) for p in model.parameters()] == list(full_tensors(spec))
     with pytest.raises(MemplanError, match="head_dim 128 differs"):  # Qwen3-0.6B / 4B
         model_from_hf_config(cfg | {"head_dim": 128})
 
