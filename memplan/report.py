@@ -252,6 +252,7 @@ def render_table(
         "",
         fits_line(estimates, finals),
         *native_note(estimates),
+        *paged_line(estimates),
         *fragmentation_line(estimates),
         *stage_lines(estimates),
     ]
@@ -289,6 +290,21 @@ def native_note(estimates: list[Estimate]) -> list[str]:
     return [
         f"{names} {'has' if len(odd) == 1 else 'have'} no built-in {estimates[0].job.train.precision}: "
         "the row is what it would take; the recommendation searches only precisions each framework runs as is."
+    ]
+
+
+def paged_line(estimates: list[Estimate]) -> list[str]:
+    """bitsandbytes' paged states, which the table leaves out: how much each row has outside."""
+    from .finetune import paged_state_bytes
+
+    job = estimates[0].job
+    if job.train.optimizer != "paged-adamw8bit" or job.train.device != "cuda":
+        return []
+    each = ", ".join(f"{e.job.plan.strategy} {_g(paged_state_bytes(e.job))}" for e in estimates)
+    return [
+        "paged-adamw8bit: the 8-bit states of tensors of ≥ 1e5 elements live in CUDA unified memory, outside "
+        f"torch's allocator counters and the table (GiB per GPU: {each}); the driver pages them to host RAM "
+        "under pressure."
     ]
 
 

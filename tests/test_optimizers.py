@@ -119,3 +119,23 @@ def test_lion_keeps_one_fp32_state_and_sgd_momentum_one_in_the_param_dtype():
         P = LLAMA.num_params
         assert sum(t.bytes for t in Step(lion).optimizer_terms()) == 4 * P
         assert sum(t.bytes for t in Step(sgd).optimizer_terms()) == param_bytes * P
+
+
+def test_the_table_says_how_much_paged_state_is_outside():
+    from click.testing import CliRunner
+
+    from memplan.cli import main
+
+    args = ["estimate", "--model", "llama-3.2-1b", "--gpus", "2"]  # every strategy a row
+    out = CliRunner().invoke(main, [*args, "--optimizer", "paged-adamw8bit"]).output
+    line = next(line for line in out.splitlines() if line.startswith("paged-adamw8bit: "))
+    from memplan.catalog import model_preset
+
+    ddp = Job(model=model_preset("llama-3.2-1b"), train=TrainSpec(optimizer="paged-adamw8bit")).with_(
+        gpus=2, strategy="ddp"
+    )
+    full_shard = ddp.with_(strategy="fsdp-full-shard")
+    assert f"ddp {paged_state_bytes(ddp) / 2**30:.2f}, " in line
+    assert f"fsdp-full-shard {paged_state_bytes(full_shard) / 2**30:.2f}, " in line
+    assert paged_state_bytes(full_shard) < paged_state_bytes(ddp)  # sharded with the states
+    assert "paged-adamw8bit: " not in CliRunner().invoke(main, [*args, "--optimizer", "adam8bit"]).output
