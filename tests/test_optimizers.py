@@ -139,3 +139,20 @@ def test_the_table_says_how_much_paged_state_is_outside():
     assert f"fsdp-full-shard {paged_state_bytes(full_shard) / 2**30:.2f}, " in line
     assert paged_state_bytes(full_shard) < paged_state_bytes(ddp)  # sharded with the states
     assert "paged-adamw8bit: " not in CliRunner().invoke(main, [*args, "--optimizer", "adam8bit"]).output
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize(
+    "case_id", ["llama-h256-full-single-fp32-torch-adafactor-g1-b1s32", "llama-h256-full-single-fp32-lion8bit-g1-b1s32"]
+)
+def test_live_optimizer_case_matches_its_record(case_id):
+    """The harness still steps the library's optimizer as recorded (the measurement's repeatability)."""
+    pytest.importorskip("torch")
+    from calibrate import finetune, heldout, records
+
+    record = next(r for r in heldout.latest(records.read([finetune.OUT])) if r["case"] == case_id)
+    outcome = heldout.measure_case(finetune.BY_ID[case_id])
+    assert outcome["status"] == "ok", outcome["error"]
+    measured = outcome["measurement"]["peak_allocated_bytes"]
+    assert measured == pytest.approx(record["measurement"]["peak_allocated_bytes"], rel=0.005)
