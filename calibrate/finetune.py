@@ -51,7 +51,19 @@ QWEN = ModelSpec(
     tied_embeddings=True,
     qkv_bias=True,
 )
-HF_TYPE = {LLAMA.name: "llama", QWEN.name: "qwen2"}
+QWEN3 = ModelSpec(
+    name="qwen3-h256",
+    arch="llama",
+    num_layers=3,
+    hidden=256,
+    num_heads=4,
+    num_kv_heads=2,
+    ffn_hidden=768,
+    vocab_size=3072,
+    tied_embeddings=True,
+    qk_norm=True,
+)
+HF_TYPE = {LLAMA.name: "llama", QWEN.name: "qwen2", QWEN3.name: "qwen3"}
 PROJ = {name: f"{name}_proj" for name in ("q", "k", "v", "o", "gate", "up", "down")}
 """transformers' module names of memplan's llama linears (peft's target_modules)."""
 
@@ -96,7 +108,7 @@ class FinetuneCase(heldout.Case):
 
     def record_fields(self) -> dict:
         libraries = ["peft", "bitsandbytes"] if self.job.train.tuning.mode == "qlora" else ["peft"]
-        if self.job.train.optimizer == "adam8bit":
+        if self.job.train.optimizer in ("adam8bit", "lion", "lion8bit", "paged-adamw8bit"):
             libraries.append("bitsandbytes")
         return {"libraries": {name: metadata.version(name) for name in dict.fromkeys(libraries)}}
 
@@ -147,6 +159,7 @@ def _case(
     dropout: float = 0.0,
     optimizer: str = "adamw",
     ac: str = "none",
+    impl: str | None = None,
 ) -> FinetuneCase:
     job = Job(
         model=model,
@@ -155,6 +168,7 @@ def _case(
             micro_batch=b,
             precision=precision,
             optimizer=optimizer,
+            optimizer_impl=impl,
             activation_checkpointing=ac,
             device="cpu",
             finetune=finetune,
@@ -167,7 +181,9 @@ def _case(
     )
     adapter = f"-{targets}-r{rank}" + (f"-p{dropout:g}" if dropout else "") if "lora" in finetune else ""
     checkpointed = f"-ac{ac}" if ac != "none" else ""
-    name = f"{model.name}-{finetune}{adapter}-{strategy}-{precision}-{optimizer}{checkpointed}-g{gpus}-b{b}s{s}"
+    stepped = f"-{impl}" if impl else ""
+    stepper = f"{optimizer}{stepped}{checkpointed}"
+    name = f"{model.name}-{finetune}{adapter}-{strategy}-{precision}-{stepper}-g{gpus}-b{b}s{s}"
     return FinetuneCase(name, job, "plain-kept", ac, "local")
 
 
@@ -191,7 +207,33 @@ CASES = (
     # measured after the model: transformers' gradient checkpointing around peft's adapters
     _case(LLAMA, "lora", "single", "fp32", targets="all-linear", ac="full"),
     _case(QWEN, "qlora", "single", "bf16", b=1, s=128, rank=16, targets="all-linear", ac="full"),
+    # the optimizers people fine-tune with, measured before they were modelled (a short sequence
+    # puts the peak in the optimizer step, where its states and temporaries are)
+    _case(LLAMA, "full", "single", "fp32", b=1, s=32, optimizer="lion"),
+    _case(LLAMA, "full", "single", "bf16", b=1, s=32, optimizer="lion"),
+    _case(LLAMA, "full", "single", "fp32", b=1, s=32, optimizer="lion8bit"),
+    _case(QWEN, "lora", "single", "fp32", targets="all-linear", optimizer="lion8bit"),
+    _case(LLAMA, "full", "single", "fp32", b=1, s=32, optimizer="torch-adafactor"),
+    _case(LLAMA, "full", "single", "fp32", b=1, s=32, optimizer="torch-adafactor", impl="foreach"),
+    _case(QWEN, "full", "single", "bf16", b=1, s=32, optimizer="torch-adafactor"),
+    _case(LLAMA, "full", "single", "fp32", b=1, s=32, optimizer="sgd-momentum"),
+    _case(LLAMA, "full", "single", "fp32", b=1, s=32, optimizer="sgd-momentum", impl="foreach"),
+    _case(QWEN, "lora", "ddp", "fp32", gpus=2, optimizer="sgd-momentum"),
+    _case(LLAMA, "full", "single", "fp32", b=1, s=32, optimizer="paged-adamw8bit"),
+    # Qwen3's per-head q/k norms, measured before their saves were modelled
+    _case(QWEN3, "full", "single", "fp32"),
+    _case(QWEN3, "full", "single", "bf16", b=1, s=128),
+    _case(QWEN3, "lora", "single", "fp32", targets="all-linear"),
+    _case(QWEN3, "full", "fsdp", "fp32", gpus=2),
 )
+STAND_IN = {
+    "lion": "sgd-momentum",
+    "lion8bit": "adam8bit",
+    "torch-adafactor": "adafactor",
+    "paged-adamw8bit": "adam8bit",
+}
+"""The optimizer a user would have typed for one memplan did not model yet (the first table of
+the optimizer cases: lion's one fp32 state as SGD's momentum, torch's Adafactor as transformers')."""
 BY_ID = {case.id: case for case in CASES}
 
 
@@ -203,7 +245,7 @@ def render_report(recs: list[dict]) -> str:
 
 # the held-out matrix's child, record and command line serve this one (heldout.main's matrix)
 TIMEOUT_S = heldout.TIMEOUT_S
-measure_case, make_record = heldout.measure_case, heldout.make_record
+measure_case, make_record, record_id = heldout.measure_case, heldout.make_record, heldout.record_id
 
 if __name__ == "__main__":  # the cases as calibrate.finetune's, which the child processes import
     from calibrate import finetune

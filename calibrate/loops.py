@@ -178,6 +178,8 @@ def _hf_config(spec: ModelSpec, hf_type: str, *, attention: str):
         sliding_window=None,
         use_sliding_window=False,
     )
+    if spec.qk_norm:  # qwen3: its config's head_dim defaults to 128, its biases to none
+        shapes |= dict(head_dim=spec.head_dim, attention_bias=spec.qkv_bias)
     if spec.num_experts:  # mixtral, qwen2_moe: the experts' keys (calibrate.moe_ep)
         from .moe_ep import hf_moe_kwargs
 

@@ -57,6 +57,15 @@ def _optimizer(model: nn.Module, job: Job) -> torch.optim.Optimizer:
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit(params, lr=1e-4)
+    if name in ("lion", "lion8bit", "paged-adamw8bit"):
+        import bitsandbytes as bnb
+
+        # the HF Trainer's optim="lion_32bit" / "lion_8bit" / "paged_adamw_8bit"; on CPU a paged
+        # optimizer falls back to ordinary tensors (Optimizer8bit.get_state_buffer)
+        bnb_cls = {"lion": bnb.optim.Lion, "lion8bit": bnb.optim.Lion8bit, "paged-adamw8bit": bnb.optim.PagedAdamW8bit}
+        return bnb_cls[name](params, lr=1e-4)
+    if name == "torch-adafactor":
+        return torch.optim.Adafactor(params, lr=1e-4, foreach=impl == "foreach")
     if name == "adafactor":
         from transformers.optimization import Adafactor
 

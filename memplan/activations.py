@@ -97,6 +97,18 @@ def _norm(model: ModelSpec, x: Shapes, label: str) -> list[Saved]:
     return [Saved(f"{label}: mean, rstd", "2·4·b·s", 2 * stat * t)]
 
 
+def _qk_norm(model: ModelSpec, x: Shapes) -> list[Saved]:
+    """Qwen3's q_norm and k_norm (Qwen3RMSNorm over head_dim, modeling_qwen3.py), each as a
+    llama norm over the projection's output: its fp32 input (the output itself in fp32, its
+    fp32 cast otherwise), rstd per head and token, the normalised input in the compute dtype."""
+    t, kv_heads = x.tokens, model.num_kv_heads
+    return [
+        Saved("q_norm, k_norm: fp32 inputs", "4·b·s·(h + kv)", 4 * t * (x.h + x.kv)),
+        Saved("q_norm, k_norm: normalised", "c·b·s·(h + kv)", x.c * t * (x.h + x.kv)),
+        Saved("q_norm, k_norm: rstd", "4·b·s·(a + a_kv)", 4 * t * (x.a + kv_heads)),
+    ]
+
+
 def _linear_inputs(model: ModelSpec, x: Shapes) -> list[Saved]:
     t = x.tokens
     if x.autocast:
@@ -155,6 +167,8 @@ def block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False
         # cos/sin cast to the compute dtype for q and for k: 4 tables of s×d
         saved.append(Saved("rotary cos/sin casts", "4·c·s·d", 4 * x.c * x.s * x.d))
     saved += _qkv_out(model, x) + _attention_core(model, x)
+    if model.qk_norm:
+        saved += _qk_norm(model, x)
     if model.num_experts:  # every block as a sparse one (memplan.moe)
         saved += moe_saved(model, x, routed_rows(t, model, 1))
     elif model.gated_mlp:

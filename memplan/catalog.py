@@ -94,7 +94,14 @@ def _model_row(row: dict[str, str]) -> ModelSpec:
         activation=row["activation"],
         patch_size=int(row["patch_size"]) or 16,
         **experts().get(row["name"], {}),
+        qk_norm=row["name"] in qk_norms(),
     )
+
+
+@cache
+def qk_norms() -> frozenset[str]:
+    """The presets whose attention normalises q and k per head (tables/qk_norm.csv: Qwen3)."""
+    return frozenset(row["name"] for row in read_table("qk_norm.csv"))
 
 
 @cache

@@ -167,6 +167,8 @@ def _block_tensors(model) -> list[tuple[int, ...]]:
         shapes.append((n_out, n_in))
         bias = model.linear_bias or (model.qkv_bias and name in ("q", "k", "v", "qkv"))
         shapes += [(n_out,)] if bias else []
+        if name == "o" and model.qk_norm:  # Qwen3Attention registers q_norm, k_norm after o_proj
+            shapes += [(model.head_dim,), (model.head_dim,)]
     norm = [(model.hidden,)] if model.arch == "llama" else [(model.hidden,), (model.hidden,)]
     return shapes + 2 * norm
 
@@ -313,33 +315,126 @@ def finetune_param_terms(step) -> list[Term]:
 ADAM8BIT_MIN_SIZE = 4096
 """bitsandbytes' 8-bit optimizers keep fp32 states for a tensor of fewer elements
 (Optimizer8bit min_8bit_size, optim/optimizer.py init_state)."""
+PAGED_MIN_ELEMENTS = 100_000
+"""bitsandbytes' paged optimizers page a state only of a tensor this large; a smaller one's is an
+ordinary tensor (Optimizer8bit.get_state_buffer: ``p.numel() < 1e5``)."""
+PER_TENSOR = ("adafactor", "torch-adafactor", "lion", "lion8bit", "adam8bit", "paged-adamw8bit")
+"""The optimizers whose states memplan sizes tensor by tensor."""
 
 
-def _state_bytes(optimizer: str, shape: tuple[int, ...]) -> int:
+def _blockwise_8bit(n: int) -> int:
+    """One bitsandbytes 8-bit state of an n-element tensor: a uint8 code each and one fp32 absmax
+    per 256-element block (Optimizer2State / Optimizer1State.init_state, blocksize 256); fp32
+    below min_8bit_size."""
+    return n + 4 * math.ceil(n / 256) if n >= ADAM8BIT_MIN_SIZE else 4 * n
+
+
+def _factored(shape: tuple[int, ...]) -> int:
+    """Elements of a row and a column factor of the last two dimensions (or the whole of a vector)."""
+    n = math.prod(shape)
+    return n // shape[-1] + n // shape[-2] if len(shape) >= 2 else n
+
+
+def _state_bytes(optimizer: str, shape: tuple[int, ...], state_bytes: int) -> int:
     n = math.prod(shape)
     if optimizer == "adafactor":
-        # transformers' Adafactor (beta1 None): a 2-D tensor keeps its row and column means of
-        # grad² (exp_avg_sq_row, exp_avg_sq_col), anything else the full exp_avg_sq; RMS a scalar
-        return 4 * (shape[0] + shape[1] if len(shape) == 2 else n) + 4
-    # bitsandbytes AdamW8bit: two uint8 states and one fp32 absmax per 256-element block each
-    return 2 * (n + 4 * math.ceil(n / 256)) if n >= ADAM8BIT_MIN_SIZE else 2 * 4 * n
+        # transformers' Adafactor (beta1 None): a tensor of ≥ 2 dims keeps the row and column means
+        # of grad² (exp_avg_sq_row, exp_avg_sq_col), a vector the full exp_avg_sq, all in fp32
+        # (grad.float()); RMS a 0-d tensor
+        return 4 * _factored(shape) + 4
+    if optimizer == "torch-adafactor":
+        # torch.optim.Adafactor._init_group: row_var (…, rows, 1) and col_var (…, 1, cols) in the
+        # gradient's dtype (p.grad.new_zeros), a vector's variance; step a 0-d fp32 tensor
+        return state_bytes * _factored(shape) + 4
+    if optimizer == "lion":
+        # bitsandbytes Lion (Optimizer1State, optim_bits 32): one fp32 state whatever the dtype
+        return 4 * n
+    if optimizer == "lion8bit":
+        return _blockwise_8bit(n)
+    # bitsandbytes AdamW8bit / PagedAdamW8bit: two 8-bit states
+    return 2 * _blockwise_8bit(n)
+
+
+def paged(optimizer: str, device: str, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor's states are paged: CUDA unified memory (cudaMallocManaged, F.get_paged),
+    which torch's allocator does not count; on CPU bitsandbytes falls back to ordinary tensors."""
+    return optimizer == "paged-adamw8bit" and device == "cuda" and math.prod(shape) >= PAGED_MIN_ELEMENTS
+
+
+STATE_NAMES = {
+    "adafactor": ("Adafactor factored second moments (transformers)", "Σ 4·(rows + cols) per matrix"),
+    "torch-adafactor": ("torch Adafactor row and column variances", "Σ s·(rows + cols) per matrix"),
+    "lion": ("Lion momentum (bitsandbytes, fp32)", "4·P"),
+    "lion8bit": ("Lion 8-bit momentum (bitsandbytes)", "Σ (1 + 4/256)·n per tensor"),
+    "adam8bit": ("8-bit AdamW states", "Σ 8-bit states per tensor"),
+    "paged-adamw8bit": ("paged 8-bit AdamW states counted by torch", "Σ 8-bit states per tensor < 1e5"),
+}
+
+
+def trained_tensors(step) -> tuple[tuple[int, ...], ...]:
+    """Every trained tensor in the order the optimizer steps them."""
+    model = step.job.model
+    if not step.trained.tensors and model.num_experts:
+        optimizer = step.job.train.optimizer
+        raise InputError(
+            f"optimizer {optimizer} sizes its states per tensor, and an MoE model's expert tensors are not "
+            "listed yet; give adamw, adam, sgd, sgd-momentum or adam8bit",
+            field="optimizer",
+            value=optimizer,
+            accepted="adamw, adam, sgd, sgd-momentum or adam8bit",
+        )
+    return step.trained.tensors or full_tensors(model)
 
 
 def optimizer_state_terms(step) -> list[Term]:
-    """States sized per trained tensor (Adafactor; 8-bit AdamW of a fine-tune)."""
+    """States sized per trained tensor (Adafactor, Lion, 8-bit AdamW)."""
     job = step.job
-    tensors = step.trained.tensors or full_tensors(job.model)
-    nbytes = sum(_state_bytes(job.train.optimizer, t) for t in tensors)
+    optimizer, device = job.train.optimizer, job.train.device
+    nbytes = sum(
+        _state_bytes(optimizer, t, step.train_policy.state_bytes)
+        for t in trained_tensors(step)
+        if not paged(optimizer, device, t)
+    )
     sharded = step.strategy.shards_optimizer
-    formula = "Σ 4·(rows + cols) per matrix" if job.train.optimizer == "adafactor" else "Σ 8-bit states per tensor"
-    name = "Adafactor factored second moments" if job.train.optimizer == "adafactor" else "8-bit AdamW states"
+    name, formula = STATE_NAMES[optimizer]
     return [term(O, "optimizer.states", name, formula + step.div(sharded), step.local(nbytes, sharded))]
 
 
+def paged_state_bytes(job) -> int:
+    """Bytes of paged 8-bit states per GPU that live in CUDA unified memory, outside torch's counters."""
+    from .memory import Step
+
+    step = Step(job)
+    nbytes = sum(
+        _state_bytes(job.train.optimizer, t, 1)
+        for t in trained_tensors(step)
+        if paged(job.train.optimizer, job.train.device, t)
+    )
+    return step.local(nbytes, step.strategy.shards_optimizer)
+
+
+def adafactor_step_elements(step, *, foreach: bool) -> int:
+    """Elements torch.optim.Adafactor's step holds beyond its states. foreach
+    (_multi_tensor_adafactor): every tensor's var_estimate at once, the update written into it. A
+    for-loop (_single_tensor_adafactor): a tensor's var_estimate (row_var @ col_var, then the
+    update in place) and its row and column means, while the previous tensor's update is still
+    bound to ``update`` (measured: the embedding's and the first q projection's)."""
+    tensors = trained_tensors(step)
+    if foreach:
+        return sum(math.prod(t) for t in tensors)
+    previous, worst = 0, 0
+    for shape in tensors:
+        n = math.prod(shape)
+        worst = max(worst, previous + n + (_factored(shape) if len(shape) >= 2 else n))
+        previous = n
+    return worst
+
+
 def full_tensors(model) -> tuple[tuple[int, ...], ...]:
-    """Every tensor of a decoder (the trained ones of a full fine-tune)."""
+    """Every tensor of a decoder (the trained ones of a full fine-tune), in module order: the
+    input embedding, the blocks, the final norm and the head."""
     embedding, head = _root_tensors(model)
-    return tuple(embedding + head + _block_tensors(model) * model.num_layers)
+    return tuple(embedding + _block_tensors(model) * model.num_layers + head)
 
 
 PLACES = {
@@ -420,6 +515,7 @@ def adapter_block_saved(model, train, full: list[Saved], *, adapter_bytes: int) 
         "autocast input casts",
         "autocast weight copies",
         "SwiGLU gate, silu, up, product",
+        "q_norm, k_norm: normalised",
     }
     saved = [s for s in full if s.name not in dropped]
     saved.append(Saved("SwiGLU gate, silu, up", "3·c·b·s·f", 3 * x.c * t * x.f))
@@ -451,11 +547,12 @@ report reads as before they existed)."""
 
 
 def finetune_inputs(job) -> dict:
-    """The JSON inputs of a fine-tune: its fields and what it trains (nothing for full)."""
+    """The JSON inputs of a fine-tune: its fields and what it trains (a full one: only the counts,
+    every parameter trainable)."""
     tuning = job.train.tuning
-    if tuning.mode == "full":
-        return {}
     t = trained(job.model, tuning)
+    if tuning.mode == "full":
+        return {"trainable_params": t.trainable, "frozen_params": t.frozen, "total_params": t.total}
     return {k: getattr(job.train, k) for k in FINETUNE_FIELDS} | {
         "trainable_params": t.trainable,
         "frozen_params": t.frozen,
@@ -486,6 +583,12 @@ def finetune_notes(job) -> tuple[str, ...]:
         )
     if tuning.mode != "full" and strategy.framework == "deepspeed":
         notes.append(f"{tuning.mode} under DeepSpeed is modelled as under FSDP's counts, not measured")
+    if job.train.optimizer == "paged-adamw8bit" and job.train.device == "cuda":
+        notes.append(
+            f"paged-adamw8bit: {paged_state_bytes(job) / 2**30:.2f} GiB of 8-bit states (tensors of ≥ 1e5 elements) "
+            "live in CUDA unified memory (cudaMallocManaged), outside torch's allocator counters and this "
+            "estimate; the driver pages them to host RAM under pressure"
+        )
     if tuning.mode != "full" and job.train.device == "cuda":
         notes.append("fine-tuning is measured on CPU (docs/finetune_matrix_cpu.md); CUDA's dropout mask is 1 byte")
     return tuple(notes)
@@ -497,7 +600,7 @@ COMPARED = ("full", "lora", "qlora")
 def modes_compared(job) -> list[tuple[str, Estimate]]:
     """The job's estimate under each fine-tune mode that applies to its model (full; lora and
     qlora on llama-family blocks), the adapters as the job gives them: what ``recommend`` weighs
-    on one GPU. Only memory: the step time is predicted as the full fine-tune's."""
+    on one GPU with each one's step time (throughput.flops_per_token, dequant_seconds)."""
     from .memory import estimate
 
     modes = COMPARED if job.model.arch == "llama" else COMPARED[:1]

@@ -109,6 +109,18 @@ FAMILIES = {
     "mistral": Family("llama", False, {"attention_dropout": 0.0}),
     # Qwen2Attention: q/k/v always have a bias, o_proj and the MLP never (modeling_qwen2.py).
     "qwen2": Family("llama", False, {"attention_dropout": 0.0}, lambda cfg: (True, False)),
+    # Qwen3Attention: q/k/v biases only with attention_bias (default false), per-head q_norm and
+    # k_norm over head_dim (modeling_qwen3.py); a head_dim apart from hidden/heads is refused below
+    "qwen3": Family(
+        "llama",
+        False,
+        {"attention_dropout": 0.0},
+        lambda cfg: (_flag(cfg, "attention_bias", False), False),
+        lambda cfg: {"qk_norm": True},
+    ),
+    # Phi3Attention / Phi3MLP fuse qkv_proj and gate_up_proj: the llama counts, no biases
+    # (modeling_phi3.py); resid_pdrop and embd_pdrop default to 0
+    "phi3": Family("llama", False, {"attention_dropout": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
     "gpt2": Family(
         "gpt2", True, {"attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1}, lambda cfg: (False, True), _gpt2_extra
     ),
@@ -146,8 +158,16 @@ UNDESCRIBED = {
     "deepseek_v2": "its multi-head latent attention (q_lora_rank, kv_lora_rank) has no ModelSpec fields",
     "qwen3_moe": "Qwen3 attention's per-head q/k RMSNorms (q_norm, k_norm) and its head_dim apart from "
     "hidden/heads have no ModelSpec fields",
+    "gemma2": "its alternating sliding-window / global attention and its attention and final logit soft-caps "
+    "(attn_logit_softcapping, final_logit_softcapping) are not modelled",
+    "gemma3_text": "its interleaved sliding-window / global attention (layer_types) and per-head q/k norms are "
+    "not modelled",
+    "gemma3": "its interleaved sliding-window / global attention (layer_types), per-head q/k norms and vision "
+    "tower are not modelled",
+    "gemma": "its embedding scaled by sqrt(hidden) and (1 + weight) RMSNorms are not measured yet",
+    "ministral": "its interleaved sliding-window / full attention (layer_types, sliding_window) is not modelled",
 }
-"""MoE families whose attention ModelSpec cannot express: refused, not estimated wrong."""
+"""Families whose block ModelSpec cannot express: refused with the feature, not estimated wrong."""
 
 
 def read(cfg: dict, keys: tuple[str, ...], kind: type, default: Any = _MISSING) -> Any:

@@ -29,7 +29,9 @@ from .checkpointing import (
 )
 from .errors import MemplanError
 from .finetune import (
+    PER_TENSOR,
     PLACES,
+    adafactor_step_elements,
     adapter_policy,
     block_place,
     finetune_notes,
@@ -167,6 +169,17 @@ post-backward reduce-scatter, after the input embedding's backward, while its pa
 still gathered (measured: the held-out matrix's large-vocabulary FSDP cases, whose peak holds
 no activations, the gathered root unit and its gradients)."""
 
+TIED_SUM = MomentSpec(
+    phase="backward",
+    label="backward of the tied input embedding (its two gradients summed)",
+    groups=("states", "grads", "logits.block", "grads.tied_sum"),
+)
+"""A tied embedding used twice in one graph gets one AccumulateGrad: the head's gradient waits
+in its input buffer for the embedding's, and the two are summed out of place (autograd
+InputBuffer::add), so the head's, the embedding's and their sum are live at once beside every
+other gradient (measured: the fine-tune matrix's qwen2 bf16 full case, three V·h tensors at its
+peak; under FSDP ``ROOT_BACKWARD`` holds them)."""
+
 
 class Step:
     """The quantities one job's moments are built from (per GPU, in bytes); what a framework
@@ -266,7 +279,7 @@ class Step:
             return [term(O, "optimizer.states", "optimizer states (in host RAM)", "offloaded", 0)]
         count, div = self.trained_local(sharded), self.trained_symbol(sharded)
         terms = []
-        if train.optimizer == "adafactor" or (train.optimizer == "adam8bit" and self.P != "P"):
+        if train.optimizer in PER_TENSOR and (train.optimizer != "adam8bit" or self.P != "P"):
             terms += optimizer_state_terms(self)
         elif train.optimizer == "adam8bit":
             terms.append(
@@ -301,6 +314,19 @@ class Step:
 
     def optimizer_temporaries(self) -> list[Term]:
         train, pol, sharded = self.job.train, self.train_policy, self.strategy.shards_optimizer
+        if train.optimizer == "torch-adafactor":
+            foreach = train.optimizer_impl == "foreach"
+            n = adafactor_step_elements(self, foreach=foreach)
+            what = "Σ every trained tensor (foreach)" if foreach else "two consecutive tensors (for-loop)"
+            return [
+                term(
+                    B,
+                    "optimizer.adafactor_update",
+                    "torch Adafactor var_estimate / update",
+                    f"{pol.state_bytes}·{what}",
+                    pol.state_bytes * self.local(n, sharded),
+                )
+            ]
         if train.optimizer == "adafactor":
             # transformers' Adafactor._approx_sq_grad: grad² and the factored estimate of the
             # largest tensor live at once, in fp32 (optimization.py Adafactor.step)
@@ -371,7 +397,24 @@ class Step:
             groups.update(self.in_backward_groups())
         if self.holds_root_grads():
             groups.update(self.root_grad_groups())
+        if self.tied_sum():
+            vh, gbytes = self.job.model.vocab_size * self.job.model.hidden, self.train_policy.grad_bytes
+            groups["grads.tied_sum"] = [
+                term(G, "grads.tied_sum", "tied embedding: own gradient, sum", f"2·{gbytes}·V·h", 2 * gbytes * vh)
+            ]
         return groups
+
+    def tied_sum(self) -> bool:
+        """Whether the step has ``TIED_SUM``: a trained tied embedding outside FSDP's root unit."""
+        train = self.job.train
+        return (
+            self.job.model.tied_embeddings
+            and self.P == "P"
+            and not self.holds_root_grads()
+            and not train.optimizer_in_backward
+            and not self.grads_on_host
+            and self.strategy.framework != "deepspeed"
+        )
 
     def grad_groups(self) -> dict[str, list[Term]]:
         model, grads = self.job.model, self.grad_terms()
@@ -699,6 +742,8 @@ class Step:
             specs = (*specs[:2], HEAD_BACKWARD, *specs[2:])
         if self.holds_root_grads():
             specs = (*specs[:-1], ROOT_BACKWARD, specs[-1])
+        if self.tied_sum():
+            specs = (*specs[:-1], TIED_SUM, specs[-1])
         return (FORWARD_START, *specs) if self.framework.id == "fsdp" else specs
 
     def moments(self) -> list[Moment]:

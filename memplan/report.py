@@ -252,6 +252,7 @@ def render_table(
         "",
         fits_line(estimates, finals),
         *native_note(estimates),
+        *paged_line(estimates),
         *fragmentation_line(estimates),
         *stage_lines(estimates),
     ]
@@ -289,6 +290,21 @@ def native_note(estimates: list[Estimate]) -> list[str]:
     return [
         f"{names} {'has' if len(odd) == 1 else 'have'} no built-in {estimates[0].job.train.precision}: "
         "the row is what it would take; the recommendation searches only precisions each framework runs as is."
+    ]
+
+
+def paged_line(estimates: list[Estimate]) -> list[str]:
+    """bitsandbytes' paged states, which the table leaves out: how much each row has outside."""
+    from .finetune import paged_state_bytes
+
+    job = estimates[0].job
+    if job.train.optimizer != "paged-adamw8bit" or job.train.device != "cuda":
+        return []
+    each = ", ".join(f"{e.job.plan.strategy} {_g(paged_state_bytes(e.job))}" for e in estimates)
+    return [
+        "paged-adamw8bit: the 8-bit states of tensors of ≥ 1e5 elements live in CUDA unified memory, outside "
+        f"torch's allocator counters and the table (GiB per GPU: {each}); the driver pages them to host RAM "
+        "under pressure."
     ]
 
 
@@ -713,10 +729,23 @@ def finetune_lines(job) -> list[str]:
     """A LoRA or QLoRA job on one GPU: the same option under each fine-tune mode (none otherwise)."""
     if job.train.tuning.mode not in ("lora", "qlora") or job.cluster.gpus != 1:
         return []
-    lines = ["", "Fine-tune modes at this option (memory only; the step time is predicted as full's):"]
-    for mode, est in modes_compared(job):
+    from .throughput import link_for, step_time
+
+    compared = [(mode, est, step_time(est.job, link_for(est.job))) for mode, est in modes_compared(job)]
+    full_s = compared[0][2].step_s
+    lines = ["", "Fine-tune modes at this option (memory; predicted step time, relative to full's):"]
+    for mode, est, time in compared:
         verdict = "fits" if est.fits else f"over by {_gib(-est.headroom_bytes)}"
-        lines.append(f"  - {mode}: {_gib(est.total_bytes)} of {_gib(est.usable_bytes)} usable, {verdict}")
+        speed = f"step {time.step_s:.2f} s ({full_s / time.step_s:.2f}× full's speed)"
+        lines.append(f"  - {mode}: {_gib(est.total_bytes)} of {_gib(est.usable_bytes)} usable, {verdict}; {speed}")
+    fitting = [(time.step_s, mode) for mode, est, time in compared if est.fits]
+    if fitting:
+        lines.append(
+            f"  Fastest mode that fits: {min(fitting)[1]} (full trains every weight; lora and qlora train "
+            "adapters only, qlora on 4-bit weights: the choice is also one of quality)"
+        )
+    else:
+        lines.append("  No mode fits at this option.")
     return lines
 
 

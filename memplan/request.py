@@ -97,7 +97,8 @@ class TrainingRequest:
     reduce_dtype: str | None = None
     """Gradient reduction dtype (fp32 | bf16 | fp16); None: the precision's compute dtype."""
     optimizer: str = TrainSpec.optimizer
-    """adamw | adam | sgd | sgd-momentum | adam8bit | adafactor."""
+    """adamw | adam | sgd | sgd-momentum | adam8bit | adafactor | torch-adafactor | lion | lion8bit |
+    paged-adamw8bit (``specs.OPTIMIZERS`` says whose each is)."""
     optimizer_impl: str | None = None
     """foreach | fused | single; None: torch's default (foreach on cuda, single on cpu)."""
     attention: str = TrainSpec.attention

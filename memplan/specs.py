@@ -17,7 +17,22 @@ from .layout import Layout, check_layout
 ARCHS = ("llama", "gpt2", "neox", "vit")
 ACTIVATIONS = ("silu", "gelu", "gelu_new")
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "mixed-bf16", "mixed-fp16", "bf16")
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adam8bit", "adafactor")
+OPTIMIZERS = (
+    "adamw",
+    "adam",
+    "sgd",
+    "sgd-momentum",
+    "adam8bit",
+    "adafactor",
+    "torch-adafactor",
+    "lion",
+    "lion8bit",
+    "paged-adamw8bit",
+)
+"""adafactor: transformers' Adafactor (the HF Trainer's optim="adafactor"); torch-adafactor:
+torch.optim.Adafactor (torch >= 2.5); lion, lion8bit, adam8bit, paged-adamw8bit: bitsandbytes'
+Lion, Lion8bit, AdamW8bit, PagedAdamW8bit (the HF Trainer's lion_32bit, lion_8bit, adamw_bnb_8bit,
+paged_adamw_8bit)."""
 OPTIMIZER_IMPLS = ("foreach", "fused", "single")
 AC_MODES = ("none", "selective", "full")
 """The policies the recommendation searches; ``loop.AC_POLICIES`` adds torchtitan's op SAC."""
@@ -85,6 +100,9 @@ class ModelSpec:
     activation: str = ""
     """MLP activation: silu (SwiGLU), gelu (fused kernel) or gelu_new (HF GPT-2's tanh
     formula in Python, which saves three more ffn-wide tensors); "" means the family's."""
+    qk_norm: bool = False
+    """Qwen3's per-head RMSNorms on q and k before the rotary embedding (q_norm, k_norm of
+    head_dim each: modeling_qwen3.py Qwen3Attention)."""
     # mixture of experts (llama family only; ``memplan.moe`` holds the formulas)
     num_experts: int = 0
     """Routed experts per MoE layer; 0: a dense model."""
@@ -172,7 +190,7 @@ class ModelSpec:
             "attn_out": h * h + h * bias,
             "mlp_in": (2 if self.gated_mlp else 1) * h * f + f * bias * (2 if self.gated_mlp else 1),
             "mlp_out": f * h + h * bias,
-            "norms": 2 * self.norm_params,
+            "norms": 2 * self.norm_params + (2 * self.head_dim if self.qk_norm else 0),
         }
         return counts
 

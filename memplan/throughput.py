@@ -118,7 +118,44 @@ def flops_per_token(job: Job) -> float:
     recompute = {"none": 0.0, "selective": attention_fwd, "op": n, "full": 2 * n + attention_fwd}[
         job.train.activation_checkpointing
     ]
-    return 6 * n + 3 * attention_fwd + recompute
+    tuning = job.train.tuning
+    if tuning.mode == "full":
+        return 6 * n + 3 * attention_fwd + recompute
+    from .finetune import trained
+
+    t = trained(m, tuning)
+    if tuning.adapters:
+        # 6·N = 2·N forward + 4·N backward, the backward half input gradients, half weight
+        # gradients (Narayanan et al. 2021, §3.4: each matmul's backward is two of its size);
+        # a frozen weight needs only the input gradient, which flows through every block down to
+        # the first adapter: 4·N_frozen; the adapters (lora_A, lora_B) train in full: 6·N_adapters
+        return 4 * n + 6 * t.trainable + 3 * attention_fwd + recompute
+    # frozen:N: nothing below block N needs a gradient, so the input embedding and the first N
+    # blocks run forward only (2·N_frozen and their attention's forward); the rest trains in full
+    frozen_share = tuning.frozen_blocks / m.num_layers
+    trained_attention = attention_fwd * (1 - frozen_share)
+    return (
+        2 * t.frozen
+        + 6 * t.trainable
+        + attention_fwd * frozen_share
+        + 3 * trained_attention
+        + recompute * (1 - frozen_share)
+    )
+
+
+def dequant_seconds(job: Job, link: Link) -> float:
+    """QLoRA's dequantization per step: bitsandbytes' MatMul4Bit dequantizes every NF4 weight to
+    the compute dtype in forward and again in backward (autograd/_functions.py MatMul4Bit.forward
+    and .backward: F.dequantize_4bit), a memory-bound pass reading the NF4 codes and scales and
+    writing a 2-byte weight, at the GPU's peak memory bandwidth (an optimistic floor)."""
+    tuning = job.train.tuning
+    if tuning.mode != "qlora":
+        return 0.0
+    from .finetune import NF4_BYTES_PER_PARAM, trained
+
+    calls = 2 * job.train.grad_accum * job.layout.microbatches
+    nbytes = trained(job.model, tuning).quantized * (NF4_BYTES_PER_PARAM + 2)
+    return calls * nbytes / link.gpu.memory_bw_bytes_s / job.layout.model_parallel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,6 +283,7 @@ def step_time(
         mfu = default("mfu") if mfu is None else mfu
         achieved_flops = link.gpu.peak_flops(job.train.precision) * mfu
     compute = tokens * flops_per_token(job) / achieved_flops / layout.model_parallel * (1 + bubble_fraction(job))
+    compute += dequant_seconds(job, link)
     comm = comm_seconds(job, link)
     if exposed_fraction is None:
         overlap = default("overlap_fraction") if overlap is None else overlap

@@ -27,6 +27,13 @@ def _hf_config(spec):
         intermediate_size=spec.ffn_hidden,
     )
     if spec.arch == "llama":
+        if spec.qk_norm:
+            return tf.Qwen3Config(
+                **common,
+                num_key_value_heads=spec.num_kv_heads,
+                head_dim=spec.head_dim,
+                tie_word_embeddings=spec.tied_embeddings,
+            )
         cls = tf.Qwen2Config if spec.qkv_bias else tf.LlamaConfig
         return cls(**common, num_key_value_heads=spec.num_kv_heads, tie_word_embeddings=spec.tied_embeddings)
     if spec.arch == "gpt2":

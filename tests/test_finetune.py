@@ -139,6 +139,10 @@ def test_cli_json_states_trainable_and_frozen_counts():
     expected = trained(model_preset("llama-2-7b"), tuning("qlora", 16, 16.0, "all-linear", 0.0))
     assert (train["trainable_params"], train["frozen_params"]) == (expected.trainable, expected.frozen)
     assert train["finetune"] == "qlora"
+    full = CliRunner().invoke(main, [*args[:7], "--format", "json"])  # no --finetune: full
+    counts = json.loads(full.output)["inputs"]["train"]
+    P = model_preset("llama-2-7b").num_params
+    assert (counts["trainable_params"], counts["frozen_params"], counts["total_params"]) == (P, 0, P)
 
 
 def test_cli_bad_mode_is_one_line():
@@ -179,3 +183,17 @@ def test_trained_tensors_of_a_full_fine_tune_are_the_model(name):
 
     model = model_preset(name)
     assert sum(math.prod(t) for t in full_tensors(model)) == model.num_params
+
+
+def test_tied_embedding_gradients_are_summed_out_of_place_outside_fsdp():
+    """memory.TIED_SUM: the head's and the embedding's gradients and their sum at once (measured:
+    the qwen2 bf16 full torch-adafactor case)."""
+    from memplan.memory import Step
+
+    tied = finetune.QWEN
+    job = Job(model=tied, train=TrainSpec(precision="bf16", seq_len=32, device="cpu")).with_(strategy="single")
+    moment = next(m for m in estimate(job).moments if m.label.startswith("backward of the tied"))
+    summed = sum(t.bytes for t in moment.terms if t.key == "grads.tied_sum")
+    assert summed == 2 * 2 * tied.vocab_size * tied.hidden
+    assert not Step(Job(model=LLAMA, train=job.train, plan=job.plan)).tied_sum()
+    assert not Step(job.with_(gpus=2, strategy="fsdp-full-shard")).tied_sum()  # FSDP's root unit holds it

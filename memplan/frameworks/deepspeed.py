@@ -71,7 +71,8 @@ def tensor_numels(model) -> list[int]:
     mlp = [h * f, h * f, f * h] if model.gated_mlp else [h * f, f * h]
     mlp_bias = ([f, f, h] if model.gated_mlp else [f, h]) if bias else []
     norm = [h] if model.arch == "llama" else [h, h]
-    block = attn + attn_bias + [h * h] + ([h] if bias else []) + mlp + mlp_bias + 2 * norm
+    qk_norm = [model.head_dim] * 2 if model.qk_norm else []  # Qwen3's q_norm, k_norm
+    block = attn + attn_bias + [h * h] + ([h] if bias else []) + qk_norm + mlp + mlp_bias + 2 * norm
     if model.arch == "vit":  # patch conv (+ bias), class token, positions; classifier (+ bias)
         root = [model.image_channels * model.patch_size**2 * h, h, h, model.max_positions * h]
         return block * model.num_layers + root + norm + [h * model.vocab_size, model.vocab_size]
