@@ -71,6 +71,13 @@ CASES = dict(
         _case(
             "tp2-sp-pp2-int-v2-m4", gpus=4, tp=2, pp=2, pp_schedule="interleaved-1f1b", pp_virtual=2, pp_microbatches=4
         ),
+        # context parallel (torch's ring attention; the CP ranks shard the parameters as dp_shard_cp)
+        _case("cp2-fsdp", MODEL_KV4, gpus=2, strategy="fsdp-full-shard", cp=2, seq=512),
+        _case("cp2-fsdp-s1024-b1", MODEL_KV4, gpus=2, strategy="fsdp-full-shard", cp=2, seq=1024, micro_batch=1),
+        _case("cp2-ddp", MODEL_KV4, gpus=2, strategy="ddp", cp=2, seq=512),
+        _case("cp4-fsdp", MODEL_KV4, gpus=4, strategy="fsdp-full-shard", cp=4, seq=512),
+        _case("dp2-cp2-fsdp", MODEL_KV4, gpus=4, strategy="fsdp-full-shard", cp=2, seq=512),
+        _case("tp2-sp-cp2-fsdp", MODEL_KV4, gpus=4, strategy="fsdp-full-shard", tp=2, cp=2, seq=512),
     )
 )
 
