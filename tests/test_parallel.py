@@ -27,6 +27,12 @@ KNOWN: dict[str, str] = {
         "reshard and reduce-scatter to the last backward (stage.py backward_maybe_with_nosync), which the "
         "moments do not yet follow"
     ),
+    "cp2-fsdp-v512": (
+        "measured after the CP fix, held out: the peak is inside ring attention's backward (125.69 MiB; the "
+        "model's ring moment 124.67 MiB, -0.8 %), but the block moment (the MLP's backward with every block "
+        "gradient and the reduce-scatter input at once) gives 128.99 MiB, 2.6 % high on a 1/cp sequence "
+        "beside a 512-token vocabulary"
+    ),
 }
 """Records the model does not yet meet within 2 %, each with what is known (strict xfails: a fixed
 one must leave the list)."""
@@ -234,18 +240,39 @@ def test_live_rerun_matches_the_record(case):
     assert max(r["peak_allocated_bytes"] for r in ranks) == pytest.approx(rec["measured_bytes"], rel=0.005)
 
 
-def test_context_parallel_splits_the_sequence_and_says_it_is_modelled():
+def test_context_parallel_splits_the_sequence_and_says_how_it_is_measured():
     from memplan.parallel import context
     from memplan.parallel.step import RankStep
 
     whole = _job(gpus=8, cp=1)
     split = _job(gpus=8, cp=2)
     stage = pipeline.stages(split.layout, LLAMA.num_layers)[0]
-    kept = [sum(s.bytes for s in RankStep(j, stage).kept(0)) for j in (whole, split)]
-    assert kept[1] * 2 == kept[0]  # every kept tensor of a llama block is linear in the sequence
+    kept_whole, kept_split = (RankStep(j, stage).kept(0) for j in (whole, split))
+    copy = [s for s in kept_split if s.name.startswith("attention output, copied")]
+    # every kept tensor of a llama block is linear in the sequence; the worst CP rank keeps one
+    # more attention output (the merge's torch.cat makes the reshape copy), bf16 b·(s/2)·h
+    train = split.train
+    assert [s.bytes for s in copy] == [2 * train.micro_batch * train.seq_len // 2 * LLAMA.hidden]
+    assert (sum(s.bytes for s in kept_split) - copy[0].bytes) * 2 == sum(s.bytes for s in kept_whole)
     assert context.NOTE in estimate(split).notes
     # the CP ranks hold the same parameters: FSDP shards them over dp × cp = 8 as without CP
     assert estimate(split).by_component["params"] == estimate(whole).by_component["params"]
+
+
+def test_ring_moment_counts_torchs_ring_buffers():
+    """The ring's backward buffers (_templated_ring_attention_backward at its first dK/dV send), in
+    units of one rank's fp32 q, b·(s/cp)·h·4 bytes, with as many kv heads as heads."""
+    from memplan.parallel import context
+
+    for cp in (2, 4, 8):
+        model = replace(LLAMA, num_kv_heads=LLAMA.num_heads)
+        train = TrainSpec(seq_len=4096 // cp, micro_batch=1, precision="fp32")
+        unit = 4 * train.seq_len * model.hidden
+        (ring,) = context.ring_buffers(model, train, Layout(cp=cp))
+        # fp32 dQ,dK,dV 3; contiguous k,v 2; cat + all-gather (1 + cp)·2; kernel dq,dk,dv 3; dK/dV
+        # sent and received 4; incoming gradient 1 (measured 16 + 2·cp with the fake process group)
+        assert ring.bytes == (3 + 2 + 2 * (1 + cp) + 3 + 4 + 1) * unit
+    assert context.ring_buffers(LLAMA, TrainSpec(), Layout()) == []
 
 
 def test_layout_search_tries_context_parallel_on_long_sequences_only():
