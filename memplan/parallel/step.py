@@ -229,7 +229,8 @@ class RankStep(Step):
         # shards, the pipeline schedule's loss_fn, CP's sharded labels: torchtitan's loop), so
         # FSDP2's root runs its pre-backward hook on the logits' gradient, after the loss's
         # backward, and no last block is prefetched at the loss (frameworks/fsdp.py; measured:
-        # dp2-tp2-fsdp, dp2-pp2-fsdp-m4 and the CP × FSDP cases hold none at their peak)
+        # dp2-tp2-fsdp holds none at its peak, the start of backward; so does cp2-fsdp's rank 1, byte
+        # for byte the FSDP job on its 1/cp sequence without CP)
         groups["gathered.loss"] = [t for t in groups["gathered.loss"] if t.key != "fsdp.prefetched_block"]
         if self.layout.cp > 1:
             groups["cp.ring"] = context.ring_buffers(self.job.model, self.job.train, self.layout)
