@@ -281,3 +281,48 @@ def test_layout_search_tries_context_parallel_on_long_sequences_only():
     short, long = (replace(_job(), train=TrainSpec(seq_len=s)) for s in (8192, layouts.LONG_SEQUENCE))
     assert {lay.cp for lay in layouts._layouts(short)} == {1}
     assert {lay.cp for lay in layouts._layouts(long)} == set(layouts.CP_DEGREES)
+
+
+def _verdicts(model: str, gpus: int, gpu: str):
+    from memplan import api
+
+    _, rec = api.recommend(model=model, gpus=gpus, gpu=gpu)
+    return rec, {v.rule.id: v for v in rec.rules}
+
+
+def test_seed_tp_and_pp_rules_are_judged_with_numbers():
+    """The seeds' tensor / pipeline parallel rules (tables/rules.csv s000-13b-plus-tp,
+    s001-tp-overhead, s001-pp-bubble): codes and values recomputed from the layout's estimate and
+    the throughput model."""
+    from memplan.decide import layouts
+    from memplan.throughput import model_parallel_seconds
+
+    rec, v = _verdicts("llama-2-13b", 8, "a100-80gb")
+    best = rec.best
+    tp = v["s000-13b-plus-tp"]
+    assert tp.layout.job.layout == Layout(tp=8) and tp.layout.job.plan.strategy == "fsdp-full-shard"
+    assert tp.layout.job.train.precision == best.job.train.precision and tp.layout.fits
+    mine, _ = layouts.best_of_layout(tp.layout.job, Layout(tp=8), rec.basis.link)
+    assert mine.step.tokens_per_s == tp.layout.step.tokens_per_s
+    assert (tp.code, tp.metric) == ("slower", "slower_fraction")
+    assert tp.value == pytest.approx(1 - mine.step.tokens_per_s / best.step.tokens_per_s)
+    assert tp.agrees == (tp.value <= tp.tolerance)
+
+    cost = v["s001-tp-overhead"]
+    job = cost.layout.job
+    expected = model_parallel_seconds(job, rec.basis.link) / rec.basis.step(job).compute_s
+    assert cost.metric == "tp_exposed_fraction" and cost.value == pytest.approx(expected)
+    assert cost.code == ("overhead_high" if expected > cost.tolerance else "overhead_low")
+
+    bubble = v["s001-pp-bubble"]
+    # two stages, 1F1B, 4 micro-batches per stage: (pp − 1)/M = 1/8
+    assert (bubble.metric, bubble.value, bubble.code) == ("bubble_fraction", 1 / 8, "overhead_high")
+    assert "12.5% of its compute time" in bubble.detail
+
+
+def test_seed_tp_rule_does_not_fit_says_by_how_much():
+    _, v = _verdicts("llama-3.1-405b", 8, "h100-sxm")
+    tp = v["s000-13b-plus-tp"]
+    assert tp.code == "does_not_fit" and not tp.agrees
+    assert tp.value == tp.layout.estimate.total_bytes > tp.layout.estimate.usable_bytes
+    assert tp.layout.job.train.activation_checkpointing == "full" and tp.layout.job.train.micro_batch == 1
