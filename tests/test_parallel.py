@@ -326,3 +326,37 @@ def test_seed_tp_rule_does_not_fit_says_by_how_much():
     assert tp.code == "does_not_fit" and not tp.agrees
     assert tp.value == tp.layout.estimate.total_bytes > tp.layout.estimate.usable_bytes
     assert tp.layout.job.train.activation_checkpointing == "full" and tp.layout.job.train.micro_batch == 1
+
+
+def test_async_tp_adds_torchs_symmetric_memory_workspace_and_says_it_is_modelled():
+    """--async-tp: one symmetric-memory workspace per TP group, grown to the fused
+    matmul-reduce-scatter's two output chunks (2·c·b·(s/tp)·h), outside the caching allocator."""
+    import tomllib
+
+    from memplan.emit import emit
+    from memplan.parallel import tensor
+
+    base = Job(
+        model=LLAMA,
+        train=TrainSpec(seq_len=4096, micro_batch=2, precision="mixed-bf16"),
+        cluster=ClusterSpec(gpus=16),
+        plan=Plan(strategy="fsdp-full-shard"),
+        layout=Layout(tp=4, cp=2),
+    )
+    fast = replace(base, layout=Layout(tp=4, cp=2, async_tp=True))
+    plain, async_ = estimate(base), estimate(fast)
+    (ws,) = [t for t in async_.overhead if t.key == "async_tp.workspace"]
+    assert ws.bytes == 2 * 2 * 2 * (4096 // 2 // 4) * LLAMA.hidden  # bf16, b = 2, the rank's 1/cp of s, /tp
+    assert async_.total_bytes - plain.total_bytes == ws.bytes and async_.allocated_bytes == plain.allocated_bytes
+    assert tensor.ASYNC_TP_NOTE in async_.notes and tensor.ASYNC_TP_NOTE not in plain.notes
+    # torchtitan: async TP is CompileConfig's, and needs the model compiled
+    toml = tomllib.loads(emit(fast, "torchtitan"))
+    assert toml["compile"] == {"enable": True, "enable_async_tensor_parallel": True}
+    assert set(toml["compile"]) <= _dataclass_fields(_installed_source("torchtitan.config.configs"), "CompileConfig")
+    assert "compile" not in tomllib.loads(emit(base, "torchtitan"))
+
+
+@pytest.mark.parametrize("layout", [dict(tp=1), dict(tp=2, sp=False)])
+def test_async_tp_needs_tensor_and_sequence_parallel(layout):
+    with pytest.raises(MemplanError, match="async_tp True needs tensor parallel with sequence parallel"):
+        Layout(async_tp=True, **layout)

@@ -300,6 +300,7 @@ class LayoutEstimate(Estimate):
 def layout_notes(layout) -> tuple[str, ...]:
     """What the layout's estimate models without a measurement behind it."""
     notes: tuple[str, ...] = (context.NOTE,) if layout.cp > 1 else ()
+    notes += (tensor.ASYNC_TP_NOTE,) if layout.async_tp else ()
     if layout.pp > 1 and layout.pp_schedule == "zero-bubble":
         notes += (
             "the zero-bubble schedule's micro-batches in flight are modelled from torch's schedule, not measured",
