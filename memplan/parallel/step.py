@@ -23,7 +23,7 @@ A, B = Component.ACTIVATIONS, Component.BUFFERS
 RING_BACKWARD = MomentSpec(
     phase="backward",
     label="ring attention's backward in the last block",
-    groups=("states", "grads.last_block", "activations.ring", "logits.block", "gathered.ring", "cp.ring"),
+    groups=("states", "grads.ring", "activations.ring", "logits.block", "gathered.ring", "cp.ring"),
 )
 """Context parallel: the last block's attention core runs the ring's backward after the block's
 MLP and output projection (context.ring_buffers; measured: cp4-fsdp peaks there)."""
@@ -235,8 +235,20 @@ class RankStep(Step):
         if self.layout.cp > 1:
             groups["cp.ring"] = context.ring_buffers(self.job.model, self.job.train, self.layout)
             groups["activations.ring"] = self.ring_activations()
+            groups["grads.ring"] = self.ring_grads()
             groups["gathered.ring"] = [self._ring_grads(t) for t in groups["gathered.block"]]
         return groups
+
+    def ring_grads(self) -> list[Term]:
+        """The gradients held while the last block's ring runs: under FSDP2 with the root unit
+        kept (embeddings and head in the root), the head's whole, unsharded gradient, reduced only
+        at the root's post-backward (memory.root_grad_groups; measured: cp4-fsdp holds the V·h
+        head gradient at the ring's peak); otherwise the last block's share."""
+        if not (self.holds_root_grads() and self.fsdp_units == "root-kept" and self.stage.last and self.P == "P"):
+            return self.grad_groups()["grads.last_block"]
+        n = tensor.head_params(self.whole.model, self.layout.tp)
+        what = "unsharded head gradient (reduced at the root's post-backward)"
+        return [term(Component.GRADIENTS, "fsdp.root_grads", what, f"{self.gather_bytes}·{n:,}", self.gather_bytes * n)]
 
     def ring_activations(self) -> list[Term]:
         """While the last block's attention core runs the ring's backward: every other block's kept
