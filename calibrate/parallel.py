@@ -1,4 +1,4 @@
-"""Ground truth for tensor, sequence and pipeline parallel on CPU (issue 14).
+"""Ground truth for tensor, sequence, context and pipeline parallel on CPU (issue 14).
 
 Each case is a memplan Job with a ``Layout``, run on real gloo ranks: the reference llama of
 ``calibrate.workloads`` under torchtitan's TP plan (``apply_tp`` of
@@ -7,6 +7,17 @@ o/down, SequenceParallel norms, vocabulary-parallel embedding and head, loss par
 split into ``torch.distributed.pipelining`` stages (Schedule1F1B, ScheduleInterleaved1F1B,
 ScheduleGPipe), with FSDP2 over the data-parallel mesh dimension. MemTracker reads each
 rank's peak live bytes over the last of three steps.
+
+Context parallel runs torch's own ring attention: ``_templated_ring_attention`` and
+``_templated_ring_attention_backward`` of torch/distributed/tensor/experimental/_context_parallel/
+_attention.py (the ``_AllGatherRotater`` for K/V, the all-to-all rotater for dK/dV, the
+``_SDPAMerger``'s fp32 out/LSE, the head-tail load balancing), with the inputs, labels and rotary
+tables sharded by ``_context_parallel_shard`` and its ``_HeadTailLoadBalancer`` as torchtitan's
+``cp_shard`` does. One step differs from CUDA: ``context_parallel``'s DTensor dispatch maps only
+the CUDA kernels (``_scaled_dot_product_flash_attention`` and the efficient / cuDNN ones) to the
+ring, and CPU SDPA lowers to ``_scaled_dot_product_flash_attention_for_cpu``, which has no
+DTensor sharding rule; so an ``autograd.Function`` (``_RingSDPA``) calls the ring functions with
+the CPU flash kernel and saves what SDPA's autograd node saves (q, k, v, out, logsumexp).
 
     python -m calibrate.parallel            # measure every case not yet recorded
     python -m calibrate.parallel --report   # docs/parallel_matrix_cpu.md from the records
@@ -22,6 +33,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -35,7 +47,7 @@ from memplan.specs import Job
 from .launch import _free_port
 from .measure import _CpuMeter, _optimizer
 from .parallel_cases import CASES, OUT
-from .workloads import CausalLM, rotary_tables
+from .workloads import Attention, CausalLM, rotary_tables
 
 STEPS = 3
 
@@ -126,12 +138,14 @@ class StageModel(nn.Module):
 
     seq_factor = 1
     """A received stream holds 1/tp of the sequence under SP (the rotary tables are the whole's)."""
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Context parallel: this rank's rows of the rotary tables (``_context_parallel_shard``)."""
 
     def forward(self, x):
         s = x.shape[1] * (1 if self.embed_tokens is not None else self.seq_factor)
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)
-        cos, sin = rotary_tables(s, self.spec.head_dim, x.device)
+        cos, sin = self.rope if self.rope is not None else rotary_tables(s, self.spec.head_dim, x.device)
         for layer in self.layers:
             x = layer(x, cos, sin)
         if self.lm_head is not None:
@@ -147,22 +161,78 @@ def _mesh(job: Job):
     from torch.distributed.device_mesh import init_device_mesh
 
     layout = job.layout
-    return init_device_mesh("cpu", (layout.pp, job.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+    shape, names = (layout.pp, job.dp, layout.cp, layout.tp), ("pp", "dp", "cp", "tp")
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _dp_mesh(job: Job, mesh):
+    """The mesh the data-parallel strategy runs over: dp, with CP's ranks folded in (the CP ranks
+    hold the same parameters; torchtitan's dp_shard_cp)."""
+    return mesh["dp", "cp"]._flatten("dp_cp") if job.layout.cp > 1 else mesh["dp"]
 
 
 def _data_parallel(module: nn.Module, blocks, job: Job, mesh) -> nn.Module:
-    if job.dp == 1:
+    if job.dp * job.layout.cp == 1:
         return module
+    dp_mesh = _dp_mesh(job, mesh)
     if job.plan.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return DDP(module, process_group=mesh["dp"].get_group())
+        return DDP(module, process_group=dp_mesh.get_group())
     from torch.distributed.fsdp import fully_shard
 
     for block in blocks:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(module, mesh=mesh["dp"])
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(module, mesh=dp_mesh)
     return module
+
+
+class _RingSDPA(torch.autograd.Function):
+    """Causal SDPA over the CP group by torch's ring attention, on the CPU flash kernel (the
+    module docstring says why not through ``context_parallel``'s dispatch)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        from torch.distributed.tensor.experimental._context_parallel._attention import _templated_ring_attention
+
+        kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        out, lse = _templated_ring_attention(group, 2, kernel, q, k, v, is_causal=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from torch.distributed.tensor.experimental._context_parallel._attention import (
+            _templated_ring_attention_backward,
+        )
+
+        q, k, v, out, lse = ctx.saved_tensors
+        kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+        dq, dk, dv = _templated_ring_attention_backward(
+            ctx.group, 2, kernel, grad_out, "grad_out", q, k, v, out, lse, is_causal=True, dropout_p=0.0
+        )
+        return dq, dk, dv, None
+
+
+def _ring_attention(stage: StageModel, group) -> None:
+    """Every block's attention core runs the ring over ``group``."""
+    for block in stage.layers:
+        attention = cast(Attention, block.attn)
+        attention.core = lambda q, k, v: _RingSDPA.apply(q, k, v, group)  # type: ignore[method-assign]
+
+
+def _cp_shard(job: Job, mesh, stage: StageModel, ids):
+    """This rank's share of the batch (inputs and labels) and of the rotary tables, head-tail
+    balanced as torchtitan's ``cp_shard`` does (``_context_parallel_shard``, ``_HeadTailLoadBalancer``)."""
+    from torch.distributed.tensor.experimental._attention import _context_parallel_shard, _HeadTailLoadBalancer
+
+    s = ids.shape[1]
+    balancer = _HeadTailLoadBalancer(s, job.layout.cp, torch.device("cpu"))
+    tables = rotary_tables(s, job.model.head_dim, ids.device)
+    local, cos, sin = _context_parallel_shard(mesh["cp"], (ids, *tables), (1, 0, 0), load_balancer=balancer)
+    stage.rope = (cast(torch.Tensor, cos), cast(torch.Tensor, sin))
+    return local
 
 
 def run_rank(job: Job) -> dict:
@@ -183,7 +253,7 @@ def run_rank(job: Job) -> dict:
         counts = split_layers(job.model.num_layers, layout.stages)
         starts = [sum(counts[:i]) for i in range(len(counts))]
         local = [pp_rank + k * layout.pp for k in range(layout.pp_virtual)]
-        modules = []
+        modules, stages = [], []
         for index in local:
             stage = StageModel(
                 full,
@@ -194,6 +264,9 @@ def run_rank(job: Job) -> dict:
             if layout.tp > 1:
                 apply_tp(stage, mesh["tp"], sp=layout.sp)
                 stage.seq_factor = layout.tp if layout.sp else 1
+            if layout.cp > 1:
+                _ring_attention(stage, mesh["cp"].get_group())
+            stages.append(stage)
             modules.append(_data_parallel(stage, list(stage.layers), job, mesh))
         del full
         optimizer = _optimizer(nn.ModuleList(modules), job)
@@ -203,10 +276,11 @@ def run_rank(job: Job) -> dict:
                 meter.reset_peak()
             with loss_ctx():
                 if step is None:
-                    logits = modules[0](ids)
-                    loss = _loss(logits, ids)
+                    local_ids = _cp_shard(job, mesh, stages[0], ids) if layout.cp > 1 else ids
+                    logits = modules[0](local_ids)
+                    loss = _loss(logits, local_ids)
                     loss.backward()
-                    del loss, logits
+                    del loss, logits, local_ids
                 else:
                     step(ids)
             optimizer.step()

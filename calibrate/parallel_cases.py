@@ -22,6 +22,7 @@ MODEL_KV2 = ModelSpec(
     vocab_size=2048,
 )
 MODEL_KV4 = dataclasses.replace(MODEL_KV2, name="llama-h256-kv4", num_kv_heads=4, vocab_size=4096)
+MODEL_V512 = dataclasses.replace(MODEL_KV4, name="llama-h256-kv4-v512", vocab_size=512)
 
 
 def case_job(*, model: ModelSpec, gpus: int, strategy: str, seq: int, micro_batch: int, ep: int = 1, **layout) -> Job:
@@ -71,6 +72,16 @@ CASES = dict(
         _case(
             "tp2-sp-pp2-int-v2-m4", gpus=4, tp=2, pp=2, pp_schedule="interleaved-1f1b", pp_virtual=2, pp_microbatches=4
         ),
+        # context parallel (torch's ring attention; the CP ranks shard the parameters as dp_shard_cp)
+        _case("cp2-fsdp", MODEL_KV4, gpus=2, strategy="fsdp-full-shard", cp=2, seq=512),
+        _case("cp2-fsdp-s1024-b1", MODEL_KV4, gpus=2, strategy="fsdp-full-shard", cp=2, seq=1024, micro_batch=1),
+        _case("cp2-ddp", MODEL_KV4, gpus=2, strategy="ddp", cp=2, seq=512),
+        _case("cp4-fsdp", MODEL_KV4, gpus=4, strategy="fsdp-full-shard", cp=4, seq=512),
+        _case("dp2-cp2-fsdp", MODEL_KV4, gpus=4, strategy="fsdp-full-shard", cp=2, seq=512),
+        _case("tp2-sp-cp2-fsdp", MODEL_KV4, gpus=4, strategy="fsdp-full-shard", tp=2, cp=2, seq=512),
+        # measured after the CP fix, held out from it: the ring's backward as the peak at other sizes
+        _case("cp4-fsdp-s1024-b1", MODEL_KV4, gpus=4, strategy="fsdp-full-shard", cp=4, seq=1024, micro_batch=1),
+        _case("cp2-fsdp-v512", MODEL_V512, gpus=2, strategy="fsdp-full-shard", cp=2, seq=1024),
     )
 )
 

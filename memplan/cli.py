@@ -180,6 +180,12 @@ LAYOUT_OPTIONS = [
         show_default=True,
         help="Stages per rank (interleaved).",
     ),
+    click.option(
+        "--async-tp/--no-async-tp",
+        default=default("async_tp"),
+        show_default=True,
+        help="Async TP's symmetric-memory workspace (with --tp and --sp; modelled, not measured).",
+    ),
 ]
 
 

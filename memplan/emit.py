@@ -121,11 +121,15 @@ def torchtitan_sections(job: Job) -> dict[str, dict]:
         "pipeline_parallel_microbatch_size": t.micro_batch,
         "expert_parallel_degree": job.plan.ep,
     }
-    return {
+    sections: dict[str, dict] = {
         "training": training,
         "parallelism": parallelism,
         "activation_checkpoint": {"mode": TORCHTITAN_AC[t.activation_checkpointing]},
     }
+    if layout.async_tp:
+        # CompileConfig: async TP is an inductor pass, so it needs the model compiled
+        sections["compile"] = {"enable": True, "enable_async_tensor_parallel": True}
+    return sections
 
 
 def torchtitan_toml(job: Job) -> str:

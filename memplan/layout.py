@@ -47,6 +47,9 @@ class Layout:
     """Micro-batches (each of ``micro_batch`` sequences) per pipeline step; 1: as many as stages."""
     pp_virtual: int = 1
     """Stages per rank (interleaved-1f1b, zero-bubble)."""
+    async_tp: bool = False
+    """Async TP (torchtitan's ``compile.enable_async_tensor_parallel``: inductor's micro-pipelined
+    all-gather-matmul and matmul-reduce-scatter over CUDA symmetric memory); needs tp > 1 with SP."""
 
     def __post_init__(self):
         for name in ("tp", "cp", "pp", "pp_microbatches", "pp_virtual"):
@@ -55,6 +58,14 @@ class Layout:
                 raise _refuse(name, value, "a positive integer")
         if not isinstance(self.sp, bool):
             raise _refuse("sp", self.sp, "true or false")
+        if not isinstance(self.async_tp, bool):
+            raise _refuse("async_tp", self.async_tp, "true or false")
+        if self.async_tp and (self.tp == 1 or not self.sp):
+            # the fused ops replace SP's all-gathers and reduce-scatters
+            # (torch/_inductor/fx_passes/micro_pipeline_tp.py)
+            raise _refuse(
+                "async_tp", self.async_tp, "with tp > 1 and sp", "needs tensor parallel with sequence parallel"
+            )
         if self.pp_schedule not in PP_SCHEDULES:
             raise _refuse("pp_schedule", self.pp_schedule, ", ".join(PP_SCHEDULES))
         if self.pp_virtual > 1 and self.pp_schedule not in MULTI_STAGE:
@@ -89,7 +100,11 @@ class Layout:
         return gpus // self.model_parallel
 
     def describe(self) -> str:
-        parts = [f"TP {self.tp}" + (" + SP" if self.sp else "")] if self.tp > 1 else []
+        parts = (
+            [f"TP {self.tp}" + (" + SP" if self.sp else "") + (" (async)" if self.async_tp else "")]
+            if self.tp > 1
+            else []
+        )
         parts += [f"CP {self.cp}"] if self.cp > 1 else []
         if self.pp > 1:
             virtual = f" × {self.pp_virtual} virtual" if self.pp_virtual > 1 else ""

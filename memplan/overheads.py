@@ -56,6 +56,12 @@ def fixed_terms(job: Job) -> list[Term]:
         # one communicator: hybrid sharding's replicate group across nodes would be a second,
         # which would make memory grow with the GPU count (min_gpus bisects on the opposite)
         terms.append(Term(B, "NCCL buffers", _nccl_formula(), _mib("nccl_mib")))
+    if job.layout.async_tp:
+        from .parallel.tensor import async_tp_workspace
+
+        # on the rank's 1/cp of the sequence, as the rest of the layout's estimate
+        local = replace(job.train, seq_len=job.train.seq_len // job.layout.cp)
+        terms += async_tp_workspace(job.model, local, job.layout)
     return terms
 
 

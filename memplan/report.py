@@ -4,6 +4,7 @@ explanation. Bytes stay integers until a human reads them."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 from dataclasses import asdict
@@ -447,6 +448,8 @@ def verdict_detail(v: RuleVerdict) -> str:
             f"{st.exposed_comm_s:.3f} s, offload {st.offload_s:.3f} s vs compute {st.compute_s:.3f} s per step "
             f"over {v.interconnect})"
         )
+    if rule.kind in ("recommend-layout", "tp-cost", "pp-bubble"):
+        return _layout_verdict(v)
     o = _given(o)
     if v.code == "does_not_fit":
         return (
@@ -468,6 +471,41 @@ def verdict_detail(v: RuleVerdict) -> str:
     return (
         f"{o.label()} fits ({_gib(o.headroom_bytes)} headroom) and is {slower} slower than "
         f"{best.job.plan.strategy} ({_tokens(o)} vs {_tokens(best)} tokens/s per GPU){rel}"
+    )
+
+
+def _layout_verdict(v: RuleVerdict) -> str:
+    """The seeds' tensor / pipeline parallel rules in numbers: the layout judged, on its worst rank."""
+    lay = _given(v.layout)
+    est, job = lay.estimate, lay.job
+    if v.rule.kind == "tp-cost":
+        mp = v.value * lay.step.compute_s
+        return (
+            f"{job.layout.describe()} within the node: its per-layer collectives take {mp:.3f} s exposed against "
+            f"{lay.step.compute_s:.3f} s of compute per step over {v.interconnect}, {v.value:.0%} of it "
+            f"('high' here: above {_given(v.tolerance):.0%})"
+        )
+    if v.rule.kind == "pp-bubble":
+        layout = job.layout
+        return (
+            f"a {layout.pp}-stage {layout.pp_schedule} pipeline with {layout.microbatches} micro-batches idles "
+            f"{v.value:.1%} of its compute time, (pp − 1)/M; one batch through it, as drawn, idles "
+            f"{layout.pp - 1:.0%} ('high' here: above {_given(v.tolerance):.0%})"
+        )
+    what = lay.describe()
+    if v.code == "does_not_fit":
+        return (
+            f"tensor parallel ({what}) does not fit: it needs {_gib(est.total_bytes)} > "
+            f"{_gib(est.usable_bytes)} usable on its worst rank"
+        )
+    if v.code == "best":
+        pick = f"the data-parallel pick's {_tokens(v.versus)}" if v.versus else "no data-parallel option fits"
+        return f"tensor parallel ({what}) fits with {_tokens(lay)} tokens/s per GPU predicted; {pick}"
+    best = _given(v.versus)
+    slower = f"{v.value:.0%}" if v.value >= 0.01 else f"{v.value:.1%}"
+    return (
+        f"tensor parallel ({what}) fits ({_gib(est.headroom_bytes)} headroom) and is {slower} slower than "
+        f"{best.job.plan.strategy} ({_tokens(lay)} vs {_tokens(best)} tokens/s per GPU)"
     )
 
 
@@ -607,6 +645,21 @@ def _verdict_dict(v: RuleVerdict) -> dict:
         "versus": _option_dict(v.versus) if v.versus else None,
         "step": _step_dict(v.step) if v.step else None,
         "interconnect": v.interconnect,
+        "layout": _layout_dict(v.layout) if v.layout else None,
+    }
+
+
+def _layout_dict(lay) -> dict:
+    """The layout a tensor / pipeline parallel rule was judged on, on its worst rank."""
+    job = lay.job
+    return {
+        **dataclasses.asdict(job.layout),
+        "strategy": job.plan.strategy,
+        "activation_checkpointing": job.train.activation_checkpointing,
+        "micro_batch": job.train.micro_batch,
+        "total_bytes": lay.estimate.total_bytes,
+        "fits": lay.fits,
+        "step": _step_dict(lay.step),
     }
 
 

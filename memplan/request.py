@@ -256,6 +256,8 @@ class LayoutRequest:
     """Micro-batches per pipeline step; 1: as many as stages."""
     pp_virtual: int = Layout.pp_virtual
     """Stages per rank (interleaved-1f1b, zero-bubble)."""
+    async_tp: bool = Layout.async_tp
+    """Async TP: micro-pipelined TP collectives over CUDA symmetric memory (modelled, not measured)."""
 
     def __post_init__(self):
         self.spec()

@@ -78,6 +78,9 @@ def _check_verdict(v, rec):
         _claimed(rule.id, "claimed_rel_max"),
     )
     ref = rec.best.job
+    if rule.kind in ("recommend-layout", "tp-cost", "pp-bubble"):
+        _check_layout_verdict(v, rec)
+        return
     if rule.kind == "ac-cost":
         ratio = (
             rec.basis.step(ref.with_(activation_checkpointing=rule.ac)).tokens_per_s
@@ -110,6 +113,23 @@ def _check_verdict(v, rec):
         assert v.option.fits
     else:
         assert v.code == "more_memory" and v.value == pytest.approx(v.option.total_bytes / rec.best.total_bytes - 1)
+
+
+def _check_layout_verdict(v, rec):
+    """The seeds' TP / PP rules: the layout judged, re-estimated and re-timed, and the code from
+    the number (tests/test_parallel.py recomputes the numbers themselves)."""
+    close, lay = default("close_fraction"), v.layout
+    assert lay.estimate.total_bytes == estimate(lay.job).total_bytes
+    assert lay.step.tokens_per_s == pytest.approx(rec.basis.step(lay.job).tokens_per_s)
+    if v.rule.kind != "recommend-layout":
+        assert v.code == ("overhead_high" if v.value > close else "overhead_low") and v.agrees == (v.value > close)
+    elif v.code == "does_not_fit":
+        assert not v.agrees and v.value == lay.estimate.total_bytes > lay.estimate.usable_bytes
+    elif v.code == "best":
+        assert v.agrees and (rec.best is None or lay.step.tokens_per_s >= rec.best.step.tokens_per_s)
+    else:
+        slower = 1 - lay.step.tokens_per_s / rec.best.step.tokens_per_s
+        assert v.code == "slower" and v.value == pytest.approx(slower) and v.agrees == (slower <= close)
 
 
 @pytest.mark.parametrize("params,gpus,gpu,expected,contradicted", SCENARIOS)
@@ -242,7 +262,7 @@ def test_rules_table_is_well_formed_and_cites_seeds():
 
     seeds = {p.name for p in Path("/work/shared/seeds").glob("*.txt")} or None
     for rule in rules():
-        assert rule.kind in ("recommend", "penalty", "ac-cost")
+        assert rule.kind in ("recommend", "penalty", "ac-cost", "recommend-layout", "tp-cost", "pp-bubble")
         assert rule.quote and rule.section
         assert all(s in STRATEGIES for s in rule.strategies)
         assert all(p in PRIORITIES for p in rule.priorities)
@@ -390,7 +410,13 @@ def test_estimate_json_fills_relative_throughput_and_recommendation():
         r["verdict"]
         == ("agrees" if r["code"] in ("within_claim", "best") or r["value"] <= r["tolerance"] else "contradicted")
         for r in rec["rules"]
-        if r["code"] != "does_not_fit"
+        if r["code"] not in ("does_not_fit", "overhead_high", "overhead_low")
+    )
+    # the seeds' qualitative TP / PP costs agree when the overhead exceeds the tolerance
+    assert all(
+        r["verdict"] == ("agrees" if r["value"] > r["tolerance"] else "contradicted") and r["layout"]
+        for r in rec["rules"]
+        if r["code"] in ("overhead_high", "overhead_low")
     )
 
 

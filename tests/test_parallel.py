@@ -27,6 +27,12 @@ KNOWN: dict[str, str] = {
         "reshard and reduce-scatter to the last backward (stage.py backward_maybe_with_nosync), which the "
         "moments do not yet follow"
     ),
+    "cp2-fsdp-v512": (
+        "measured after the CP fix, held out: the peak is inside ring attention's backward (125.69 MiB; the "
+        "model's ring moment 124.92 MiB, -0.6 %), but the block moment (the MLP's backward with every block "
+        "gradient and the reduce-scatter input at once) gives 128.99 MiB, 2.6 % high on a 1/cp sequence "
+        "beside a 512-token vocabulary"
+    ),
 }
 """Records the model does not yet meet within 2 %, each with what is known (strict xfails: a fixed
 one must leave the list)."""
@@ -225,7 +231,7 @@ def test_torchtitan_toml_uses_torchtitans_own_fields():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["tp2-sp", "pp2-1f1b-m4"])
+@pytest.mark.parametrize("case", ["tp2-sp", "pp2-1f1b-m4", "cp2-fsdp"])
 def test_live_rerun_matches_the_record(case):
     from calibrate import parallel
 
@@ -234,18 +240,50 @@ def test_live_rerun_matches_the_record(case):
     assert max(r["peak_allocated_bytes"] for r in ranks) == pytest.approx(rec["measured_bytes"], rel=0.005)
 
 
-def test_context_parallel_splits_the_sequence_and_says_it_is_modelled():
+def test_context_parallel_splits_the_sequence_and_says_how_it_is_measured():
     from memplan.parallel import context
     from memplan.parallel.step import RankStep
 
     whole = _job(gpus=8, cp=1)
     split = _job(gpus=8, cp=2)
     stage = pipeline.stages(split.layout, LLAMA.num_layers)[0]
-    kept = [sum(s.bytes for s in RankStep(j, stage).kept(0)) for j in (whole, split)]
-    assert kept[1] * 2 == kept[0]  # every kept tensor of a llama block is linear in the sequence
+    kept_whole, kept_split = (RankStep(j, stage).kept(0) for j in (whole, split))
+    copy = [s for s in kept_split if s.name.startswith("attention output, copied")]
+    # every kept tensor of a llama block is linear in the sequence; the worst CP rank keeps one
+    # more attention output (the merge's torch.cat makes the reshape copy), bf16 b·(s/2)·h
+    train = split.train
+    assert [s.bytes for s in copy] == [2 * train.micro_batch * train.seq_len // 2 * LLAMA.hidden]
+    assert (sum(s.bytes for s in kept_split) - copy[0].bytes) * 2 == sum(s.bytes for s in kept_whole)
     assert context.NOTE in estimate(split).notes
     # the CP ranks hold the same parameters: FSDP shards them over dp × cp = 8 as without CP
     assert estimate(split).by_component["params"] == estimate(whole).by_component["params"]
+
+
+def test_ring_moment_counts_torchs_ring_buffers():
+    """The ring's backward buffers (_templated_ring_attention_backward at its first dK/dV send), in
+    units of one rank's fp32 q, b·(s/cp)·h·4 bytes, with as many kv heads as heads."""
+    from memplan.parallel import context
+
+    for cp in (2, 4, 8):
+        model = replace(LLAMA, num_kv_heads=LLAMA.num_heads)
+        train = TrainSpec(seq_len=4096 // cp, micro_batch=1, precision="fp32")
+        unit = 4 * train.seq_len * model.hidden
+        (ring,) = context.ring_buffers(model, train, Layout(cp=cp))
+        # fp32 dQ,dK,dV 3; contiguous k,v 2; cat + all-gather (1 + cp)·2; kernel dq,dk,dv 3; dK/dV
+        # sent and received 4; incoming gradient 1 (measured 16 + 2·cp with the fake process group)
+        assert ring.bytes == (3 + 2 + 2 * (1 + cp) + 3 + 4 + 1) * unit
+    assert context.ring_buffers(LLAMA, TrainSpec(), Layout()) == []
+
+
+@pytest.mark.parametrize("case", ["cp4-fsdp", "cp4-fsdp-s1024-b1", "cp2-fsdp-v512"])
+def test_ring_moment_meets_the_peaks_measured_inside_the_ring(case):
+    """Where the measured peak is inside ring attention's backward (these three: the stack at the
+    peak under the fake process group), the ring moment alone is within 2 % of it."""
+    rec = next(r for r in _records() if r["case"] == case)
+    est = estimate(parallel_cases.job_of(rec))
+    ring = next(m for m in est.moments if m.label.startswith("ring attention"))
+    assert ring.allocated_bytes == pytest.approx(rec["measured_bytes"], rel=TOLERANCE)
+    assert {"cp.ring", "fsdp.root_grads", "cp.stream_grad"} <= {t.key for t in ring.terms}
 
 
 def test_layout_search_tries_context_parallel_on_long_sequences_only():
@@ -254,3 +292,82 @@ def test_layout_search_tries_context_parallel_on_long_sequences_only():
     short, long = (replace(_job(), train=TrainSpec(seq_len=s)) for s in (8192, layouts.LONG_SEQUENCE))
     assert {lay.cp for lay in layouts._layouts(short)} == {1}
     assert {lay.cp for lay in layouts._layouts(long)} == set(layouts.CP_DEGREES)
+
+
+def _verdicts(model: str, gpus: int, gpu: str):
+    from memplan import api
+
+    _, rec = api.recommend(model=model, gpus=gpus, gpu=gpu)
+    return rec, {v.rule.id: v for v in rec.rules}
+
+
+def test_seed_tp_and_pp_rules_are_judged_with_numbers():
+    """The seeds' tensor / pipeline parallel rules (tables/rules.csv s000-13b-plus-tp,
+    s001-tp-overhead, s001-pp-bubble): codes and values recomputed from the layout's estimate and
+    the throughput model."""
+    from memplan.decide import layouts
+    from memplan.throughput import model_parallel_seconds
+
+    rec, v = _verdicts("llama-2-13b", 8, "a100-80gb")
+    best = rec.best
+    tp = v["s000-13b-plus-tp"]
+    assert tp.layout.job.layout == Layout(tp=8) and tp.layout.job.plan.strategy == "fsdp-full-shard"
+    assert tp.layout.job.train.precision == best.job.train.precision and tp.layout.fits
+    mine, _ = layouts.best_of_layout(tp.layout.job, Layout(tp=8), rec.basis.link)
+    assert mine.step.tokens_per_s == tp.layout.step.tokens_per_s
+    assert (tp.code, tp.metric) == ("slower", "slower_fraction")
+    assert tp.value == pytest.approx(1 - mine.step.tokens_per_s / best.step.tokens_per_s)
+    assert tp.agrees == (tp.value <= tp.tolerance)
+
+    cost = v["s001-tp-overhead"]
+    job = cost.layout.job
+    expected = model_parallel_seconds(job, rec.basis.link) / rec.basis.step(job).compute_s
+    assert cost.metric == "tp_exposed_fraction" and cost.value == pytest.approx(expected)
+    assert cost.code == ("overhead_high" if expected > cost.tolerance else "overhead_low")
+
+    bubble = v["s001-pp-bubble"]
+    # two stages, 1F1B, 4 micro-batches per stage: (pp − 1)/M = 1/8
+    assert (bubble.metric, bubble.value, bubble.code) == ("bubble_fraction", 1 / 8, "overhead_high")
+    assert "12.5% of its compute time" in bubble.detail
+
+
+def test_seed_tp_rule_does_not_fit_says_by_how_much():
+    _, v = _verdicts("llama-3.1-405b", 8, "h100-sxm")
+    tp = v["s000-13b-plus-tp"]
+    assert tp.code == "does_not_fit" and not tp.agrees
+    assert tp.value == tp.layout.estimate.total_bytes > tp.layout.estimate.usable_bytes
+    assert tp.layout.job.train.activation_checkpointing == "full" and tp.layout.job.train.micro_batch == 1
+
+
+def test_async_tp_adds_torchs_symmetric_memory_workspace_and_says_it_is_modelled():
+    """--async-tp: one symmetric-memory workspace per TP group, grown to the fused
+    matmul-reduce-scatter's two output chunks (2·c·b·(s/tp)·h), outside the caching allocator."""
+    import tomllib
+
+    from memplan.emit import emit
+    from memplan.parallel import tensor
+
+    base = Job(
+        model=LLAMA,
+        train=TrainSpec(seq_len=4096, micro_batch=2, precision="mixed-bf16"),
+        cluster=ClusterSpec(gpus=16),
+        plan=Plan(strategy="fsdp-full-shard"),
+        layout=Layout(tp=4, cp=2),
+    )
+    fast = replace(base, layout=Layout(tp=4, cp=2, async_tp=True))
+    plain, async_ = estimate(base), estimate(fast)
+    (ws,) = [t for t in async_.overhead if t.key == "async_tp.workspace"]
+    assert ws.bytes == 2 * 2 * 2 * (4096 // 2 // 4) * LLAMA.hidden  # bf16, b = 2, the rank's 1/cp of s, /tp
+    assert async_.total_bytes - plain.total_bytes == ws.bytes and async_.allocated_bytes == plain.allocated_bytes
+    assert tensor.ASYNC_TP_NOTE in async_.notes and tensor.ASYNC_TP_NOTE not in plain.notes
+    # torchtitan: async TP is CompileConfig's, and needs the model compiled
+    toml = tomllib.loads(emit(fast, "torchtitan"))
+    assert toml["compile"] == {"enable": True, "enable_async_tensor_parallel": True}
+    assert set(toml["compile"]) <= _dataclass_fields(_installed_source("torchtitan.config.configs"), "CompileConfig")
+    assert "compile" not in tomllib.loads(emit(base, "torchtitan"))
+
+
+@pytest.mark.parametrize("layout", [dict(tp=1), dict(tp=2, sp=False)])
+def test_async_tp_needs_tensor_and_sequence_parallel(layout):
+    with pytest.raises(MemplanError, match="async_tp True needs tensor parallel with sequence parallel"):
+        Layout(async_tp=True, **layout)

@@ -106,6 +106,11 @@ def _tp_degrees(job: Job) -> list[int]:
     return [t for t in (1, 2, 4, 8) if t <= per_node and all(n % t == 0 for n in sizes)]
 
 
+def tp_within_node(job: Job) -> int:
+    """The largest TP degree within the node that divides the model and the GPUs (1: none)."""
+    return max(t for t in _tp_degrees(job) if job.cluster.gpus % t == 0)
+
+
 def _cp_degrees(job: Job) -> list[int]:
     """Context parallel for long sequences only (torchtitan's long-context runs), within the node beside TP."""
     s = job.train.seq_len
@@ -136,6 +141,34 @@ def _rank(option: LayoutOption) -> tuple:
     """A layout with the safe margin of headroom first (as ``options.rank`` prefers), then the fastest."""
     tight = option.estimate.headroom_bytes < default("safe_headroom_fraction") * option.estimate.usable_bytes
     return (tight, -option.step.tokens_per_s)
+
+
+def _settings() -> list[tuple[str, int]]:
+    """AC and micro-batch as the search tries them: the least memory first (AC full, micro-batch
+    1: where it does not fit, nothing does), then from the cheapest recompute and the largest batch."""
+    return [("full", 1), *itertools.product(AC_SEARCHED, sorted(MICRO_BATCHES, reverse=True))]
+
+
+def _with(job: Job, layout: Layout, strategy: str, ac: str, micro: int) -> Job:
+    return replace(
+        job,
+        plan=replace(job.plan, strategy=strategy),
+        train=replace(job.train, activation_checkpointing=ac, micro_batch=micro),
+        layout=layout,
+    )
+
+
+def best_of_layout(job: Job, layout: Layout, link: Link) -> tuple[LayoutOption | None, LayoutOption]:
+    """One layout under ``job``'s strategy, its AC and micro-batch searched as ``search_layouts``
+    does: the fastest setting that fits (None: none does) and the least-memory one."""
+    smallest = _option(_with(job, layout, job.plan.strategy, "full", 1), link)
+    if not smallest.fits:
+        return None, smallest
+    for ac, micro in _settings()[1:]:
+        option = _option(_with(job, layout, job.plan.strategy, ac, micro), link)
+        if option.fits:
+            return option, smallest
+    return smallest, smallest
 
 
 def search_layouts(job: Job, link: Link) -> LayoutPick:

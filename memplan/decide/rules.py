@@ -4,14 +4,17 @@ arithmetic disagree, the arithmetic decides and the verdict says so."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 from .. import catalog
 from ..errors import MemplanError
+from ..layout import Layout
+from ..memory import estimate
 from ..specs import Job
 from ..strategies import STRATEGIES
-from ..throughput import StepTime, default, relative_to_ddp
+from ..throughput import StepTime, bubble_fraction, default, model_parallel_seconds, relative_to_ddp
+from .layouts import MICROBATCHES_PER_STAGE, LayoutOption, best_of_layout, tp_within_node
 from .options import Basis, Option, ranked, search_options, slower_fraction
 
 
@@ -22,7 +25,9 @@ class Rule:
     id: str
     kind: str
     """recommend: an option to use; penalty: a strategy's throughput relative to DDP;
-    ac-cost: throughput with activation checkpointing relative to without."""
+    ac-cost: throughput with activation checkpointing relative to without; recommend-layout:
+    tensor parallel within the node as the option (under the rule's dp strategy); tp-cost: TP's
+    communication claimed high; pp-bubble: a pipeline's idle time claimed."""
     min_params: float | None
     max_params: float | None
     min_gpu_mem_gib: float | None
@@ -122,13 +127,17 @@ class RuleVerdict:
     throughput ratio against the claimed range widened by ``tolerance``); for a recommend rule,
     best (its option is the pick), does_not_fit (``value``: the smallest total of its options,
     bytes), more_memory (ranked by memory: extra fraction of the pick's total) or slower
-    (fraction of the pick's tokens/s); ``agrees`` when that is within ``tolerance``."""
+    (fraction of the pick's tokens/s); ``agrees`` when that is within ``tolerance``. A
+    recommend-layout rule's codes are a recommend rule's, its option the ``layout``. tp-cost,
+    pp-bubble: overhead_high / overhead_low, ``value`` the fraction (``metric``), ``agrees``
+    when it exceeds ``tolerance`` (an overhead within what memplan calls close is not high)."""
 
     rule: Rule
     agrees: bool
     code: str
     metric: str
-    """relative_to_ddp | ac_relative_throughput | total_bytes | extra_memory_fraction | slower_fraction"""
+    """relative_to_ddp | ac_relative_throughput | total_bytes | extra_memory_fraction | slower_fraction
+    | tp_exposed_fraction (TP's exposed seconds over compute) | bubble_fraction"""
     value: float
     unit: str
     """x (a ratio), bytes or fraction"""
@@ -142,6 +151,8 @@ class RuleVerdict:
     step: StepTime | None = None
     """penalty: the step times behind the ratio, over ``interconnect``."""
     interconnect: str | None = None
+    layout: LayoutOption | None = None
+    """recommend-layout, tp-cost, pp-bubble: the layout the verdict is about, estimated and timed."""
 
     @property
     def claimed_low(self) -> float | None:
@@ -283,4 +294,92 @@ def judge(
             step=basis.step(ref),
             interconnect=basis.link.interconnect,
         )
+    if rule.kind in ("recommend-layout", "tp-cost", "pp-bubble"):
+        if job.plan.ep > 1:
+            return None  # expert parallel folds into the mesh its own way; TP beside it is not searched
+        try:
+            if rule.kind == "recommend-layout":
+                return _judge_layout(rule, best, job, basis)
+            return _judge_overhead(rule, ref, basis)
+        except MemplanError:
+            return None  # a layout this job cannot take (the mesh, the heads) is not judged
     return _judge_recommend(rule, options, best, job, basis, priority, fixed)
+
+
+def _judge_layout(rule: Rule, best: Option | None, job: Job, basis: Basis) -> RuleVerdict | None:
+    """Tensor parallel as the seed's alternative: TP over the node (the largest degree that
+    divides the heads, kv-heads, MLP and vocabulary, with SP) under the rule's dp strategy, its
+    AC and micro-batch searched as the layout search does; against the data-parallel pick
+    (faster or as fast: best; else slower by a fraction of its tokens/s, agreeing within
+    ``close_fraction``)."""
+    tp = tp_within_node(job)
+    if tp == 1:
+        return None  # no TP degree divides this model within the node
+    # on the pick's precision (the search's), so that the two compare like for like
+    base = job if best is None else replace(job, train=replace(job.train, precision=best.job.train.precision))
+    mine, smallest = best_of_layout(base.with_(strategy=rule.strategies[0]), Layout(tp=tp), basis.link)
+    if mine is None:
+        return RuleVerdict(
+            rule=rule,
+            agrees=False,
+            code="does_not_fit",
+            metric="total_bytes",
+            value=smallest.estimate.total_bytes,
+            unit="bytes",
+            layout=smallest,
+        )
+    if best is None or mine.step.tokens_per_s >= best.step.tokens_per_s:
+        return RuleVerdict(
+            rule=rule,
+            agrees=True,
+            code="best",
+            metric="tokens_per_s",
+            value=mine.step.tokens_per_s,
+            unit="tokens/s",
+            layout=mine,
+            versus=best,
+        )
+    close = default("close_fraction")
+    value = 1 - mine.step.tokens_per_s / best.step.tokens_per_s
+    return RuleVerdict(
+        rule=rule,
+        agrees=value <= close,
+        code="slower",
+        metric="slower_fraction",
+        value=value,
+        unit="fraction",
+        tolerance=close,
+        layout=mine,
+        versus=best,
+    )
+
+
+def _judge_overhead(rule: Rule, ref: Job, basis: Basis) -> RuleVerdict | None:
+    """The seed's qualitative costs in numbers. tp-cost: TP over the node (as ``_judge_layout``)
+    on the reference job, its exposed collective seconds over its compute seconds. pp-bubble: a
+    pipeline over 2 GPUs as the seed draws it, 1F1B with the layout search's 4 micro-batches per
+    stage, the bubble over compute (``throughput.bubble_fraction``)."""
+    if rule.kind == "tp-cost":
+        tp = tp_within_node(ref)
+        if tp == 1:
+            return None
+        job = replace(ref, layout=Layout(tp=tp))
+        value = model_parallel_seconds(job, basis.link) / basis.step(job).compute_s
+        metric = "tp_exposed_fraction"
+    else:
+        if ref.cluster.gpus % 2 or ref.model.num_layers < 2:
+            return None
+        job = replace(ref, layout=Layout(pp=2, pp_microbatches=2 * MICROBATCHES_PER_STAGE))
+        value, metric = bubble_fraction(job), "bubble_fraction"
+    close = default("close_fraction")
+    return RuleVerdict(
+        rule=rule,
+        agrees=value > close,
+        code="overhead_high" if value > close else "overhead_low",
+        metric=metric,
+        value=value,
+        unit="fraction",
+        tolerance=close,
+        layout=LayoutOption(estimate=estimate(job), step=basis.step(job)),
+        interconnect=basis.link.interconnect,
+    )

@@ -13,13 +13,20 @@ from ..breakdown import Component, Estimate, Term
 from ..checkpointing import checkpointed
 from ..frameworks.base import term
 from ..layout import MULTI_STAGE
-from ..memory import Step, loop_notes
+from ..memory import MomentSpec, Step, loop_notes
 from ..overheads import overhead_terms
 from ..specs import Job
 from . import context, pipeline, tensor
 from .pipeline import Stage
 
 A, B = Component.ACTIVATIONS, Component.BUFFERS
+RING_BACKWARD = MomentSpec(
+    phase="backward",
+    label="ring attention's backward in the last block",
+    groups=("states", "grads.ring", "activations.ring", "logits.block", "gathered.ring", "cp.ring"),
+)
+"""Context parallel: the last block's attention core runs the ring's backward after the block's
+MLP and output projection (context.ring_buffers; measured: cp4-fsdp peaks there)."""
 _OUTSIDE = ("activations.outside", "loss.forward", "loss.backward", "logits.forward", "logits.loss", "logits.block")
 
 
@@ -69,12 +76,13 @@ class RankStep(Step):
     def kept(self, index: int):
         policy = checkpointed(index, self.job.train.loop.ac_every)
         if policy not in self._sharded:
-            self._sharded[policy] = tensor.shard_saved(super().kept(index), self.layout)
+            kept = super().kept(index)
+            kept = kept + context.merged_output(kept, self.job.model, self.job.train, self.layout)
+            self._sharded[policy] = tensor.shard_saved(kept, self.layout)
         return self._sharded[policy]
 
     def transient_terms(self, index: int) -> list[Term]:
         terms = tensor.shard_saved(super().transient_terms(index), self.layout)
-        terms = terms + context.ring_buffers(self.job.model, self.job.train, self.layout)
         if self.sends():
             # a stage's backward starts from the received output gradient (its buffer) and makes
             # the gradient of its last block's input beside it (measured: one more b·s·h at the peak)
@@ -217,12 +225,63 @@ class RankStep(Step):
     def groups(self) -> dict[str, list[Term]]:
         groups = super().groups()
         groups["states"] = groups["states"] + self.receive_buffers()
-        if self.layout.tp > 1:
-            # FSDP2's root prefetches the last block's all-gather when backward starts from plain
-            # outputs; from loss parallel's DTensor logits it does not (measured: dp2-tp2-fsdp
-            # holds no prefetched block at its peak, the start of backward)
-            groups["gathered.loss"] = [t for t in groups["gathered.loss"] if t.key != "fsdp.prefetched_block"]
+        # Under a layout the loss is computed outside the model (loss parallel on the vocabulary
+        # shards, the pipeline schedule's loss_fn, CP's sharded labels: torchtitan's loop), so
+        # FSDP2's root runs its pre-backward hook on the logits' gradient, after the loss's
+        # backward, and no last block is prefetched at the loss (frameworks/fsdp.py; measured:
+        # dp2-tp2-fsdp holds none at its peak, the start of backward; so does cp2-fsdp's rank 1, byte
+        # for byte the FSDP job on its 1/cp sequence without CP)
+        groups["gathered.loss"] = [t for t in groups["gathered.loss"] if t.key != "fsdp.prefetched_block"]
+        if self.layout.cp > 1:
+            groups["cp.ring"] = context.ring_buffers(self.job.model, self.job.train, self.layout)
+            groups["activations.ring"] = self.ring_activations()
+            groups["grads.ring"] = self.ring_grads()
+            groups["gathered.ring"] = [self._ring_grads(t) for t in groups["gathered.block"]]
         return groups
+
+    def ring_grads(self) -> list[Term]:
+        """The gradients held while the last block's ring runs: under FSDP2 with the root unit
+        kept (embeddings and head in the root), the head's whole, unsharded gradient, reduced only
+        at the root's post-backward (memory.root_grad_groups; measured: cp4-fsdp holds the V·h
+        head gradient at the ring's peak); otherwise the last block's share."""
+        if not (self.holds_root_grads() and self.fsdp_units == "root-kept" and self.stage.last and self.P == "P"):
+            return self.grad_groups()["grads.last_block"]
+        n = tensor.head_params(self.whole.model, self.layout.tp)
+        what = "unsharded head gradient (reduced at the root's post-backward)"
+        return [term(Component.GRADIENTS, "fsdp.root_grads", what, f"{self.gather_bytes}·{n:,}", self.gather_bytes * n)]
+
+    def ring_activations(self) -> list[Term]:
+        """While the last block's attention core runs the ring's backward: every other block's kept
+        tensors, the last block's still held (``context.kept_before_core``), and the gradient of
+        the residual stream waiting at the block's input."""
+        last = self.job.model.num_layers - 1
+        terms = self.block_terms(range(last)) if last else []
+        held = context.kept_before_core(self.kept(last))
+        x = shapes(self.job.model, self.job.train)
+        stream = x.c * x.tokens * x.h // (self.layout.tp if self.layout.sp else 1)
+        return terms + [
+            term(
+                A,
+                "activations.last_block",
+                "kept activations of the last block before its attention core",
+                " + ".join(s.formula for s in held),
+                sum(s.bytes for s in held),
+            ),
+            term(A, "cp.stream_grad", "gradient of the residual stream at the last block", "c·b·(s/cp)·h", stream),
+        ]
+
+    def _ring_grads(self, t: Term) -> Term:
+        """FSDP's unsharded block gradients while the attention core runs its backward: those of
+        the parameters after it (``context.grads_after_core``), no reduce-scatter input yet."""
+        if t.key != "fsdp.block_grads":
+            return t
+        n = context.grads_after_core(self.job.model, self.layout.tp)
+        name = "unsharded gradients of the block's output projection, norm and MLP"
+        return replace(t, name=name, formula=f"{self.gather_bytes}·{n:,} params", bytes=self.gather_bytes * n)
+
+    def moment_specs(self):
+        specs = super().moment_specs()
+        return (*specs, RING_BACKWARD) if self.layout.cp > 1 else specs
 
     def receive_buffers(self) -> list[Term]:
         """stage.py allocates, per micro-batch, an activation buffer for every stage but the
@@ -253,6 +312,7 @@ class LayoutEstimate(Estimate):
 def layout_notes(layout) -> tuple[str, ...]:
     """What the layout's estimate models without a measurement behind it."""
     notes: tuple[str, ...] = (context.NOTE,) if layout.cp > 1 else ()
+    notes += (tensor.ASYNC_TP_NOTE,) if layout.async_tp else ()
     if layout.pp > 1 and layout.pp_schedule == "zero-bubble":
         notes += (
             "the zero-bubble schedule's micro-batches in flight are modelled from torch's schedule, not measured",

@@ -16,8 +16,9 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import TypeVar
 
-from ..activations import Saved
-from ..breakdown import Term
+from ..activations import Saved, shapes
+from ..breakdown import Component, Term
+from ..frameworks.base import term
 from ..layout import Layout
 from ..specs import ModelSpec
 
@@ -105,6 +106,34 @@ def embedding_params(model: ModelSpec, tp: int) -> int:
 def head_params(model: ModelSpec, tp: int) -> int:
     """The output side on a TP rank: the final norm whole, the head split over the vocabulary."""
     return model.head_params() - (0 if model.tied_embeddings else model.vocab_size * model.hidden * (tp - 1) // tp)
+
+
+ASYNC_TP_NOTE = (
+    "async TP's symmetric-memory workspace is modelled from torch's source, not measured "
+    "(it needs CUDA symmetric memory)"
+)
+
+
+def async_tp_workspace(model: ModelSpec, local, layout: Layout) -> list[Term]:
+    """Async TP's one symmetric-memory workspace per TP group (torch/distributed/_symmetric_memory
+    ``get_symm_mem_workspace``, grown to the largest request and kept): the fused
+    matmul-reduce-scatter asks for two output chunks (``_pipelined_produce_and_all2all``:
+    2·b·(s/tp)·h·c, the largest of its requests; the fused all-gather-matmul asks for one input
+    shard, b·(s/tp)·h·c). It is allocated by the symmetric-memory allocator, outside the caching
+    allocator's count: an overhead beside ``allocated``. ``local`` is the rank's step (its 1/cp of
+    the sequence)."""
+    if not layout.async_tp:
+        return []
+    x = shapes(model, local)
+    return [
+        term(
+            Component.BUFFERS,
+            "async_tp.workspace",
+            "async TP symmetric-memory workspace (fused matmul-reduce-scatter's two output chunks)",
+            "2·c·b·(s/tp)·h",
+            2 * x.c * x.tokens * x.h // layout.tp,
+        )
+    ]
 
 
 def loss_parallel_backward(terms: list[Term], layout: Layout) -> list[Term]:
