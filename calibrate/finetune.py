@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib import metadata
+from typing import Any
 
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
@@ -51,7 +52,26 @@ QWEN = ModelSpec(
     tied_embeddings=True,
     qkv_bias=True,
 )
-HF_TYPE = {LLAMA.name: "llama", QWEN.name: "qwen2"}
+_BERT: dict[str, Any] = dict(
+    arch="bert", num_layers=3, hidden=256, num_heads=4, ffn_hidden=1024, linear_bias=True, tied_embeddings=True
+)
+BERT_MLM = ModelSpec(name="bert-h256-mlm", vocab_size=2048, max_positions=512, type_vocab_size=2, **_BERT)
+BERT_CLS = ModelSpec(
+    name="bert-h256-cls2", vocab_size=2048, max_positions=512, type_vocab_size=2, num_labels=2, dropout=0.1, **_BERT
+)
+ROBERTA_MLM = ModelSpec(name="roberta-h256-mlm", vocab_size=3072, max_positions=514, type_vocab_size=1, **_BERT)
+ROBERTA_CLS = ModelSpec(
+    name="roberta-h256-cls3", vocab_size=3072, max_positions=514, type_vocab_size=1, num_labels=3, **_BERT
+)
+"""Encoders as transformers' BertForMaskedLM / BertForSequenceClassification and the RoBERTa ones."""
+HF_TYPE = {
+    LLAMA.name: "llama",
+    QWEN.name: "qwen2",
+    BERT_MLM.name: "bert",
+    BERT_CLS.name: "bert",
+    ROBERTA_MLM.name: "roberta",
+    ROBERTA_CLS.name: "roberta",
+}
 PROJ = {name: f"{name}_proj" for name in ("q", "k", "v", "o", "gate", "up", "down")}
 """transformers' module names of memplan's llama linears (peft's target_modules)."""
 
@@ -191,6 +211,15 @@ CASES = (
     # measured after the model: transformers' gradient checkpointing around peft's adapters
     _case(LLAMA, "lora", "single", "fp32", targets="all-linear", ac="full"),
     _case(QWEN, "qlora", "single", "bf16", b=1, s=128, rank=16, targets="all-linear", ac="full"),
+    # encoders (full fine-tunes), measured before memplan modelled them
+    _case(BERT_MLM, "full", "single", "fp32"),
+    _case(BERT_CLS, "full", "single", "fp32", b=4),
+    _case(BERT_MLM, "full", "ddp", "amp-bf16", gpus=2, b=1, s=128),
+    _case(ROBERTA_CLS, "full", "fsdp", "fp32", gpus=2),
+    _case(ROBERTA_MLM, "full", "single", "amp-bf16", b=1, s=128),
+    _case(BERT_CLS, "full", "single", "fp32", b=4, ac="full"),
+    _case(BERT_CLS, "full", "single", "fp32", b=4, optimizer="adafactor"),
+    _case(ROBERTA_CLS, "full", "single", "fp32", optimizer="adam8bit"),
 )
 BY_ID = {case.id: case for case in CASES}
 
@@ -203,7 +232,7 @@ def render_report(recs: list[dict]) -> str:
 
 # the held-out matrix's child, record and command line serve this one (heldout.main's matrix)
 TIMEOUT_S = heldout.TIMEOUT_S
-measure_case, make_record = heldout.measure_case, heldout.make_record
+measure_case, make_record, record_id = heldout.measure_case, heldout.make_record, heldout.record_id
 
 if __name__ == "__main__":  # the cases as calibrate.finetune's, which the child processes import
     from calibrate import finetune

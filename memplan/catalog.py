@@ -94,7 +94,17 @@ def _model_row(row: dict[str, str]) -> ModelSpec:
         activation=row["activation"],
         patch_size=int(row["patch_size"]) or 16,
         **experts().get(row["name"], {}),
+        **encoders().get(row["name"], {}),
     )
+
+
+@cache
+def encoders() -> dict[str, dict[str, Any]]:
+    """The encoder presets' token types and head (tables/encoders.csv), by preset name."""
+    return {
+        row["name"]: {"type_vocab_size": int(row["type_vocab"]), "num_labels": int(row["num_labels"])}
+        for row in read_table("encoders.csv")
+    }
 
 
 @cache
