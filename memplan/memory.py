@@ -387,6 +387,9 @@ class Step:
         if model.num_experts and not own:  # a sparse block peaks in its expert loop, before any of
             # its own gradients, and the last one's before the input embedding's (measured, DDP)
             own, last = self.block_params, self.root_params - pending
+        if model.arch == "bert":  # an encoder's input embeddings get theirs only after the first
+            # block (a tied MLM decoder's V·h has it from the head): the head's alone (measured)
+            last -= pending
         what = "params (all but the input embedding" + (" and the first block)" if own else ")")
         groups = {
             "grads": grads,
@@ -520,10 +523,10 @@ class Step:
     def activation_groups(self) -> dict[str, list[Term]]:
         model, train, L = self.job.model, self.job.train, self.job.model.num_layers
         loop = train.loop
-        if model.arch == "vit" and loop.loss != "ce":
+        if model.arch in ("vit", "bert") and loop.loss != "ce":
             raise MemplanError(
-                f"loss {loop.loss} is modelled for decoders' b·s·V logits, not for a vit classifier's "
-                "b·V ones; use loss ce"
+                f"loss {loop.loss} is modelled for decoders' logits and loss, not for {model.name} ({model.arch}, "
+                "whose head computes its own cross-entropy); use loss ce"
             )
         pre, post = outside_saved(self, *model_saved(model, train))
         if loop.loss == "fused-linear-ce":

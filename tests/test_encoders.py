@@ -51,3 +51,77 @@ def test_seq_len_beyond_the_learned_positions_is_refused():
     bert = catalog.model_preset("bert-base-uncased")
     with pytest.raises(MemplanError, match="seq-len 1024 exceeds bert-base-uncased's 512"):
         Job(model=bert, train=TrainSpec(seq_len=1024))
+
+
+# -- what autograd saves, read with saved-tensor hooks on transformers' own modules -----------
+
+
+def measured_bert_saved(model, train, hf_type: str) -> tuple[int, int]:
+    """Bytes autograd saves in one BertLayer / RobertaLayer, and in the one-layer model outside
+    it (parameters, buffers, the input ids and the labels excluded)."""
+    torch = pytest.importorskip("torch")
+    from calibrate.loops import LoopLM
+    from calibrate.wrappers import DTYPES
+    from memplan.precision import POLICIES
+
+    policy = POLICIES[train.precision]
+    dtype = DTYPES[policy.param_dtype]
+    lm = LoopLM(model, hf_type=hf_type, attention=train.attention)
+    lm.hf.to(dtype).train()
+    torch.manual_seed(0)
+    ids = torch.randint(2, model.vocab_size, (train.micro_batch, train.seq_len))  # no padding id
+    labels = ids[:, 0] % model.num_labels if model.num_labels else ids
+    skip = {t.untyped_storage().data_ptr() for t in (*lm.hf.parameters(), *lm.hf.buffers(), ids, labels)}
+    autocast = torch.autocast("cpu", dtype=DTYPES[policy.compute_dtype], enabled=policy.autocast)
+
+    def saved_bytes(forward) -> int:
+        seen = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in skip and t.dim() > 0:
+                seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+            forward()
+        return sum(seen.values())
+
+    x = torch.randn(train.micro_batch, train.seq_len, model.hidden, dtype=dtype, requires_grad=True) + 0  # not a leaf
+    block = saved_bytes(lambda: lm.layers[0](x))
+    return block, saved_bytes(lambda: lm.hf(input_ids=ids, labels=labels)) - block
+
+
+SAVED_CASES = [
+    (p, a, dropout, labels)
+    for p in ("fp32", "amp-bf16", "bf16")
+    for a in ("sdpa", "eager")
+    for dropout in (0.0, 0.1)
+    for labels in (0, 3)
+]
+
+
+@pytest.mark.parametrize("precision,attention,dropout,labels", SAVED_CASES)
+def test_bert_saved_bytes_match_autograd(precision, attention, dropout, labels):
+    from memplan.activations import block_saved, loss_saved, model_saved
+    from memplan.specs import ModelSpec
+
+    model = ModelSpec(
+        arch="bert",
+        num_layers=1,
+        hidden=128,
+        num_heads=8,
+        ffn_hidden=344,
+        vocab_size=1000,
+        linear_bias=True,
+        tied_embeddings=True,
+        max_positions=128,
+        type_vocab_size=2,
+        num_labels=labels,
+        dropout=dropout,
+    )
+    train = TrainSpec(seq_len=64, micro_batch=2, precision=precision, attention=attention, device="cpu")
+    pre, post = model_saved(model, train)
+    outside = [s for s in pre + post + loss_saved(model, train)[0] if s.key not in ("logits", "loss.logits_fp32")]
+    estimated = (sum(s.bytes for s in block_saved(model, train)), sum(s.bytes for s in outside))
+    assert estimated == measured_bert_saved(model, train, "bert")

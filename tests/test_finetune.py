@@ -44,12 +44,21 @@ def test_every_case_has_an_ok_record_that_rebuilds_it(recs):
         assert "peft" in record["libraries"] or record["spec"]["train"].get("finetune", "full") in ("full", "frozen:1")
 
 
-_ENCODERS_BEFORE = pytest.mark.xfail(reason="encoders' activations not modelled yet (docs/encoder_matrix_cpu.md)")
+# docs/encoder_matrix_cpu.md: the estimate gathers two blocks and one block's gradients with its
+# reduce-scatter input at the last block's backward; the measured peak holds one gathered block
+# (Parameter 13.17 MiB = 6.40 sharded + 3.76 root unit + 3.02 one block)
+_MISSED = {
+    "roberta-h256-cls3-full-fsdp-fp32-adamw-g2-b2s256": "+10.3 %: FSDP2 around an encoder, the unsharded "
+    "blocks at the last block's backward (docs/encoder_matrix_cpu.md)"
+}
 
 
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(c, marks=_ENCODERS_BEFORE) if c.job.model.arch == "bert" else c for c in finetune.CASES],
+    [
+        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=_MISSED[c.id])) if c.id in _MISSED else c
+        for c in finetune.CASES
+    ],
     ids=lambda c: c.id,
 )
 def test_estimate_within_tolerance_of_the_measurement(case, recs):
