@@ -361,9 +361,10 @@ def _bert_block_saved(model: ModelSpec, x: Shapes) -> list[Saved]:
         *_norm(model, x, "norm 2"),
     ]
     saved += _qkv_out(model, x)
-    if x.attention == "eager":
+    if x.attention == "eager" and not (x.autocast and x.m != x.c):
         # eager_attention_forward: softmax in the compute dtype (no fp32 upcast, none under CPU
-        # autocast either), then dropout's mask and the dropped probabilities
+        # autocast either), then dropout's mask and the dropped probabilities; CUDA autocast runs
+        # softmax in fp32 (its fp32 op list), which the decoders' eager core describes
         saved.append(Saved("softmax output", "c·b·a·s²", x.c * t * x.a * x.s))
         if x.p > 0:
             saved.append(Saved("attention dropout mask, dropped probs", "(m + c)·b·a·s²", (x.m + x.c) * t * x.a * x.s))
