@@ -137,3 +137,18 @@ def test_bert_saved_bytes_match_autograd(precision, attention, dropout, labels):
     outside = [s for s in pre + post + loss_saved(model, train)[0] if s.key not in ("logits", "loss.logits_fp32")]
     estimated = (sum(s.bytes for s in block_saved(model, train)), sum(s.bytes for s in outside))
     assert estimated == measured_bert_saved(model, train, "bert")
+
+
+def test_arch_bert_by_shapes_is_bert_for_masked_lm_with_bert_config_defaults():
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    from memplan.inputs import resolve_model
+    from memplan.request import ModelRequest
+
+    spec = resolve_model(ModelRequest(arch="bert", layers=2, hidden=256, heads=4, ffn=1024, vocab=1000)).spec
+    config = tf.BertConfig(
+        vocab_size=1000, num_hidden_layers=2, hidden_size=256, num_attention_heads=4, intermediate_size=1024
+    )
+    with torch.device("meta"):
+        module = tf.BertForMaskedLM(config)
+    assert spec.num_params == sum(p.numel() for p in module.parameters())
