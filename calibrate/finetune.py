@@ -220,6 +220,9 @@ CASES = (
     _case(BERT_CLS, "full", "single", "fp32", b=4, ac="full"),
     _case(BERT_CLS, "full", "single", "fp32", b=4, optimizer="adafactor"),
     _case(ROBERTA_CLS, "full", "single", "fp32", optimizer="adam8bit"),
+    # measured after the encoder model (held out): FSDP2 around BERT, fp32 and mixed-bf16
+    _case(BERT_CLS, "full", "fsdp", "fp32", gpus=2, b=4),
+    _case(BERT_MLM, "full", "fsdp", "mixed-bf16", gpus=2, b=1, s=128),
 )
 BY_ID = {case.id: case for case in CASES}
 
