@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib import metadata
+from typing import Any
 
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
@@ -63,7 +64,27 @@ QWEN3 = ModelSpec(
     tied_embeddings=True,
     qk_norm=True,
 )
-HF_TYPE = {LLAMA.name: "llama", QWEN.name: "qwen2", QWEN3.name: "qwen3"}
+_BERT: dict[str, Any] = dict(
+    arch="bert", num_layers=3, hidden=256, num_heads=4, ffn_hidden=1024, linear_bias=True, tied_embeddings=True
+)
+BERT_MLM = ModelSpec(name="bert-h256-mlm", vocab_size=2048, max_positions=512, type_vocab_size=2, **_BERT)
+BERT_CLS = ModelSpec(
+    name="bert-h256-cls2", vocab_size=2048, max_positions=512, type_vocab_size=2, num_labels=2, dropout=0.1, **_BERT
+)
+ROBERTA_MLM = ModelSpec(name="roberta-h256-mlm", vocab_size=3072, max_positions=514, type_vocab_size=1, **_BERT)
+ROBERTA_CLS = ModelSpec(
+    name="roberta-h256-cls3", vocab_size=3072, max_positions=514, type_vocab_size=1, num_labels=3, **_BERT
+)
+"""Encoders as transformers' BertForMaskedLM / BertForSequenceClassification and the RoBERTa ones."""
+HF_TYPE = {
+    LLAMA.name: "llama",
+    QWEN.name: "qwen2",
+    QWEN3.name: "qwen3",
+    BERT_MLM.name: "bert",
+    BERT_CLS.name: "bert",
+    ROBERTA_MLM.name: "roberta",
+    ROBERTA_CLS.name: "roberta",
+}
 PROJ = {name: f"{name}_proj" for name in ("q", "k", "v", "o", "gate", "up", "down")}
 """transformers' module names of memplan's llama linears (peft's target_modules)."""
 
@@ -225,6 +246,18 @@ CASES = (
     _case(QWEN3, "full", "single", "bf16", b=1, s=128),
     _case(QWEN3, "lora", "single", "fp32", targets="all-linear"),
     _case(QWEN3, "full", "fsdp", "fp32", gpus=2),
+    # encoders (full fine-tunes), measured before memplan modelled them
+    _case(BERT_MLM, "full", "single", "fp32"),
+    _case(BERT_CLS, "full", "single", "fp32", b=4),
+    _case(BERT_MLM, "full", "ddp", "amp-bf16", gpus=2, b=1, s=128),
+    _case(ROBERTA_CLS, "full", "fsdp", "fp32", gpus=2),
+    _case(ROBERTA_MLM, "full", "single", "amp-bf16", b=1, s=128),
+    _case(BERT_CLS, "full", "single", "fp32", b=4, ac="full"),
+    _case(BERT_CLS, "full", "single", "fp32", b=4, optimizer="adafactor"),
+    _case(ROBERTA_CLS, "full", "single", "fp32", optimizer="adam8bit"),
+    # measured after the encoder model (held out): FSDP2 around BERT, fp32 and mixed-bf16
+    _case(BERT_CLS, "full", "fsdp", "fp32", gpus=2, b=4),
+    _case(BERT_MLM, "full", "fsdp", "mixed-bf16", gpus=2, b=1, s=128),
 )
 STAND_IN = {
     "lion": "sgd-momentum",

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -165,6 +166,23 @@ def _hf_config(spec: ModelSpec, hf_type: str, *, attention: str):
 
     if hf_type in ("llama", "gpt2", "gpt_neox"):
         return hf_config(spec, attention=attention)
+    if spec.arch == "bert":  # bert, roberta: the head by num_labels (memplan.specs.ModelSpec)
+        config = AutoConfig.for_model(
+            hf_type,
+            vocab_size=spec.vocab_size,
+            num_hidden_layers=spec.num_layers,
+            hidden_size=spec.hidden,
+            num_attention_heads=spec.num_heads,
+            intermediate_size=spec.ffn_hidden,
+            hidden_act=spec.activation,
+            max_position_embeddings=spec.max_positions,
+            type_vocab_size=spec.type_vocab_size,
+            hidden_dropout_prob=spec.dropout,
+            attention_probs_dropout_prob=spec.dropout,
+            num_labels=spec.num_labels or 2,
+        )
+        config._attn_implementation = attention
+        return config
     # qwen2 and mistral are llama-arch blocks (qwen2: q/k/v biases); memplan describes them as arch llama
     shapes = dict(
         vocab_size=spec.vocab_size,
@@ -194,9 +212,14 @@ class LoopLM(nn.Module):
 
     def __init__(self, spec: ModelSpec, *, hf_type: str, attention: str, autocast_dtype=None):
         super().__init__()
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
-        self.hf = AutoModelForCausalLM.from_config(_hf_config(spec, hf_type, attention=attention))
+        auto: Any = AutoModelForCausalLM
+        if spec.arch == "bert":
+            auto = AutoModelForSequenceClassification if spec.num_labels else AutoModelForMaskedLM
+        self.hf = auto.from_config(_hf_config(spec, hf_type, attention=attention))
+        self.num_labels = spec.num_labels
+        """A sequence classifier takes one label per row: the first token id modulo the labels."""
         self.autocast_dtype = autocast_dtype
         """amp: the forward runs under autocast, as accelerate's prepared forward and the
         Trainer's compute_loss context run it; backward runs outside."""
@@ -204,6 +227,8 @@ class LoopLM(nn.Module):
     @property
     def layers(self) -> nn.ModuleList:
         base = self.hf.base_model
+        if hasattr(base, "encoder"):  # BertModel, RobertaModel
+            return base.encoder.layer
         return base.h if hasattr(base, "h") else base.layers
 
     def forward(self, input_ids, labels=None, chunks: int = 0):
@@ -218,6 +243,8 @@ class LoopLM(nn.Module):
             return [self.hf.lm_head(chunk) for chunk in hidden.chunk(chunks, dim=1)]
         if labels is None:  # torchtitan's and torchtune's models keep no KV cache in training
             return self.hf(input_ids=input_ids, use_cache=False).logits
+        if self.num_labels:
+            labels = labels[:, 0] % self.num_labels
         return self.hf(input_ids=input_ids, labels=labels)
 
 

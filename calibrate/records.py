@@ -57,7 +57,11 @@ _LOOP_DEFAULTS = {
 }
 _LATER_DEFAULTS: dict[str, dict[str, Any]] = {
     "train": _LOOP_DEFAULTS,
-    "model": {f.name: f.default for f in fields(ModelSpec) if f.name in (*MOE_FIELDS, "qk_norm")},
+    "model": {
+        f.name: f.default
+        for f in fields(ModelSpec)
+        if f.name in (*MOE_FIELDS, "qk_norm", "type_vocab_size", "num_labels")
+    },
     "plan": {"ep": 1},
 }
 """Inputs added after records existed, by part: kept in a record only where not at their default."""

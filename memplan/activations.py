@@ -153,6 +153,8 @@ def block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False
     (FSDP2's MixedPrecisionPolicy casts a unit's forward inputs, cast_forward_inputs=True)."""
     x = shapes(model, train)
     t = x.tokens
+    if model.arch == "bert":
+        return _bert_block_saved(model, x)
     saved: list[Saved] = []
     if model.arch != "llama":
         saved.append(Saved("block input (norm input)", "r·b·s·h", x.r * t * x.h))
@@ -220,18 +222,24 @@ def block_backward_transient(model: ModelSpec, train: TrainSpec, *, inputs_cast:
     gradients of ffn width beyond the saved tensors; one under autocast, and one in ViT's
     MLP, whose exact GELU has a fused backward)."""
     x = shapes(model, train)
-    k = 1 if x.autocast or model.arch == "vit" else 2
+    k = 1 if x.autocast or model.arch in ("vit", "bert") else 2
     out = [Saved("block backward gradient temporaries", f"{k}·c·b·s·f", k * x.c * x.tokens * x.f)]
     if model.num_experts:
         out = moe_backward_transient(model, x)
     if model.arch == "vit":
         out += _vit_live_in_backward(model, x)
+    if model.arch == "bert" and train.activation_checkpointing != "full":
+        # post-LayerNorm residuals: the gradient into the block, LayerNorm 2's input gradient
+        # (sent down the MLP and the residual) and LayerNorm 1's, beside the ffn-wide one
+        # (measured: MemTracker's Temp at the single-GPU fp32 peaks is c·b·s·f + 3·r·b·s·h; under
+        # full AC the recompute's peak holds none of them beyond its saved list: not added there)
+        out.append(Saved("residual-stream gradients (post-LayerNorm)", "3·r·b·s·h", 3 * x.r * x.tokens * x.h))
     mode = train.activation_checkpointing
     if mode == "full":
         # the recompute saves the checkpointed input itself (no copy) where a norm keeps it as is
         shared = "norm 1: fp32 input" if x.r == 4 else None
         if model.arch != "llama":
-            shared = "block input (norm input)"
+            shared = "block input (q, k, v input)" if model.arch == "bert" else "block input (norm input)"
         out += [s for s in block_saved(model, train, inputs_cast=inputs_cast) if s.name != shared]
     elif mode == "selective":
         out += _attention_core(model, x)
@@ -243,6 +251,8 @@ def model_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[S
     x = shapes(model, train)
     if model.arch == "vit":
         return _vit_embedding_saved(model, x), _vit_head_saved(model, x)
+    if model.arch == "bert":
+        return _bert_embedding_saved(model, x), _bert_head_saved(model, x)
     t = x.tokens
     pre = []
     if model.arch in ("llama", "neox") and (x.c == 4 or train.activation_checkpointing == "full"):
@@ -272,6 +282,8 @@ def loss_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[Sa
     x = shapes(model, train)
     if model.arch == "vit":
         return _vit_loss_saved(x)
+    if model.arch == "bert":
+        return _bert_loss_saved(model, x)
     t, V = x.tokens, x.V
     lsm = Saved("log_softmax output (fp32)", "4·b·s·V", 4 * t * V, "loss.log_softmax")
     forward = [lsm]
@@ -331,3 +343,114 @@ def _vit_loss_saved(x: Shapes) -> tuple[list[Saved], list[Saved]]:
     k = 4 if x.autocast else x.c
     lsm = Saved("log_softmax output", f"{k}·b·V", k * x.b * x.V)
     return [lsm], [lsm, Saved("loss gradients (nll, log_softmax)", f"2·{k}·b·V", 2 * k * x.b * x.V)]
+
+
+def head_outputs(model: ModelSpec, x: Shapes) -> tuple[int, int, str]:
+    """The logits' rows and columns, with their formula: b·s·V for a decoder and an MLM head,
+    b·N for a sequence classifier (a ViT's b·V is its own)."""
+    if model.arch == "bert" and model.num_labels:
+        return x.b, model.num_labels, "b·N"
+    return x.tokens, x.V, "b·s·V"
+
+
+def _bert_block_saved(model: ModelSpec, x: Shapes) -> list[Saved]:
+    """BertLayer (modeling_bert.py; RobertaLayer is the same): q, k, v apart, sdpa without a
+    mask, then post-LayerNorm residuals, LayerNorm(dropout(dense(attn)) + input) and
+    LayerNorm(dropout(dense(gelu(dense(.)))) + that). Each LayerNorm keeps its input, the
+    residual sum; the block input is kept by q, k, v (three casts of it under autocast, which
+    casts the intermediate dense's input too) and the first LayerNorm's output by the
+    intermediate dense (measured with saved-tensor hooks: tests/test_encoders.py)."""
+    t = x.tokens
+    if x.autocast:
+        inputs = [Saved("autocast input casts", "4·c·b·s·h", 4 * x.c * t * x.h)]  # q, k, v, intermediate
+    else:
+        inputs = [
+            Saved("block input (q, k, v input)", "r·b·s·h", x.r * t * x.h),
+            Saved("LayerNorm 1 output (intermediate input)", "r·b·s·h", x.r * t * x.h),
+        ]
+    saved = inputs + [
+        Saved("LayerNorm 1 input (attention output + residual)", "r·b·s·h", x.r * t * x.h),
+        *_norm(model, x, "norm 1"),
+        Saved("LayerNorm 2 input (MLP output + residual)", "r·b·s·h", x.r * t * x.h),
+        *_norm(model, x, "norm 2"),
+    ]
+    saved += _qkv_out(model, x)
+    if x.attention == "eager" and not (x.autocast and x.m != x.c):
+        # eager_attention_forward: softmax in the compute dtype (no fp32 upcast, none under CPU
+        # autocast either), then dropout's mask and the dropped probabilities; CUDA autocast runs
+        # softmax in fp32 (its fp32 op list), which the decoders' eager core describes
+        saved.append(Saved("softmax output", "c·b·a·s²", x.c * t * x.a * x.s))
+        if x.p > 0:
+            saved.append(Saved("attention dropout mask, dropped probs", "(m + c)·b·a·s²", (x.m + x.c) * t * x.a * x.s))
+    else:
+        saved += _attention_core(model, x)
+    saved.append(Saved("MLP up output, GELU output", "2·c·b·s·f", 2 * x.c * t * x.f))
+    if x.p > 0:
+        saved.append(Saved("residual dropout masks", "2·m·b·s·h", 2 * x.m * t * x.h))
+    if x.autocast:
+        # autocast caches one low-precision copy of every linear weight per forward
+        weights = 4 * x.h * x.h + 2 * x.h * x.f
+        saved.append(Saved("autocast weight copies", "c·(4·h² + 2·h·f)", x.c * weights))
+    return saved
+
+
+def _bert_embedding_saved(model: ModelSpec, x: Shapes) -> list[Saved]:
+    """BertEmbeddings: word + token type + position, LayerNorm, dropout. The token type ids
+    are gathered from a buffer (a new int64 tensor the embedding keeps); the LayerNorm keeps
+    its input, the sum, in the stream dtype."""
+    t = x.tokens
+    pre = [
+        # gathered from the (1, max_positions) buffer, then expanded over the batch: one row
+        Saved("token type ids (gathered, int64)", "8·s", 8 * x.s),
+        Saved("embedding LayerNorm input", "r·b·s·h", x.r * t * x.h),
+        *_norm(model, x, "embedding LayerNorm"),
+    ]
+    if x.p > 0:
+        mask = x.r if x.m == x.c else 1  # CPU's mask in the stream dtype, CUDA's fused one 1 byte
+        pre.append(Saved("embedding dropout mask", f"{mask}·b·s·h", mask * t * x.h))
+    return pre
+
+
+def _bert_head_saved(model: ModelSpec, x: Shapes) -> list[Saved]:
+    """The MLM head (BertLMPredictionHead: dense, GELU, LayerNorm, decoder over the
+    vocabulary at every position) or the classifier (BertPooler: dense + tanh on the first
+    token, a slice that pins the whole last block output; dropout; classifier)."""
+    t, h = x.tokens, x.h
+    rows, cols, formula = head_outputs(model, x)
+    if model.num_labels:
+        post = [
+            Saved("pooler input cast", "c·b·h", x.c * x.b * h)
+            if x.autocast
+            else Saved("last block output (pinned by the first-token slice)", "r·b·s·h", x.r * t * h),
+            Saved("pooler tanh output", "c·b·h", x.c * x.b * h),
+        ]
+        if x.p > 0:
+            post.append(Saved("classifier dropout mask and output", "(m + c)·b·h", (x.m + x.c) * x.b * h))
+        weights = h * h + h * model.num_labels
+    else:
+        head_input = ("head input cast", "c", x.c) if x.autocast else ("last block output (head input)", "r", x.r)
+        decoder_input = ("decoder input cast", "c", x.c) if x.autocast else ("head LayerNorm output", "r", x.r)
+        post = [
+            Saved(head_input[0], f"{head_input[1]}·b·s·h", head_input[2] * t * h),
+            Saved("head dense output, GELU output", "2·c·b·s·h", 2 * x.c * t * h),
+            *_norm(model, x, "head LayerNorm"),
+            Saved(decoder_input[0], f"{decoder_input[1]}·b·s·h", decoder_input[2] * t * h),
+        ]
+        weights = h * h + model.vocab_size * h
+    if x.autocast:
+        post.append(Saved("autocast head weight copies", "c·(head weights)", x.c * weights))
+    post.append(Saved("logits (held by the caller)", f"{x.c}·{formula}", x.c * rows * cols, "logits"))
+    return post
+
+
+def _bert_loss_saved(model: ModelSpec, x: Shapes) -> tuple[list[Saved], list[Saved]]:
+    """CrossEntropyLoss on the logits as they are (BertForMaskedLM and ForSequenceClassification
+    do not upcast): autocast runs it in fp32 on an fp32 copy, a bf16 model in bf16."""
+    rows, cols, formula = head_outputs(model, x)
+    k = 4 if x.autocast else x.c
+    lsm = Saved("log_softmax output", f"{k}·{formula}", k * rows * cols, "loss.log_softmax")
+    forward = [lsm]
+    if x.autocast and x.c < 4:
+        forward.append(Saved("fp32 copy of logits", f"4·{formula}", 4 * rows * cols, "loss.logits_fp32"))
+    gradients = Saved("loss gradients (nll, log_softmax)", f"2·{k}·{formula}", 2 * k * rows * cols, "loss.gradients")
+    return forward, [lsm, gradients]

@@ -95,6 +95,7 @@ def _model_row(row: dict[str, str]) -> ModelSpec:
         patch_size=int(row["patch_size"]) or 16,
         **experts().get(row["name"], {}),
         qk_norm=row["name"] in qk_norms(),
+        **encoders().get(row["name"], {}),
     )
 
 
@@ -102,6 +103,15 @@ def _model_row(row: dict[str, str]) -> ModelSpec:
 def qk_norms() -> frozenset[str]:
     """The presets whose attention normalises q and k per head (tables/qk_norm.csv: Qwen3)."""
     return frozenset(row["name"] for row in read_table("qk_norm.csv"))
+
+
+@cache
+def encoders() -> dict[str, dict[str, Any]]:
+    """The encoder presets' token types and head (tables/encoders.csv), by preset name."""
+    return {
+        row["name"]: {"type_vocab_size": int(row["type_vocab"]), "num_labels": int(row["num_labels"])}
+        for row in read_table("encoders.csv")
+    }
 
 
 @cache

@@ -58,6 +58,7 @@ LINEARS = {
     "gpt2": ("qkv", "o", "up", "down"),
     "neox": ("qkv", "o", "up", "down"),
     "vit": ("q", "k", "v", "o", "up", "down"),
+    "bert": ("q", "k", "v", "o", "up", "down"),
 }
 """The linear layers of one block per family, by the names ``--lora-targets`` takes."""
 ATTENTION = ("q", "k", "v", "qkv", "o")
@@ -184,6 +185,12 @@ def _root_tensors(model) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
             (model.vocab_size, h),
             (model.vocab_size,),
         ]
+    if model.arch == "bert":  # word, position, token type, LayerNorm; pooler + classifier | MLM transform
+        L = model.num_labels
+        mlm: list[tuple[int, ...]] = [(h, h), (h,), *head, (model.vocab_size,)]
+        bert_head: list[tuple[int, ...]] = [(h, h), (h,), (L, h), (L,)] if L else mlm
+        untied: list[tuple[int, ...]] = [] if L or model.tied_embeddings else [(model.vocab_size, h)]
+        return [(model.vocab_size, h), (model.max_positions, h), (model.type_vocab_size, h), *head], bert_head + untied
     embedding: list[tuple[int, ...]] = [(model.vocab_size, h)]
     embedding += [(model.max_positions, h)] if model.max_positions else []
     return embedding, head + ([] if model.tied_embeddings else [(model.vocab_size, h)])

@@ -77,6 +77,28 @@ def _vit_extra(cfg: dict) -> dict[str, Any]:
     }
 
 
+_ENCODER_HEADS = ("ForMaskedLM", "ForSequenceClassification")
+
+
+def _bert_extra(cfg: dict) -> dict[str, Any]:
+    """BERT / RoBERTa: learned positions, token types, and the head its ``architectures`` names
+    (none named: the MLM head, as bert-base-uncased's config.json has it)."""
+    archs = cfg.get("architectures") or ["ForMaskedLM"]
+    heads = [h for a in archs for h in _ENCODER_HEADS if isinstance(a, str) and a.endswith(h)]
+    if not heads:
+        raise MemplanError(
+            f"config.json architectures {archs!r} name no head memplan describes for an encoder; "
+            "supported: *ForMaskedLM, *ForSequenceClassification"
+        )
+    labels = cfg.get("id2label")
+    num_labels = len(labels) if isinstance(labels, dict) else read(cfg, ("num_labels",), int, 2)
+    return {
+        "max_positions": read(cfg, ("max_position_embeddings",), int, 512),
+        "type_vocab_size": read(cfg, ("type_vocab_size",), int, 2),
+        "num_labels": num_labels if heads[0] == "ForSequenceClassification" else 0,
+    }
+
+
 def _moe_extra(cfg: dict, *, experts: str, shared: str = "") -> dict[str, Any]:
     """The routed experts (``experts`` names the count key), top-k, expert width, the sparse-layer
     step and the shared expert (``shared`` its width key; Qwen2-MoE gates it)."""
@@ -149,10 +171,29 @@ FAMILIES = {
         lambda cfg: (False, True),
         _vit_extra,
     ),
+    # BertLayer / RobertaLayer: post-LayerNorm blocks, every linear with a bias (modeling_bert.py)
+    "bert": Family(
+        "bert",
+        True,
+        {"attention_probs_dropout_prob": 0.1, "hidden_dropout_prob": 0.1},
+        lambda cfg: (False, True),
+        _bert_extra,
+    ),
+    "roberta": Family(
+        "bert",
+        True,
+        {"attention_probs_dropout_prob": 0.1, "hidden_dropout_prob": 0.1},
+        lambda cfg: (False, True),
+        _bert_extra,
+    ),
 }
 
 
 UNDESCRIBED = {
+    "deberta": "its disentangled attention (relative position embeddings, c2p/p2c terms) has no ModelSpec "
+    "fields; bert and roberta are described",
+    "deberta-v2": "its disentangled attention (relative position buckets, c2p/p2c terms, shared key "
+    "projections) has no ModelSpec fields; bert and roberta are described",
     "deepseek_v3": "its multi-head latent attention (q_lora_rank, kv_lora_rank, qk_rope_head_dim) has no "
     "ModelSpec fields; the preset deepseek-v3-gqa keeps its MoE shapes with standard GQA attention",
     "deepseek_v2": "its multi-head latent attention (q_lora_rank, kv_lora_rank) has no ModelSpec fields",
@@ -225,7 +266,8 @@ def model_from_hf_config(source: str | Path | dict, *, name: str | None = None) 
     """A ModelSpec equivalent to ``source``, a Hugging Face config.json path or dict.
 
     The parameter count equals that of the transformers model (``AutoModelForCausalLM``,
-    or ``ViTForImageClassification`` for vit) built from the same config.
+    ``ViTForImageClassification`` for vit, ``*ForMaskedLM`` or ``*ForSequenceClassification``
+    for bert and roberta, as ``architectures`` names it) built from the same config.
     """
     cfg, path = load_config(source)
     model_type = read(cfg, ("model_type",), str)

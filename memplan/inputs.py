@@ -43,6 +43,9 @@ def _explicit_model(request: ModelRequest) -> ModelSpec:
     arch = request.arch or "llama"
     shape = {k: getattr(request, k) for k in SHAPES}  # ModelRequest checked that all but kv_heads are given
     gpt2 = arch == "gpt2"
+    # gpt2: 1024 learned positions, a tied head; bert: BertConfig's 512 positions, 2 token types,
+    # the MLM head (tied)
+    positions = {"gpt2": (1024, 0), "bert": (512, 2)}.get(arch, (0, 0))
     return ModelSpec(
         name=f"{arch}-custom",
         arch=arch,
@@ -52,9 +55,10 @@ def _explicit_model(request: ModelRequest) -> ModelSpec:
         num_kv_heads=shape["kv_heads"] or 0,
         ffn_hidden=shape["ffn"],
         vocab_size=shape["vocab"],
-        tied_embeddings=gpt2,
+        tied_embeddings=gpt2 or arch == "bert",
         linear_bias=arch != "llama",
-        max_positions=1024 if gpt2 else 0,
+        max_positions=positions[0],
+        type_vocab_size=positions[1],
     )
 
 

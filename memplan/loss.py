@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from .activations import Saved, shapes
+from .activations import Saved, head_outputs, shapes
 from .activations import loss_saved as ce_saved
 from .loop import Loop
 from .specs import ModelSpec, TrainSpec
@@ -40,7 +40,8 @@ def logits_live(model: ModelSpec, train: TrainSpec, loop: Loop, *, instant: str)
     if loop.loss == "fused-linear-ce" or not held:
         return []
     chunks = f", {loop.loss_chunks} chunks" if loop.loss == "chunked-ce" else ""
-    return [Saved(f"logits (at {instant}{chunks})", f"{x.c}·b·s·V", x.c * x.tokens * x.V)]
+    rows, cols, formula = head_outputs(model, x)  # an encoder's classifier: b·N
+    return [Saved(f"logits (at {instant}{chunks})", f"{x.c}·{formula}", x.c * rows * cols)]
 
 
 def _chunk_rows(seq: int, chunks: int) -> list[int]:

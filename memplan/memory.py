@@ -109,7 +109,7 @@ MOMENTS = (
             "grads.last_block",
             "activations.last_block",
             "logits.block",
-            "gathered.block",
+            "gathered.last_block",
             "block.backward.last",
         ),
     ),
@@ -385,6 +385,13 @@ class Step:
         }
         if self.job.model.num_experts:
             gathered["gathered.block"] = moe.without_block_grads(gathered["gathered.block"])
+        gathered["gathered.last_block"] = gathered["gathered.block"]
+        if self.job.model.arch == "bert":
+            # an encoder's FSDP2 peak is at the start of the last block's backward, before any of
+            # its gradients (measured per module with MemTracker: roberta-h256-cls3 on 2 gloo
+            # ranks, 0.26 MiB of gradients, every block's activations); the unsharded gradients
+            # and the reduce-scatter input come as the block frees what it saved
+            gathered["gathered.last_block"] = moe.without_block_grads(gathered["gathered.block"])
         groups = {
             "states": states,
             **self.grad_groups(),
@@ -430,6 +437,9 @@ class Step:
         if model.num_experts and not own:  # a sparse block peaks in its expert loop, before any of
             # its own gradients, and the last one's before the input embedding's (measured, DDP)
             own, last = self.block_params, self.root_params - pending
+        if model.arch == "bert":  # an encoder's input embeddings get theirs only after the first
+            # block (a tied MLM decoder's V·h has it from the head): the head's alone (measured)
+            last -= pending
         what = "params (all but the input embedding" + (" and the first block)" if own else ")")
         groups = {
             "grads": grads,
@@ -563,10 +573,10 @@ class Step:
     def activation_groups(self) -> dict[str, list[Term]]:
         model, train, L = self.job.model, self.job.train, self.job.model.num_layers
         loop = train.loop
-        if model.arch == "vit" and loop.loss != "ce":
+        if model.arch in ("vit", "bert") and loop.loss != "ce":
             raise MemplanError(
-                f"loss {loop.loss} is modelled for decoders' b·s·V logits, not for a vit classifier's "
-                "b·V ones; use loss ce"
+                f"loss {loop.loss} is modelled for decoders' logits and loss, not for {model.name} ({model.arch}, "
+                "whose head computes its own cross-entropy); use loss ce"
             )
         pre, post = outside_saved(self, *model_saved(model, train))
         if loop.loss == "fused-linear-ce":

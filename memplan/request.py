@@ -31,7 +31,7 @@ class ModelRequest:
     config: str | Path | dict | None = None
     """A Hugging Face config.json: its path, its folder, or the dict."""
     arch: str | None = None
-    """Family of a model given by its shapes (llama | gpt2 | neox | vit); llama where only shapes are given."""
+    """Family of a model given by its shapes (llama | gpt2 | neox | vit | bert); llama where only shapes are given."""
     layers: int | None = None
     """Transformer blocks (with ``arch``)."""
     hidden: int | None = None

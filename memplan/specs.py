@@ -14,7 +14,7 @@ from typing import TypeVar
 from .errors import InputError, MemplanError
 from .layout import Layout, check_layout
 
-ARCHS = ("llama", "gpt2", "neox", "vit")
+ARCHS = ("llama", "gpt2", "neox", "vit", "bert")
 ACTIVATIONS = ("silu", "gelu", "gelu_new")
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "mixed-bf16", "mixed-fp16", "bf16")
 OPTIMIZERS = (
@@ -69,12 +69,14 @@ def _square_grid_plus_one(n: int) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """A decoder-only transformer (or a ViT encoder) described by its shapes.
+    """A decoder-only transformer (or a ViT or BERT-style encoder) described by its shapes.
 
     The family fixes the block's layout: ``llama`` (RMSNorm, SwiGLU, RoPE, GQA, no
     biases), ``gpt2`` (LayerNorm, GELU, learned positions, biases, dropout, tied head),
     ``neox`` (LayerNorm, GELU, rotary, parallel residual, biases, untied head),
-    ``vit`` (LayerNorm, GELU, patch embedding, class token, classifier head).
+    ``vit`` (LayerNorm, GELU, patch embedding, class token, classifier head),
+    ``bert`` (BERT / RoBERTa: bidirectional attention, post-LayerNorm blocks, word + position
+    + token type embeddings with a LayerNorm, GELU, biases; an MLM or a classification head).
     """
 
     name: str = "custom"
@@ -124,6 +126,13 @@ class ModelSpec:
     """The routing weights stay fp32 (Mixtral); Qwen2-MoE casts them to the compute dtype."""
     capacity_factor: float = 0.0
     """Each expert takes at most C·k·T/E tokens, padded to that (GShard, Switch); 0: dropless."""
+    # encoders (bert family)
+    type_vocab_size: int = 0
+    """Token type embeddings (BERT 2, RoBERTa 1); bert only."""
+    num_labels: int = 0
+    """bert: 0 an MLM head over the vocabulary at every position (BertForMaskedLM,
+    RobertaForMaskedLM); N a sequence classifier over N labels on the first token
+    (BertForSequenceClassification's pooler + classifier, RoBERTa's classification head)."""
 
     def __post_init__(self):
         _check_choice(self.arch, ARCHS, "arch")
@@ -155,6 +164,19 @@ class ModelSpec:
                 f"vit max_positions must be its patch count + 1 over a square patch grid "
                 f"(197 = 14² + 1 for 224-pixel images in 16-pixel patches), got {self.max_positions}"
             )
+        if self.arch == "bert" and (self.max_positions <= 0 or not self.linear_bias):
+            raise MemplanError(
+                f"bert needs its learned position count (max_positions, 512 for BERT) and linear biases, "
+                f"got max_positions {self.max_positions}, linear_bias {self.linear_bias}"
+            )
+        encoder_fields = self.num_labels or self.type_vocab_size
+        if self.num_labels < 0 or self.type_vocab_size < 0 or (self.arch != "bert" and encoder_fields):
+            raise MemplanError(
+                f"num_labels {self.num_labels} and type_vocab_size {self.type_vocab_size} apply to arch bert only "
+                "and are ≥ 0"
+            )
+        if self.arch == "bert" and self.num_labels:  # a classifier has no decoder to tie
+            object.__setattr__(self, "tied_embeddings", False)
         if not 0.0 <= self.dropout < 1.0:
             raise MemplanError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.num_layers > 10_000 or self.hidden > 1_000_000 or self.vocab_size > 10_000_000:
@@ -217,6 +239,8 @@ class ModelSpec:
         if self.arch == "vit":
             patch = self.image_channels * self.patch_size**2 * h + h
             return patch + h + self.max_positions * h  # + class token
+        if self.arch == "bert":  # BertEmbeddings: word, position, token type, LayerNorm
+            return (self.vocab_size + self.max_positions + self.type_vocab_size) * h + self.norm_params
         return self.vocab_size * h + self.max_positions * h
 
     def head_params(self) -> int:
@@ -224,6 +248,13 @@ class ModelSpec:
         h = self.hidden
         if self.arch == "vit":
             return self.norm_params + h * self.vocab_size + self.vocab_size
+        if self.arch == "bert" and self.num_labels:
+            # BertPooler dense h→h + classifier h→N (RobertaClassificationHead: dense + out_proj)
+            return h * h + h + h * self.num_labels + self.num_labels
+        if self.arch == "bert":
+            # BertLMPredictionHead: transform dense h→h + LayerNorm; decoder tied to the word
+            # embedding, its own bias over the vocabulary (RobertaLMHead: the same tensors)
+            return h * h + h + self.norm_params + self.vocab_size + (0 if self.tied_embeddings else self.vocab_size * h)
         return self.norm_params + (0 if self.tied_embeddings else self.vocab_size * h)
 
     @property
@@ -233,6 +264,8 @@ class ModelSpec:
     def describe(self) -> str:
         gqa = f", kv-heads {self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
         moe = f", {self.num_experts} experts top-{self.experts_per_token}" if self.num_experts else ""
+        if self.arch == "bert":
+            moe = f", {self.num_labels}-label classifier" if self.num_labels else ", MLM head"
         return (
             f"{self.name}: {self.arch}, {self.num_layers} layers, hidden {self.hidden}, "
             f"heads {self.num_heads}{gqa}, ffn {self.ffn_hidden}{moe}, vocab {self.vocab_size}"
@@ -444,6 +477,11 @@ class Job:
 
         if self.model.arch == "vit":
             object.__setattr__(self, "train", _vit_train(self.model, self.train))
+        if self.model.arch == "bert" and self.train.seq_len > self.model.max_positions:
+            raise MemplanError(
+                f"seq-len {self.train.seq_len} exceeds {self.model.name}'s {self.model.max_positions} learned "
+                f"positions; give seq-len ≤ {self.model.max_positions}"
+            )
         if not self.layout.is_data_parallel:
             m = self.model
             check_layout(

@@ -47,6 +47,9 @@ def _hf_config(spec):
         )
     if spec.arch == "neox":
         return tf.GPTNeoXConfig(**common, tie_word_embeddings=False)
+    if spec.arch == "bert":
+        cls = tf.RobertaConfig if spec.type_vocab_size == 1 else tf.BertConfig
+        return cls(**common, max_position_embeddings=spec.max_positions, type_vocab_size=spec.type_vocab_size)
     return tf.ViTConfig(
         hidden_size=spec.hidden,
         num_hidden_layers=spec.num_layers,
@@ -70,9 +73,12 @@ def test_preset_counts_what_transformers_builds(name):
     spec = catalog.model_preset(name)
     config = _hf_config(spec)
     with torch.device("meta"):
-        model = (
-            tf.ViTForImageClassification(config) if spec.arch == "vit" else tf.AutoModelForCausalLM.from_config(config)
-        )
+        if spec.arch == "vit":
+            model = tf.ViTForImageClassification(config)
+        elif spec.arch == "bert":  # the presets' heads: BertForMaskedLM, RobertaForMaskedLM
+            model = tf.AutoModelForMaskedLM.from_config(config)
+        else:
+            model = tf.AutoModelForCausalLM.from_config(config)
     assert spec.num_params == sum(p.numel() for p in model.parameters())
 
 

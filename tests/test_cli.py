@@ -115,8 +115,8 @@ def test_bad_input_is_one_line_exit_2(args, needle):
 def test_malformed_config_files(tmp_path):
     broken = tmp_path / "config.json"
     broken.write_text("{not json")
-    unsupported = tmp_path / "bert.json"
-    unsupported.write_text(json.dumps({"model_type": "bert"}))
+    unsupported = tmp_path / "t5.json"
+    unsupported.write_text(json.dumps({"model_type": "t5"}))
     for path, needle in ((broken, "json"), (unsupported, "supported"), (tmp_path / "missing.json", "missing")):
         result = run("estimate", "--config", str(path))
         assert result.exit_code == 2, result.output

@@ -159,9 +159,9 @@ def test_non_object_json(tmp_path):
 
 def test_unsupported_model_type():
     one_line_error(
-        {"model_type": "bert"},
-        "model_type 'bert' is not supported; supported: "
-        "gpt2, gpt_neox, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, vit",
+        {"model_type": "t5"},
+        "model_type 't5' is not supported; supported: bert, gpt2, gpt_neox, llama, mistral, mixtral, phi3, qwen2, "
+        "qwen2_moe, qwen3, roberta, vit",
     )
 
 

@@ -3,16 +3,18 @@ published configuration is one memplan expresses. A check at GPU scale, not a fi
 the tolerance follows each row's trust level as the data set grades it."""
 
 import csv
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+from memplan import catalog
 from memplan.api import estimate
 from memplan.overheads import reserved_bytes
 from memplan.units import GIB
 
 CSV = Path(__file__).resolve().parents[2] / "shared" / "published" / "measured_memory.csv"
-TOLERANCE = {"medium-high": 0.05, "medium-low": 0.10, "low": 0.25}
+TOLERANCE = {"medium-high": 0.05, "medium": 0.075, "medium-low": 0.10, "low": 0.25}
 
 # (substring of the row's source, its strategy text, memplan's flags for that run). FSDP1 with
 # use_orig_params=False (these runs) hands the optimizer FlatParameters, whose type is not in
@@ -20,22 +22,36 @@ TOLERANCE = {"medium-high": 0.05, "medium-low": 0.10, "low": 0.25}
 _TORCHTUNE_3B = dict(
     model="llama-3.2-3b", seq_len=4096, micro_batch=2, precision="bf16", gpus=1, gpu="a100-80gb", strategy="single"
 )
+# Hugging Face's BERT-large runs (perf_train_gpu_one.mdx, Jan 2022: transformers 4.15, torch 1.10,
+# one V100 16GB): BertForSequenceClassification with 2 labels, seq 512, the Trainer's loop,
+# eager attention (transformers had no sdpa then), adamw_hf (a per-parameter loop: single).
+# They are nvidia-smi readings after training: the allocator's pool plus the CUDA context, which
+# memplan's total is on one GPU (replayed reserved + tables/cuda_context.csv's V100 1343 MiB).
+_BERT_2022 = dict(
+    model=dataclasses.replace(catalog.model_preset("bert-large-uncased"), num_labels=2),
+    seq_len=512,
+    gpus=1,
+    gpu="v100-16gb",
+    strategy="single",
+    recipe="hf-trainer",
+    attention="eager",
+    optimizer_impl="single",
+)
+_BERT_GA = _BERT_2022 | dict(micro_batch=1, grad_accum=4)
+_BERT_SINGLE = "single GPU (no DDP)"
+_LLAMA_70B = dict(
+    model="llama-2-70b",
+    seq_len=2048,
+    micro_batch=1,
+    precision="bf16",
+    ac="full",
+    gpus=16,
+    gpu="a100-80gb",
+    strategy="fsdp-full-shard",
+    optimizer_impl="single",
+)
 EXPRESSIBLE = [
-    (
-        "issue #120",
-        "FSDP1 FULL_SHARD over 16 (2 nodes)",
-        dict(
-            model="llama-2-70b",
-            seq_len=2048,
-            micro_batch=1,
-            precision="bf16",
-            ac="full",
-            gpus=16,
-            gpu="a100-80gb",
-            strategy="fsdp-full-shard",
-            optimizer_impl="single",
-        ),
-    ),
+    ("issue #120", "FSDP1 FULL_SHARD over 16 (2 nodes)", _LLAMA_70B),
     (
         "issue #100",
         "FSDP1 FULL_SHARD over 4",
@@ -74,7 +90,27 @@ EXPRESSIBLE = [
         "single GPU (compile + chunked CE)",
         _TORCHTUNE_3B | dict(recipe="torchtune", compile=True),
     ),
+    # the second #120 block: AnyPrecisionAdamW with bf16 momentum and variance and no Kahan
+    # summation keeps what torch's AdamW keeps for bf16 parameters
+    ("block 'pure_bf16 + anyprecisionAdamW'", "FSDP1 FULL_SHARD over 16", _LLAMA_70B),
+    ("section 'Gradient Accumulation (bs1, GA4)'", _BERT_SINGLE, _BERT_GA | dict(precision="fp32")),
+    ("section 'Gradient Checkpointing (bs1, GA4)'", _BERT_SINGLE, _BERT_GA | dict(precision="fp32", ac="full")),
+    ("section 'FP16 + bs1 GA4 + grad ckpt'", _BERT_SINGLE, _BERT_GA | dict(precision="amp-fp16", ac="full")),
+    (
+        "section 'Adafactor + bs1 GA4 + grad ckpt + fp16'",
+        _BERT_SINGLE,
+        _BERT_GA | dict(precision="amp-fp16", ac="full", optimizer="adafactor"),
+    ),
+    (
+        "section '8-bit Adam + bs1 GA4 + grad ckpt + fp16'",
+        _BERT_SINGLE,
+        _BERT_GA | dict(precision="amp-fp16", ac="full", optimizer="adam8bit"),
+    ),
 ]
+_BERT_BS4 = (
+    "the 2022 Trainer's model.zero_grad() kept the fp32 gradients (1.25 GiB) allocated, memplan frees "
+    "them; about 1.2 GiB more, growing with the batch, not found"
+)
 # rows memplan expresses but misses at their tolerance: (source, strategy, flags, what is off)
 MISSED = [
     (
@@ -93,6 +129,50 @@ MISSED = [
         ),
         "-6.2 % (bitsandbytes' paged 8-bit states, the row notes, may not be what the allocator counts)",
     ),
+    # the four batch-4 BERT rows: every one 16-21 % under. The 2022 Trainer cleared gradients
+    # with model.zero_grad() (torch 1.10: set_to_none=False), so the 1.25 GiB of fp32 gradients
+    # stayed allocated through forward, which memplan's loop (gradients set to None) does not
+    # hold; that explains 8-9 points, the rest (about 1.2 GiB, growing with the batch: the
+    # batch-1 rows above are within 5 %) is not found.
+    *(
+        (source, _BERT_SINGLE, _BERT_2022 | dict(micro_batch=4) | flags, f"{error}; {_BERT_BS4}")
+        for source, flags, error in [
+            ("section 'Vanilla Training'", dict(precision="fp32"), "-16.5 % (12.20 GiB against 14.60)"),
+            ("section 'FP16 Training (bs4)'", dict(precision="amp-fp16"), "-19.5 % (10.95 GiB against 13.61)"),
+            (
+                "section 'Adafactor (bs4)'",
+                dict(precision="fp32", optimizer="adafactor"),
+                "-19.6 % (9.65 against 12.01)",
+            ),
+            (
+                "section '8-bit Adam (bs4)'",
+                dict(precision="fp32", optimizer="adam8bit"),
+                "-21.1 % (10.09 against 12.78)",
+            ),
+        ]
+    ),
+]
+
+
+# rows memplan cannot express: (source, why). Lightning's Fabric FSDP example trains torch's
+# nn.Transformer, an encoder-decoder: 32 encoder layers (self-attention, MLP, 2 LayerNorms: the
+# count of a GPT-2 block) and 32 decoder layers that add cross-attention over the encoder's
+# output (4·h² + 4·h more parameters and a third LayerNorm each), plus the encoder's and the
+# decoder's final norms. ModelSpec describes one kind of block repeated (decoder-only, ViT or
+# BERT-style encoders), so neither the 1,008,763,390 parameters (32 × 12,596,224 + 32 ×
+# 16,796,672 + 4,096 + 2 × 34,076,672 + 33,278) nor the FSDP units (one per layer, two sizes)
+# can be stated; a model of the same count with equal blocks would change the largest unit
+# FSDP gathers and the per-tensor optimizer temporaries, so it is not substituted.
+_LIGHTNING = (
+    "torch nn.Transformer encoder-decoder (cross-attention decoder layers unlike the encoder's): "
+    "ModelSpec has one block kind per model"
+)
+NOT_EXPRESSIBLE = [
+    ("column 'DDP'", _LIGHTNING),
+    ("column 'FSDP NO_SHARD'", _LIGHTNING),
+    ("column 'FSDP SHARD_GRAD_OP (ZeRO-2-like)'", _LIGHTNING),
+    ("column 'FSDP FULL_SHARD'", _LIGHTNING),
+    ("column 'FSDP FULL_SHARD + CPU offload (cpu_offload=True)'", _LIGHTNING),
 ]
 
 
@@ -114,10 +194,28 @@ _CASES = [pytest.param(*e, id=e[0]) for e in EXPRESSIBLE] + [
 ]
 
 
-def test_every_torchtune_row_is_expressed():
-    rows = [r for r in published_rows() if "torchtune" in r["source"]]
+def test_every_row_is_expressed_or_says_why():
+    rows = published_rows()
     expressed = {(source, strategy) for source, strategy, *_ in EXPRESSIBLE + MISSED}
-    assert all(any(s in r["source"] and r["strategy"] == t for s, t in expressed) for r in rows)
+    said = [source for source, _ in NOT_EXPRESSIBLE]
+    for row in rows:
+        compared = any(s in row["source"] and row["strategy"] == t for s, t in expressed)
+        refused = [s for s in said if row["source"].endswith(s)]
+        assert compared != bool(refused), f"{row['source']} is {'both' if compared else 'neither'} compared and refused"
+    assert len(rows) == 25
+
+
+@pytest.mark.parametrize("source,why", NOT_EXPRESSIBLE, ids=[s for s, _ in NOT_EXPRESSIBLE])
+def test_not_expressible_rows_are_the_encoder_decoder(source, why):
+    [row] = [r for r in published_rows() if r["source"].endswith(source)]
+    assert "nn.Transformer enc-dec" in row["model"]
+    h, f, V = (int(row[k]) for k in ("hidden", "ffn", "vocab"))
+    encoder = 4 * h * h + 2 * h * f + 3 * h + h + f + h + 4 * h  # in_proj, out_proj, linear1/2, 2 norms
+    decoder = encoder + 4 * h * h + 4 * h + 2 * h  # + cross-attention (in_proj, out_proj) and a norm
+    half = int(row["layers"]) // 2
+    # nn.Transformer's two final norms, the embedding and the untied decoder (with its bias)
+    assert half * (encoder + decoder) + 2 * 2 * h + 2 * V * h + V == int(row["params"])
+    pytest.skip(f"not expressible: {why}")
 
 
 @pytest.mark.parametrize("source,strategy,flags", _CASES)
@@ -127,8 +225,12 @@ def test_estimate_against_published_peak(source, strategy, flags):
         measured = float(row["measured_gib"]) * GIB
         [est] = estimate(**flags, calibration=None).estimates
         assert est.job.model.num_params == int(row["params"])
-        # max_reserved is the allocator's pool (replayed); max_allocated is tensor bytes alone
+        # max_reserved is the allocator's pool (replayed); max_allocated is tensor bytes alone;
+        # nvidia-smi's 'used' is the pool and the CUDA context: memplan's total on one GPU
         predicted = reserved_bytes(est) if "reserved" in row["measure_kind"] else est.allocated_bytes
+        if "nvidia-smi" in row["measure_kind"]:
+            assert est.job.cluster.gpus == 1
+            predicted = est.total_bytes
         assert predicted == pytest.approx(measured, rel=TOLERANCE[trust]), (
             f"{row['model']}: {predicted / GIB:.1f} GiB estimated vs {measured / GIB:.1f} GiB {row['measure_kind']}"
         )

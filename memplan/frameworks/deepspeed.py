@@ -63,9 +63,10 @@ def config(job, strategy) -> dict:
 
 def tensor_numels(model) -> list[int]:
     """Elements of each parameter tensor of the Hugging Face model of the spec's shapes
-    (modeling_llama.py, modeling_vit.py: q, k, v apart; modeling_gpt2.py, modeling_gpt_neox.py: fused)."""
+    (modeling_llama.py, modeling_vit.py, modeling_bert.py: q, k, v apart; modeling_gpt2.py,
+    modeling_gpt_neox.py: fused)."""
     h, kv, f, bias = model.hidden, model.kv_hidden, model.ffn_hidden, model.linear_bias
-    apart = model.arch in ("llama", "vit")
+    apart = model.arch in ("llama", "vit", "bert")
     attn = [h * h, h * kv, h * kv] if apart else [h * (h + 2 * kv)]
     attn_bias = ([h, kv, kv] if apart else [h + 2 * kv]) if model.qkv_bias or bias else []
     mlp = [h * f, h * f, f * h] if model.gated_mlp else [h * f, f * h]
@@ -76,6 +77,12 @@ def tensor_numels(model) -> list[int]:
     if model.arch == "vit":  # patch conv (+ bias), class token, positions; classifier (+ bias)
         root = [model.image_channels * model.patch_size**2 * h, h, h, model.max_positions * h]
         return block * model.num_layers + root + norm + [h * model.vocab_size, model.vocab_size]
+    if model.arch == "bert":  # word, position, token type, LayerNorm; MLM transform + bias | pooler + classifier
+        root = [model.vocab_size * h, model.max_positions * h, model.type_vocab_size * h, *norm]
+        L = model.num_labels
+        head = [h * h, h, L * h, L] if L else [h * h, h, *norm, model.vocab_size]
+        untied = [] if L or model.tied_embeddings else [model.vocab_size * h]
+        return block * model.num_layers + root + head + untied
     positions = [model.max_positions * h] if model.max_positions else []
     head = [] if model.tied_embeddings else [model.vocab_size * h]
     blocks = block * model.num_layers
