@@ -13,6 +13,7 @@ searches, which weigh hundreds of candidates, charge the flat slack fraction ins
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import cache
 
 from . import catalog
 from .allocator import AllocConf, parse_alloc_conf
@@ -30,14 +31,21 @@ def _mib(key: str) -> int:
     return int(catalog.overheads()[key]) * MIB
 
 
+@cache
+def _contexts() -> tuple[tuple[str, int], ...]:
+    """(GPU name prefix, context bytes) of tables/cuda_context.csv, read once."""
+    return tuple((row["gpu_prefix"], int(row["context_mib"]) * MIB) for row in catalog.read_table("cuda_context.csv"))
+
+
 def _context_bytes(job: Job) -> int:
     """The CUDA context of the job's GPU generation (tables/cuda_context.csv), else the default."""
-    for row in catalog.read_table("cuda_context.csv"):
-        if job.cluster.gpu_name.startswith(row["gpu_prefix"]):
-            return int(row["context_mib"]) * MIB
+    for prefix, nbytes in _contexts():
+        if job.cluster.gpu_name.startswith(prefix):
+            return nbytes
     return _mib("cuda_context_mib")
 
 
+@cache
 def _nccl_formula() -> str:
     """The NCCL term's formula: the default per communicator as channel-peer buffer sets."""
     table = {row["key"]: int(row["value"]) for row in catalog.read_table("nccl.csv")}
