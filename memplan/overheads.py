@@ -22,6 +22,8 @@ from .specs import Job
 
 ALLOCATOR_KEYS = ("allocator.slack", "allocator.excess")
 """The overhead terms that are the caching allocator's (part of reserved)."""
+CONTEXT_KEY, COMMUNICATOR_KEY = "cuda.context", "nccl.communicator"
+"""The overhead terms outside the caching allocator: what a GPU calibration fits."""
 
 MIB = 2**20
 
@@ -59,12 +61,27 @@ def fixed_terms(job: Job) -> list[Term]:
     if job.train.device == "cpu":
         return []
     B = Component.BUFFERS
-    terms = [Term(B, "CUDA context + cuBLAS", "documented default", _context_bytes(job))]
+    terms = [Term(B, "CUDA context + cuBLAS", "documented default", _context_bytes(job), CONTEXT_KEY)]
     if job.cluster.gpus > 1:
         # one communicator: hybrid sharding's replicate group across nodes would be a second,
         # which would make memory grow with the GPU count (min_gpus bisects on the opposite)
-        terms.append(Term(B, "NCCL buffers", _nccl_formula(), _mib("nccl_mib")))
+        terms.append(Term(B, "NCCL buffers", _nccl_formula(), communicator_bytes(), COMMUNICATOR_KEY))
     return terms
+
+
+def communicator_bytes() -> int:
+    """One communicator's NCCL buffers (tables/overheads.csv, its default)."""
+    return _mib("nccl_mib")
+
+
+def communicators(job: Job) -> int:
+    """The NCCL communicators ``fixed_terms`` charges ``job``."""
+    return sum(t.key == COMMUNICATOR_KEY for t in fixed_terms(job))
+
+
+def allocator_bytes(est: Estimate) -> int:
+    """The overhead that is the caching allocator's: the replay's excess or the flat slack."""
+    return sum(t.bytes for t in est.overhead if t.key in ALLOCATOR_KEYS)
 
 
 def slack_fraction(job: Job) -> float:
@@ -89,7 +106,7 @@ def overhead_terms(job: Job, peak: Moment) -> list[Term]:
 
 def reserved_bytes(est: Estimate) -> int:
     """What ``torch.cuda.max_memory_reserved`` would report: allocated plus the allocator's terms."""
-    return est.allocated_bytes + sum(t.bytes for t in est.overhead if t.key in ALLOCATOR_KEYS)
+    return est.allocated_bytes + allocator_bytes(est)
 
 
 def expandable_excess(est: Estimate) -> int:
