@@ -356,7 +356,7 @@ def _traces(draw):
     """Allocations of every size class on three streams, frees recorded on other streams,
     syncs; a device limit sometimes, so that the release-and-retry paths run."""
     events, live, next_id = [], [], 0
-    for _ in range(draw(st.integers(1, 120))):
+    for _ in range(draw(st.integers(1, 80))):
         action = draw(st.sampled_from(["alloc", "alloc", "free", "free", "sync"]))
         if action == "alloc" or not live:
             size = draw(
@@ -365,6 +365,10 @@ def _traces(draw):
                     st.integers(1, MIB),
                     st.integers(MIB, 12 * MIB),
                     st.integers(10 * MIB, 90 * MIB),
+                    # the rules' edges: a block's remainder of exactly 512 B or 1 MiB, the pools' bounds
+                    st.sampled_from(
+                        [MIB - 512, MIB, MIB + 512, 10 * MIB - 512, 10 * MIB, 20 * MIB, 40 * MIB, 64 * MIB, 84 * MIB]
+                    ),
                 )
             )
             events.append(Alloc(next_id, size, draw(st.sampled_from([0, 0, 1, 2]))))
@@ -378,7 +382,43 @@ def _traces(draw):
     return events
 
 
-@settings(max_examples=150, deadline=None)
+def _same_event_by_event(events, conf, limit=None):
+    fast, ruled = CachingAllocator(conf, limit_bytes=limit), CachingAllocator(conf, limit_bytes=limit)
+    for n, event in enumerate(events):
+        oom = fast._replay_fixed_segments([event])
+        assert oom == ruled._replay_by_rule([event]), f"event {n}: {event}"
+        if oom:
+            return
+        assert _state(fast) == _state(ruled), f"after event {n}: {event}"
+
+
+_LIMIT_64 = AllocConf(max_split_size_bytes=64 * MIB)
+
+
+@pytest.mark.parametrize(
+    "events,conf",
+    [
+        # a 12 MiB segment serving 11 MiB: a remainder of exactly 1 MiB is not split off (> kSmallSize)
+        ([Alloc(0, 12 * MIB), Free(0), Alloc(1, 11 * MIB), Alloc(2, MIB)], DEFAULT_CONF),
+        # a small segment keeps a remainder of exactly 512 bytes
+        ([Alloc(0, MIB), Alloc(1, MIB - 512), Alloc(2, 512)], DEFAULT_CONF),
+        # max_split_size: a cached block of exactly the limit is oversize for a smaller request
+        ([Alloc(0, 64 * MIB), Free(0), Alloc(1, 30 * MIB)], _LIMIT_64),
+        # an oversize request takes a cached block only if less than kLargeBuffer larger
+        ([Alloc(0, 84 * MIB), Free(0), Alloc(1, 64 * MIB)], _LIMIT_64),
+        ([Alloc(0, 82 * MIB), Free(0), Alloc(1, 64 * MIB)], _LIMIT_64),
+        # freed on another stream: cached only after that stream's Sync, then merged both ways
+        (
+            [*allocs(MIB, MIB, MIB), Free(1, (1,)), Free(0), Free(2), Alloc(3, 2 * MIB), Sync(1), Alloc(4, 512)],
+            DEFAULT_CONF,
+        ),
+    ],
+)
+def test_the_written_out_loop_at_the_rules_edges(events, conf):
+    _same_event_by_event(events, conf)
+
+
+@settings(max_examples=120, deadline=None)
 @given(
     _traces(),
     st.sampled_from([DEFAULT_CONF, AllocConf(max_split_size_bytes=20 * MIB), AllocConf(max_split_size_bytes=64 * MIB)]),
@@ -387,11 +427,4 @@ def _traces(draw):
 def test_the_written_out_replay_loop_is_the_rules_event_by_event(events, conf, limit):
     # CachingAllocator.replay runs _replay_fixed_segments where neither expandable segments nor
     # garbage collection are on; after every prefix of the trace its state is the rules' state
-    fast, ruled = CachingAllocator(conf, limit_bytes=limit), CachingAllocator(conf, limit_bytes=limit)
-    for n, event in enumerate(events):
-        oom_fast = fast._replay_fixed_segments([event])
-        oom_ruled = ruled._replay_by_rule([event])
-        assert oom_fast == oom_ruled, f"event {n}: {event}"
-        if oom_fast:
-            break
-        assert _state(fast) == _state(ruled), f"after event {n}: {event}"
+    _same_event_by_event(events, conf, limit)
