@@ -416,10 +416,11 @@ def fit(files, output):
             click.echo(
                 f"  {t.strategy}: {t.achieved_flops / 1e9:,.1f} GFLOP/s achieved{mfu}{hidden} ({t.num_records} runs)"
             )
-        if c.overhead_base_bytes is not None:
+        if c.context_bytes is not None:
+            per = "tabled" if c.communicator_bytes is None else f"{c.communicator_bytes / 2**20:,.0f} MiB"
             click.echo(
-                f"  runtime overhead {c.overhead_base_bytes / 2**20:,.0f} MiB + "
-                f"{100 * c.overhead_per_allocated:.1f} % of allocated"
+                f"  outside the allocator: CUDA context {c.context_bytes / 2**20:,.0f} MiB, "
+                f"per communicator {per} (the allocator's reserved is replayed, not fitted)"
             )
     for device in {c.device for c in calibration.corrections}:
         for row in held_out([o for o in observations(ok) if o.device == device]):

@@ -16,6 +16,7 @@ from memplan import catalog
 from memplan.calibration import GROUPS, Calibration, Correction, Observation, ThroughputFit, group_bytes, same_device
 from memplan.errors import MemplanError
 from memplan.memory import estimate
+from memplan.overheads import communicator_bytes, communicators
 from memplan.throughput import comm_seconds, flops_per_token, link_for
 
 from .records import job_from_spec
@@ -65,10 +66,7 @@ def fit_one(observations: list[Observation]) -> Correction:
     scales = {g: 1.0 + float(d) for g, d in zip(GROUPS, solution[:-1])}
     after = _errors_pct(_predict(x, solution), y)
     before = _errors_pct(x.sum(axis=1), y)
-    overhead = [(o.measured_bytes, o.overhead_bytes) for o in observations if o.overhead_bytes is not None]
-    base = slope = None
-    if len(overhead) >= 2:
-        slope, base = np.polyfit([a for a, _ in overhead], [b for _, b in overhead], 1)
+    context, per_communicator = fit_outside(observations)
     return Correction(
         throughput=fit_throughput(observations),
         device=first.device,
@@ -79,9 +77,26 @@ def fit_one(observations: list[Observation]) -> Correction:
         num_records=len(y),
         before_median_abs_pct=float(np.median(np.abs(before))),
         after_median_abs_pct=float(np.median(np.abs(after))),
-        overhead_base_bytes=None if base is None else round(float(base)),
-        overhead_per_allocated=None if slope is None else float(slope),
+        context_bytes=context,
+        communicator_bytes=per_communicator,
     )
+
+
+def fit_outside(observations: list[Observation]) -> tuple[int | None, int | None]:
+    """(CUDA context, one communicator's buffers) from the records' used − reserved: least
+    squares of outside = context + communicators × per-communicator where the records'
+    communicator counts differ, else the context alone (median of outside less the tabled
+    communicators; per-communicator None). (None, None) without such records. Nothing of
+    the caching allocator (reserved − allocated) enters: the replay models it."""
+    rows = [(o.communicators, o.outside_bytes) for o in observations if o.outside_bytes is not None]
+    if not rows:
+        return None, None
+    if len({n for n, _ in rows}) > 1:
+        design = np.array([[1.0, n] for n, _ in rows])
+        (context, per), *_ = np.linalg.lstsq(design, np.array([b for _, b in rows], dtype=float), rcond=None)
+        return round(float(context)), round(float(per))
+    tabled = communicator_bytes()
+    return round(float(np.median([b - n * tabled for n, b in rows]))), None
 
 
 def _throughput_one(strategy: str, obs: list[Observation]) -> ThroughputFit:
@@ -167,7 +182,7 @@ def _speed_model(job, measured: dict, mode: str) -> tuple[float, float | None, f
 
 def observation(record: dict) -> Observation:
     measured = record["measurement"]
-    used = measured.get("device_used_bytes")
+    used, reserved = measured.get("device_used_bytes"), measured.get("peak_reserved_bytes")
     job = job_from_spec(record["spec"])
     flops, peak, comm = _speed_model(job, measured, record["mode"])
     return Observation(
@@ -175,7 +190,10 @@ def observation(record: dict) -> Observation:
         torch_version=measured["torch_version"],
         estimated=group_bytes(estimate(job).by_component),
         measured_bytes=measured["peak_allocated_bytes"],
-        overhead_bytes=None if used is None else used - measured["peak_allocated_bytes"],
+        # used (total − free after the step) less reserved: the allocator keeps its peak
+        # segments cached, so what is left is the context and the communicators
+        outside_bytes=None if used is None or reserved is None else used - reserved,
+        communicators=communicators(job),
         strategy=job.plan.strategy,
         step_time_s=measured.get("step_time_s"),
         flops_per_step=flops,

@@ -11,8 +11,16 @@ components and a constant offset,
 in relative terms (each record weighted by 1/measured, so small and large runs count
 alike) and shrunk towards scale 1 (a ridge on scale − 1), so that a group the records
 barely exercise keeps memplan's own arithmetic. The residual spread of the fit becomes
-the error band of a corrected estimate. Where records carry the device's used memory
-(CUDA), the runtime overhead (used − allocated) is fitted as a + b · allocated.
+the error band of a corrected estimate.
+
+Where records carry the device's used memory and the allocator's reserved bytes (CUDA),
+what lies outside the caching allocator (used − reserved: the CUDA context and the
+communicators' buffers) is fitted as context + communicators × per-communicator bytes, the
+communicators being those memplan charges the job (``overheads.communicators``); where
+every record has the same number, only the context is fitted and a communicator keeps
+its tabled size. The caching allocator itself (reserved − allocated) is not fitted: a
+corrected estimate keeps the estimate's own allocator term (the replay, or the searches'
+flat slack), so a calibration never absorbs fragmentation into a constant.
 """
 
 from __future__ import annotations
@@ -41,8 +49,11 @@ class Observation:
     estimated: dict[str, int]
     """Bytes by group at the estimate's peak moment."""
     measured_bytes: int
-    overhead_bytes: int | None = None
-    """Device used minus allocated, where the record has it (CUDA)."""
+    outside_bytes: int | None = None
+    """Device used minus the allocator's reserved bytes, where the record has both (CUDA):
+    the CUDA context and the communicators' buffers."""
+    communicators: int = 0
+    """The NCCL communicators memplan charges the measured job."""
     strategy: str = ""
     step_time_s: float | None = None
     flops_per_step: float | None = None
@@ -80,17 +91,24 @@ class Correction:
     num_records: int
     before_median_abs_pct: float
     after_median_abs_pct: float
-    overhead_base_bytes: int | None = None
-    overhead_per_allocated: float | None = None
+    context_bytes: int | None = None
+    """The fitted CUDA context (None: no record had the device's used memory)."""
+    communicator_bytes: int | None = None
+    """The fitted buffers of one communicator (None: the tabled default)."""
     throughput: tuple[ThroughputFit, ...] = ()
 
     def corrected_bytes(self, by_group: dict[str, int]) -> int:
         return round(self.offset_bytes + sum(self.scales[g] * by_group.get(g, 0) for g in GROUPS))
 
-    def overhead_bytes(self, allocated_bytes: int) -> int | None:
-        if self.overhead_base_bytes is None or self.overhead_per_allocated is None:
-            return None  # fitted together (calibrate.fit): both or neither
-        return round(self.overhead_base_bytes + self.overhead_per_allocated * allocated_bytes)
+    def outside_bytes(self, job) -> int | None:
+        """What lies outside the caching allocator for ``job`` (context + communicators), as
+        fitted; None where nothing was."""
+        if self.context_bytes is None or job.train.device == "cpu":
+            return None
+        from .overheads import communicator_bytes, communicators
+
+        per = communicator_bytes() if self.communicator_bytes is None else self.communicator_bytes
+        return self.context_bytes + communicators(job) * per
 
     def speed(self, strategy: str) -> ThroughputFit | None:
         """The strategy's measured speed; for a strategy that was not measured, the record-weighted
@@ -148,11 +166,19 @@ class Calibration:
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
+# fitted before the allocator was replayed: used − allocated as a + b · allocated, which
+# folded the allocator into the fit; such a file's scales still apply, these do not
+_LEGACY_KEYS = ("overhead_base_bytes", "overhead_per_allocated")
+
+
 def load(path: str | Path) -> Calibration:
     try:
         data = json.loads(Path(path).read_text())
         corrections = tuple(
-            Correction(**{**c, "throughput": tuple(ThroughputFit(**t) for t in c.get("throughput", ()))})
+            Correction(
+                **{k: v for k, v in c.items() if k not in (*_LEGACY_KEYS, "throughput")},
+                throughput=tuple(ThroughputFit(**t) for t in c.get("throughput", ())),
+            )
             for c in data["corrections"]
         )
     except FileNotFoundError:
@@ -208,9 +234,13 @@ class Corrected(Fit):
 def apply(est: Estimate, correction: Correction, *, device_matches: bool) -> Corrected:
     peaks = [(correction.corrected_bytes(group_bytes(m.by_component)), m.phase) for m in est.moments]
     allocated, phase = max(peaks, key=lambda p: p[0])
-    overhead = correction.overhead_bytes(allocated)
-    if overhead is None:
-        overhead = est.overhead_bytes
+    outside = correction.outside_bytes(est.job)
+    overhead = est.overhead_bytes
+    if outside is not None:
+        from .overheads import allocator_bytes
+
+        # the allocator's term is the estimate's own (replayed or flat), never fitted
+        overhead = allocator_bytes(est) + outside
     return Corrected(
         estimate=est,
         correction=correction,

@@ -13,6 +13,7 @@ searches, which weigh hundreds of candidates, charge the flat slack fraction ins
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import cache
 
 from . import catalog
 from .allocator import AllocConf, parse_alloc_conf
@@ -21,6 +22,8 @@ from .specs import Job
 
 ALLOCATOR_KEYS = ("allocator.slack", "allocator.excess")
 """The overhead terms that are the caching allocator's (part of reserved)."""
+CONTEXT_KEY, COMMUNICATOR_KEY = "cuda.context", "nccl.communicator"
+"""The overhead terms outside the caching allocator: what a GPU calibration fits."""
 
 MIB = 2**20
 
@@ -30,14 +33,21 @@ def _mib(key: str) -> int:
     return int(catalog.overheads()[key]) * MIB
 
 
+@cache
+def _contexts() -> tuple[tuple[str, int], ...]:
+    """(GPU name prefix, context bytes) of tables/cuda_context.csv, read once."""
+    return tuple((row["gpu_prefix"], int(row["context_mib"]) * MIB) for row in catalog.read_table("cuda_context.csv"))
+
+
 def _context_bytes(job: Job) -> int:
     """The CUDA context of the job's GPU generation (tables/cuda_context.csv), else the default."""
-    for row in catalog.read_table("cuda_context.csv"):
-        if job.cluster.gpu_name.startswith(row["gpu_prefix"]):
-            return int(row["context_mib"]) * MIB
+    for prefix, nbytes in _contexts():
+        if job.cluster.gpu_name.startswith(prefix):
+            return nbytes
     return _mib("cuda_context_mib")
 
 
+@cache
 def _nccl_formula() -> str:
     """The NCCL term's formula: the default per communicator as channel-peer buffer sets."""
     table = {row["key"]: int(row["value"]) for row in catalog.read_table("nccl.csv")}
@@ -51,11 +61,11 @@ def fixed_terms(job: Job) -> list[Term]:
     if job.train.device == "cpu":
         return []
     B = Component.BUFFERS
-    terms = [Term(B, "CUDA context + cuBLAS", "documented default", _context_bytes(job))]
+    terms = [Term(B, "CUDA context + cuBLAS", "documented default", _context_bytes(job), CONTEXT_KEY)]
     if job.cluster.gpus > 1:
         # one communicator: hybrid sharding's replicate group across nodes would be a second,
         # which would make memory grow with the GPU count (min_gpus bisects on the opposite)
-        terms.append(Term(B, "NCCL buffers", _nccl_formula(), _mib("nccl_mib")))
+        terms.append(Term(B, "NCCL buffers", _nccl_formula(), communicator_bytes(), COMMUNICATOR_KEY))
     if job.layout.async_tp:
         from .parallel.tensor import async_tp_workspace
 
@@ -63,6 +73,21 @@ def fixed_terms(job: Job) -> list[Term]:
         local = replace(job.train, seq_len=job.train.seq_len // job.layout.cp)
         terms += async_tp_workspace(job.model, local, job.layout)
     return terms
+
+
+def communicator_bytes() -> int:
+    """One communicator's NCCL buffers (tables/overheads.csv, its default)."""
+    return _mib("nccl_mib")
+
+
+def communicators(job: Job) -> int:
+    """The NCCL communicators ``fixed_terms`` charges ``job``."""
+    return sum(t.key == COMMUNICATOR_KEY for t in fixed_terms(job))
+
+
+def allocator_bytes(est: Estimate) -> int:
+    """The overhead that is the caching allocator's: the replay's excess or the flat slack."""
+    return sum(t.bytes for t in est.overhead if t.key in ALLOCATOR_KEYS)
 
 
 def slack_fraction(job: Job) -> float:
@@ -87,7 +112,7 @@ def overhead_terms(job: Job, peak: Moment) -> list[Term]:
 
 def reserved_bytes(est: Estimate) -> int:
     """What ``torch.cuda.max_memory_reserved`` would report: allocated plus the allocator's terms."""
-    return est.allocated_bytes + sum(t.bytes for t in est.overhead if t.key in ALLOCATOR_KEYS)
+    return est.allocated_bytes + allocator_bytes(est)
 
 
 def expandable_excess(est: Estimate) -> int:

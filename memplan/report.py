@@ -241,9 +241,7 @@ def render_table(
             for row, e in zip(rows, estimates)
         ]
         headers += ["documented"]
-    from tabulate import tabulate  # here, not at the top: JSON and --help never pay its import
-
-    table = tabulate(rows, headers, tablefmt="simple", disable_numparse=True)
+    table = simple_table(rows, headers)
     lines = header + [
         "",
         "GiB per GPU at the peak moment of a steady-state step"
@@ -260,6 +258,22 @@ def render_table(
     if rec:
         lines += ["", *recommendation_summary(rec)]
     return "\n".join(lines)
+
+
+def simple_table(rows: list[list[str]], headers: list[str]) -> str:
+    """``tabulate(rows, headers, tablefmt="simple", disable_numparse=True)``, character for
+    character (tests/test_columns.py compares them), without its import (13 ms of the main
+    job's start, most of it wcwidth's): cells stripped and left-aligned, each column as wide
+    as its widest cell and at least its header + 2, columns two spaces apart, a dashed line
+    under the headers, trailing spaces dropped. Widths are ``len``: the table's cells are
+    strategy names, numbers and the seeds' claims, none of them wide characters."""
+    columns = [[cell.strip() for cell in column] for column in zip(*rows)]
+    widths = [max(len(h) + 2, *map(len, column)) for h, column in zip(headers, columns)]
+
+    def line(cells) -> str:
+        return "  ".join(cell.ljust(w) for cell, w in zip(cells, widths)).rstrip()
+
+    return "\n".join([line(headers), "  ".join("-" * w for w in widths), *map(line, zip(*columns))])
 
 
 def _header(choice: ModelChoice, job, searched: tuple[str, ...] = ()) -> str:

@@ -508,9 +508,7 @@ class Job:
 
     def with_(self, **changes) -> Job:
         """Copy with fields of the nested specs changed by name, e.g. ``with_(gpus=16, micro_batch=2)``."""
-        parts = (self.model, self.train, self.cluster, self.plan, self.layout)
-        known = {name for part in parts for name in _fields_of(part)}
-        unknown = next((key for key in changes if key not in known), None)
+        unknown = next((key for key in changes if key not in _PART_OF), None)
         if unknown is not None:
             raise MemplanError(f"unknown setting {unknown!r}")
         # every change applied before any check: a part is validated with all of its changes
@@ -531,5 +529,10 @@ def _fields_of(part) -> dict:
 
 
 def _changed(part: _Part, changes: dict) -> _Part:
-    mine = {key: value for key, value in changes.items() if key in _fields_of(part)}
+    fields = _fields_of(part)
+    mine = {key: value for key, value in changes.items() if key in fields}
     return replace(part, **mine) if mine else part
+
+
+# every setting ``Job.with_`` accepts, by name
+_PART_OF = frozenset(name for part in (ModelSpec, TrainSpec, ClusterSpec, Plan, Layout) for name in _fields_of(part))

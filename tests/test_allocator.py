@@ -3,6 +3,8 @@ main, commit 001074d; the function each test derives from is named in it), and t
 synthesized from the analytic model (memplan.alloctrace)."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memplan.allocator import (
     DEFAULT_CONF,
@@ -316,7 +318,113 @@ def test_the_context_follows_the_gpu_generation_with_a_published_figure(monkeypa
     rows = [dict(row, context_mib="1000") for row in read("cuda_context.csv")]
     monkeypatch.setattr(catalog, "read_table", lambda name: rows if name == "cuda_context.csv" else read(name))
     job = _estimate(params=1e9, gpus=1, strategy="single").job
-    [v100] = overheads.fixed_terms(job.with_(gpu_name=rows[0]["gpu_prefix"] + "-16gb"))
-    [other] = overheads.fixed_terms(job.with_(gpu_name="h100-sxm"))
+    overheads._contexts.cache_clear()  # the table is read once per process
+    try:
+        [v100] = overheads.fixed_terms(job.with_(gpu_name=rows[0]["gpu_prefix"] + "-16gb"))
+        [other] = overheads.fixed_terms(job.with_(gpu_name="h100-sxm"))
+    finally:
+        overheads._contexts.cache_clear()
     assert v100.bytes == 1000 * MIB
     assert other.bytes == int(catalog.overheads()["cuda_context_mib"]) * MIB
+
+
+# -- the replay's written-out loop against the rules, event by event ---------------------------
+
+
+def _state(allocator: CachingAllocator) -> tuple:
+    """Everything the allocator holds: counters, peaks, the free lists per pool and stream
+    with their blocks' segment neighbours, and the live blocks."""
+
+    def where(block):
+        return None if block is None else (block.addr, block.size, block.allocated)
+
+    pools = tuple(
+        (small, tuple((s, tuple(keys)) for s, keys in sorted(pool.streams.items())))
+        + tuple((where(b.prev), where(b.next), b.stream) for b in pool.in_order())
+        for small, pool in sorted(allocator.pools.items())
+    )
+    live = tuple(
+        sorted((i, b.addr, b.size, b.stream, where(b.prev), where(b.next)) for i, (b, _) in allocator.live.items())
+    )
+    waiting = tuple((b.addr, b.size, tuple(sorted(b.pending))) for b in allocator.waiting)
+    counters = (allocator.reserved, allocator.allocated, allocator.active, allocator.requested, allocator.retries)
+    return pools, live, waiting, counters, tuple(allocator.peaks), allocator.next_addr
+
+
+@st.composite
+def _traces(draw):
+    """Allocations of every size class on three streams, frees recorded on other streams,
+    syncs; a device limit sometimes, so that the release-and-retry paths run."""
+    events, live, next_id = [], [], 0
+    for _ in range(draw(st.integers(1, 80))):
+        action = draw(st.sampled_from(["alloc", "alloc", "free", "free", "sync"]))
+        if action == "alloc" or not live:
+            size = draw(
+                st.one_of(
+                    st.integers(0, 4 * KIB),
+                    st.integers(1, MIB),
+                    st.integers(MIB, 12 * MIB),
+                    st.integers(10 * MIB, 90 * MIB),
+                    # the rules' edges: a block's remainder of exactly 512 B or 1 MiB, the pools' bounds
+                    st.sampled_from(
+                        [MIB - 512, MIB, MIB + 512, 10 * MIB - 512, 10 * MIB, 20 * MIB, 40 * MIB, 64 * MIB, 84 * MIB]
+                    ),
+                )
+            )
+            events.append(Alloc(next_id, size, draw(st.sampled_from([0, 0, 1, 2]))))
+            live.append(next_id)
+            next_id += 1
+        elif action == "free":
+            i = live.pop(draw(st.integers(0, len(live) - 1)))
+            events.append(Free(i, tuple(draw(st.lists(st.sampled_from([0, 1, 2]), max_size=2, unique=True)))))
+        else:
+            events.append(Sync(draw(st.sampled_from([0, 1, 2]))))
+    return events
+
+
+def _same_event_by_event(events, conf, limit=None):
+    fast, ruled = CachingAllocator(conf, limit_bytes=limit), CachingAllocator(conf, limit_bytes=limit)
+    for n, event in enumerate(events):
+        oom = fast._replay_fixed_segments([event])
+        assert oom == ruled._replay_by_rule([event]), f"event {n}: {event}"
+        if oom:
+            return
+        assert _state(fast) == _state(ruled), f"after event {n}: {event}"
+
+
+_LIMIT_64 = AllocConf(max_split_size_bytes=64 * MIB)
+
+
+@pytest.mark.parametrize(
+    "events,conf",
+    [
+        # a 12 MiB segment serving 11 MiB: a remainder of exactly 1 MiB is not split off (> kSmallSize)
+        ([Alloc(0, 12 * MIB), Free(0), Alloc(1, 11 * MIB), Alloc(2, MIB)], DEFAULT_CONF),
+        # a small segment keeps a remainder of exactly 512 bytes
+        ([Alloc(0, MIB), Alloc(1, MIB - 512), Alloc(2, 512)], DEFAULT_CONF),
+        # max_split_size: a cached block of exactly the limit is oversize for a smaller request
+        ([Alloc(0, 64 * MIB), Free(0), Alloc(1, 30 * MIB)], _LIMIT_64),
+        # an oversize request takes a cached block only if less than kLargeBuffer larger
+        ([Alloc(0, 84 * MIB), Free(0), Alloc(1, 64 * MIB)], _LIMIT_64),
+        ([Alloc(0, 82 * MIB), Free(0), Alloc(1, 64 * MIB)], _LIMIT_64),
+        # freed on another stream: cached only after that stream's Sync, then merged both ways
+        (
+            [*allocs(MIB, MIB, MIB), Free(1, (1,)), Free(0), Free(2), Alloc(3, 2 * MIB), Sync(1), Alloc(4, 512)],
+            DEFAULT_CONF,
+        ),
+    ],
+)
+def test_the_written_out_loop_at_the_rules_edges(events, conf):
+    _same_event_by_event(events, conf)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    _traces(),
+    st.sampled_from([DEFAULT_CONF, AllocConf(max_split_size_bytes=20 * MIB), AllocConf(max_split_size_bytes=64 * MIB)]),
+    st.one_of(st.none(), st.integers(40, 600).map(lambda n: n * MIB)),
+)
+def test_the_written_out_replay_loop_is_the_rules_event_by_event(events, conf, limit):
+    # CachingAllocator.replay runs _replay_fixed_segments where neither expandable segments nor
+    # garbage collection are on; after every prefix of the trace its state is the rules' state
+    _same_event_by_event(events, conf, limit)
