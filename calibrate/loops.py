@@ -49,6 +49,7 @@ LOOP_KEYS = (
     "ac",
     "ac_every",
     "compile",
+    "float8",
     "offload_activations",
     "optimizer_in_backward",
     "recipe",
