@@ -347,6 +347,7 @@ CASES = (
     _case("torchtitan", MISTRAL_C, "fsdp", "mixed-bf16", gpus=8, b=1, s=128, float8=True),
     _case("torchtitan", LLAMA_C, "ddp", "bf16", gpus=4, b=1, s=128, float8=True),
     _case("torchtitan", LLAMA_C, "fsdp", "fp32", gpus=8, b=1, s=256, compile=True),
+    _case("torchtitan", LLAMA_C, "fsdp", "fp32", gpus=8, b=1, s=256),  # the compiled case's eager twin
     _case("torchtune", LLAMA_D, "fsdp", "fp32", gpus=4, b=2, s=128, compile=True),
 )
 BY_ID = {case.id: case for case in CASES}

@@ -37,8 +37,6 @@ class Measurement:
     device_used_bytes: int | None = None
     num_alloc_retries: int | None = None
     phase_peaks: dict[str, int] = field(default_factory=dict)
-    tracker_peak_bytes: int | None = None
-    """MemTracker's peak where the peak is the CPU allocator's (compiled blocks: calibrate.loops)."""
 
 
 def _optimizer(model: nn.Module, job: Job) -> torch.optim.Optimizer:
