@@ -17,19 +17,12 @@ _FSDP = (
     "FSDP full-shard: off by more than 1 % with the loop's conventions and the recipe's FSDP units applied "
     "(`python -m calibrate.heldout --report` has each error); cause not found"
 )
-_TITAN_NO_AC = (
-    "torchtitan's loop under FSDP full-shard without AC, eager and compiled alike (-11.3 %, -11.7 %): MemTracker's "
-    "head-module snapshot holds the head's logit gradient and unsharded weight gradient beside the gathered head "
-    "unit and the prefetched last block, a moment the model has only for torchtune's chunked head"
-)
 _COMPILE = "torchtune's loop compiled (blocks and chunked loss): +1.27 % on the CPU allocator's peak; not found"
 _AC_EVERY = (
     "ac-every 2 under torchtitan's FSDP units with a tied embedding: -5.2 %; every block checkpointed the same "
     "case is -1.96 %, so most of the gap is the tied head unit under AC full, not layer SAC; not found"
 )
 KNOWN = {
-    "llama-h768-torchtitan-fsdp-fp32-acnone-compile-w8-b1s256": _TITAN_NO_AC,
-    "llama-h768-torchtitan-fsdp-fp32-acnone-w8-b1s256": _TITAN_NO_AC,
     "llama-h640-torchtune-fsdp-fp32-acnone-compile-w4-b2s128": _COMPILE,
     "qwen2-h576-l4-torchtitan-fsdp-fp32-acfull-every2-w8-b2s256": _AC_EVERY,
     "llama-h384-plain-kept-fsdp-mixed-bf16-acnone-g2-b1s128": _FSDP,
