@@ -18,13 +18,8 @@ _FSDP = (
     "(`python -m calibrate.heldout --report` has each error); cause not found"
 )
 _COMPILE = "torchtune's loop compiled (blocks and chunked loss): +1.27 % on the CPU allocator's peak; not found"
-_AC_EVERY = (
-    "ac-every 2 under torchtitan's FSDP units with a tied embedding: -5.2 %; every block checkpointed the same "
-    "case is -1.96 %, so most of the gap is the tied head unit under AC full, not layer SAC; not found"
-)
 KNOWN = {
     "llama-h640-torchtune-fsdp-fp32-acnone-compile-w4-b2s128": _COMPILE,
-    "qwen2-h576-l4-torchtitan-fsdp-fp32-acfull-every2-w8-b2s256": _AC_EVERY,
     "llama-h384-plain-kept-fsdp-mixed-bf16-acnone-g2-b1s128": _FSDP,
     "gpt2-h384-s2048-plain-kept-fsdp-fp32-acnone-w4-b1s2048": _FSDP,
     "mistral-h512-hf-trainer-fsdp-mixed-bf16-acfull-w4-b1s128": _FSDP,
