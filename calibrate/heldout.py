@@ -156,7 +156,54 @@ NEOX_B = ModelSpec(
     vocab_size=8192,
     linear_bias=True,
 )
+# the loop flags' cases (compile, float8, optimizer in backward, ac-every): shapes not used above
+QWEN_C = ModelSpec(
+    name="qwen2-h576-l4",
+    arch="llama",
+    num_layers=4,
+    hidden=576,
+    num_heads=9,
+    num_kv_heads=3,
+    ffn_hidden=1536,
+    vocab_size=12288,
+    tied_embeddings=True,
+    qkv_bias=True,
+)
+LLAMA_C = ModelSpec(
+    name="llama-h768",
+    arch="llama",
+    num_layers=2,
+    hidden=768,
+    num_heads=12,
+    num_kv_heads=4,
+    ffn_hidden=2048,
+    vocab_size=16000,
+)
+LLAMA_D = ModelSpec(
+    name="llama-h640",
+    arch="llama",
+    num_layers=2,
+    hidden=640,
+    num_heads=10,
+    num_kv_heads=5,
+    ffn_hidden=1728,
+    vocab_size=24576,
+)
+MISTRAL_C = ModelSpec(
+    name="mistral-h1024",
+    arch="llama",
+    num_layers=2,
+    hidden=1024,
+    num_heads=16,
+    num_kv_heads=8,
+    ffn_hidden=2816,
+    vocab_size=8192,
+)
 HF_TYPE = {
+    "qwen2-h576-l4": "qwen2",
+    "llama-h768": "llama",
+    "llama-h640": "llama",
+    "mistral-h1024": "mistral",
     "llama-h512": "llama",
     "llama-h384": "llama",
     "llama-h384-v128k": "llama",
@@ -220,7 +267,13 @@ def _case(
     ac: str = "none",
     mode: str = "emulate",
     attention: str = "sdpa",
+    ac_every: int = 1,
+    compile: bool = False,
+    float8: bool = False,
+    in_backward: bool = False,
 ) -> Case:
+    """A case; the flags (ac_every, compile, float8, optimizer in backward) are in its spec,
+    as a user types them, and the loop applies them (calibrate.loops.run)."""
     job = Job(
         model=model,
         train=TrainSpec(
@@ -230,12 +283,19 @@ def _case(
             activation_checkpointing=TODAY_AC[ac],
             attention=attention,
             device="cpu",
+            ac_every=ac_every,
+            compile=compile,
+            float8=float8,
+            optimizer_in_backward=in_backward,
         ),
         cluster=ClusterSpec(gpus=gpus),
         plan=Plan(strategy=STRATEGY[strategy]),
     )
     where = "g" if mode == "local" else "w"
-    name = f"{model.name}-{loop}-{strategy}-{precision}-ac{ac}-{where}{gpus}-b{b}s{s}"
+    flags = (f"-every{ac_every}" if ac_every > 1 else "") + "".join(
+        f"-{flag}" for flag, on in (("compile", compile), ("float8", float8), ("oib", in_backward)) if on
+    )
+    name = f"{model.name}-{loop}-{strategy}-{precision}-ac{ac}{flags}-{where}{gpus}-b{b}s{s}"
     return Case(name, job, loop, ac, mode)
 
 
@@ -279,6 +339,16 @@ CASES = (
     _case("plain-freed", NEOX_B, "fsdp", "bf16", gpus=8, b=1, s=128),
     _case("torchtune", NEOX_B, "ddp", "amp-fp16", gpus=4, b=1, s=128),
     _case("hf-trainer", NEOX_B, "fsdp", "amp-fp16", gpus=16, b=1, s=128),
+    # the loop's flags, each applied by the framework's own code (calibrate.loops.run)
+    _case("torchtitan", QWEN_C, "fsdp", "fp32", gpus=8, b=2, s=256, ac="full", ac_every=2),
+    _case("plain-freed", QWEN_C, "ddp", "fp32", gpus=4, b=1, s=512, ac="full", ac_every=3),
+    _case("torchtune", LLAMA_D, "fsdp", "fp32", gpus=8, b=1, s=256, in_backward=True),
+    _case("torchtune", QWEN_C, "fsdp", "mixed-bf16", gpus=16, b=1, s=128, in_backward=True),
+    _case("torchtitan", MISTRAL_C, "fsdp", "mixed-bf16", gpus=8, b=1, s=128, float8=True),
+    _case("torchtitan", LLAMA_C, "ddp", "bf16", gpus=4, b=1, s=128, float8=True),
+    _case("torchtitan", LLAMA_C, "fsdp", "fp32", gpus=8, b=1, s=256, compile=True),
+    _case("torchtitan", LLAMA_C, "fsdp", "fp32", gpus=8, b=1, s=256),  # the compiled case's eager twin
+    _case("torchtune", LLAMA_D, "fsdp", "fp32", gpus=4, b=2, s=128, compile=True),
 )
 BY_ID = {case.id: case for case in CASES}
 
@@ -398,7 +468,7 @@ def loop_fields(case: Case) -> dict:
 
     loop = loops.LOOPS[case.loop]
     return {
-        "loop": loop.conventions(case.ac),
+        "loop": loop.conventions(case.ac, case.job.train),
         "loop_source": loop.loop_source(),
         "case": case.id,
         "hf_model_type": case.hf_type,
@@ -484,6 +554,7 @@ def loop_job(record: dict) -> Job:
         loss_chunks=loop["loss_chunks"] if loop["loss"] == "chunked-ce" else TrainSpec.loss_chunks,
         ac_every=max(1, loop["ac_every"]),
         compile=loop["compile"],
+        float8=loop.get("float8", False),
         offload_activations=loop["offload_activations"],
         optimizer_in_backward=loop["optimizer_in_backward"],
         recipe=loop["recipe"],

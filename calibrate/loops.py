@@ -50,6 +50,7 @@ LOOP_KEYS = (
     "ac",
     "ac_every",
     "compile",
+    "float8",
     "offload_activations",
     "optimizer_in_backward",
     "recipe",
@@ -76,17 +77,20 @@ class Loop:
     loss: str = "ce"
     loss_chunks: int = 1
 
-    def conventions(self, ac: str) -> dict:
-        """The record's ``loop`` object for this loop under activation checkpointing ``ac``."""
+    def conventions(self, ac: str, train=None) -> dict:
+        """The record's ``loop`` object for this loop under activation checkpointing ``ac``,
+        with the flags ``train`` (the case's TrainSpec) turns on (none without it)."""
+        flags = train or SimpleNamespace(ac_every=1, compile=False, float8=False, optimizer_in_backward=False)
         return {
             "logits": self.logits,
             "loss": self.loss,
             "loss_chunks": self.loss_chunks,
             "ac": ac,
-            "ac_every": 1 if ac != "none" else 0,
-            "compile": False,
+            "ac_every": flags.ac_every if ac != "none" else 0,
+            "compile": flags.compile,
+            "float8": flags.float8,
             "offload_activations": False,
-            "optimizer_in_backward": False,
+            "optimizer_in_backward": flags.optimizer_in_backward,
             "recipe": self.recipe,
         }
 
@@ -248,9 +252,22 @@ class LoopLM(nn.Module):
         return self.hf(input_ids=input_ids, labels=labels)
 
 
-def apply_ac(model: LoopLM, ac: str, loop: Loop) -> None:
-    """Checkpoint every block: ``op`` torchtitan's SelectiveAC, ``full`` transformers' (torchtitan's FullAC there)."""
+def apply_ac(model: LoopLM, ac: str, loop: Loop, every: int = 1) -> None:
+    """Checkpoint every block: ``op`` torchtitan's SelectiveAC, ``full`` transformers' (torchtitan's FullAC there).
+    ``every`` N > 1: torchtitan's layer SAC, its FullAC on every N-th block only."""
     if ac == "none":
+        return
+    if every > 1:
+        if ac != "full":
+            raise ValueError(f"ac-every {every} is measured with ac full (torchtitan's layer SAC), not {ac!r}")
+        from torchtitan.distributed.activation_checkpoint import FullAC
+
+        policy = FullAC.Config().build()
+        for index, block in list(model.layers.named_children()):
+            # torchtitan 0.2 parallelize_llama.py _apply_ac_to_transformer_block, layer SAC:
+            # _count += 1; checkpoint when _count % ac_freq == 0 (0.3.0 dropped the option)
+            if (int(index) + 1) % every == 0:
+                model.layers.register_module(index, policy._wrap_block(block))
         return
     if ac == "op" or loop.name == "torchtitan":
         from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
@@ -270,8 +287,10 @@ def _shifted(ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
 
 
-def make_step(loop: Loop, model: nn.Module, hf_model: nn.Module, micro_batch: int):
-    """The loop's forward + backward of one micro-batch, as a function of the input ids."""
+def make_step(loop: Loop, model: nn.Module, hf_model: nn.Module, micro_batch: int, *, compile_loss: bool = False):
+    """The loop's forward + backward of one micro-batch, as a function of the input ids;
+    ``compile_loss``: the loss compiled as torchtune's compile_loss (training/_compile.py, its
+    compute_cross_entropy) and torchtitan's build_loss_fn (torch.compile of the loss) do."""
     if loop.name == "hf-trainer":
         import tempfile
 
@@ -310,6 +329,8 @@ def make_step(loop: Loop, model: nn.Module, hf_model: nn.Module, micro_batch: in
         return accelerate_step
     if loop.name == "torchtune":
         loss_fn = _torchtune_loss_class()(num_output_chunks=loop.loss_chunks)
+        if compile_loss:
+            loss_fn.compute_cross_entropy = torch.compile(loss_fn.compute_cross_entropy)
 
         def torchtune_step(ids):
             labels = _shifted(ids)
@@ -321,6 +342,9 @@ def make_step(loop: Loop, model: nn.Module, hf_model: nn.Module, micro_batch: in
         return torchtune_step
     if loop.name == "torchtitan":
         from torchtitan.components.loss import cross_entropy_loss
+
+        if compile_loss:
+            cross_entropy_loss = torch.compile(cross_entropy_loss)  # components/loss.py _maybe_compile
 
         def torchtitan_step(ids):
             labels = _shifted(ids)
@@ -343,43 +367,190 @@ def _forward_ends_at_backward(meter, phase_peaks: dict):
         phase_peaks["forward"] = max(phase_peaks.get("forward", 0), meter.peak())
         return original(self, *args, **kwargs)
 
+    # the allocator's forward peak (``_AllocatorPeak``): the range from the step's start to here
+    forward = torch.profiler.record_function("memplan.forward")
+    forward.__enter__()
+
+    def backward_ends_forward(self, *args, **kwargs):
+        if forward.record is not None:
+            forward.__exit__(None, None, None)
+            forward.record = None
+        return backward(self, *args, **kwargs)
+
     # a patch of the class for the measured step only (torch's stubs call it a method)
-    setattr(torch.Tensor, "backward", backward)  # noqa: B010
+    setattr(torch.Tensor, "backward", backward_ends_forward)  # noqa: B010
     try:
         yield
     finally:
         setattr(torch.Tensor, "backward", original)  # noqa: B010
+        if forward.record is not None:
+            forward.__exit__(None, None, None)
+
+
+def apply_float8(model: LoopLM) -> None:
+    """torchao's float8 training of the blocks' linear layers, filtered as torchtitan's float8
+    converter filters them (components/quantization/utils.py module_filter_fn: in and out
+    features divisible by 16, the output projection named in filter_fqns left alone)."""
+    from torchao.float8 import convert_to_float8_training
+
+    def convert(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear):
+            return True  # a container: torchao descends into it
+        return module.in_features % 16 == 0 and module.out_features % 16 == 0 and "lm_head" not in fqn
+
+    convert_to_float8_training(model.hf, module_filter_fn=convert)
+
+
+def apply_compile(model: LoopLM) -> None:
+    """torch.compile of each block, as torchtitan's apply_compile (models/llama3/parallelize.py:
+    every transformer block compiled in place, before FSDP) and torchtune's compile_model do."""
+    for index, block in list(model.layers.named_children()):
+        model.layers.register_module(index, torch.compile(block))  # type: ignore[arg-type]
+
+
+def _torchtune_memory_module():
+    """torchtune's training/memory.py (register_optim_in_bwd_hooks) loaded alone: the torchtune
+    package does not import with torchao 0.18, so its one import of torchtune.utils is given the
+    three helpers it names while the file loads."""
+    import sys
+    import types
+
+    spec = importlib.util.find_spec("torchtune")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("torchtune is not installed")
+    path = Path(spec.submodule_search_locations[0], "training", "memory.py")
+    utils = types.ModuleType("torchtune.utils")
+    utils.get_device_support = lambda: "cpu"
+    utils.get_logger = lambda *a: __import__("logging").getLogger("torchtune")
+    utils.get_torch_device_namespace = lambda: torch.cpu
+    saved = {name: sys.modules.get(name) for name in ("torchtune", "torchtune.utils")}
+    sys.modules["torchtune"] = types.ModuleType("torchtune")
+    sys.modules["torchtune.utils"] = utils
+    try:
+        module_spec = importlib.util.spec_from_file_location("_torchtune_training_memory", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+    return module
+
+
+def optimizer_in_backward(model: nn.Module, job: Job) -> None:
+    """torchtune's optimizer in backward (full_finetune_distributed.py _setup_optimizer with
+    optimizer_in_bwd): one optimizer per parameter, stepped and zeroed by
+    register_optim_in_bwd_hooks (training/memory.py) as the parameter's gradient is accumulated."""
+    memory = _torchtune_memory_module()
+    optim_dict = {p: _optimizer(nn.ParameterList([p]), job) for p in model.parameters()}
+    memory.register_optim_in_bwd_hooks(model=model, optim_dict=optim_dict)
+
+
+class _NoMeter:
+    """No MemTracker: the compiled cases' meter is ``_AllocatorPeak``."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def new_step(self) -> None:
+        return None
+
+    def reset_peak(self) -> None:
+        return None
+
+    def peak(self) -> int:
+        return 0
+
+    def categories(self) -> dict[str, int]:
+        return {}
+
+
+class _AllocatorPeak:
+    """The CPU allocator's own count of live bytes (torch.profiler's memory events: c10's
+    ProfiledCPUMemoryReporter reports every allocation and free made while profiling), which
+    sees the buffers inductor's compiled code allocates and MemTracker does not. Started
+    before the model is built, so it counts everything MemTracker counts."""
+
+    def __init__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self.profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+
+    def __enter__(self):
+        self.profile.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.profile.__exit__(*exc)
+
+    def peaks(self, phases: tuple[str, ...]) -> dict[str, int]:
+        """The largest live total inside each ``record_function`` range named in ``phases``."""
+        from torch._C._autograd import DeviceType
+
+        events = sorted(self.profile.profiler.kineto_results.events(), key=lambda e: e.start_ns())
+        ranges = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() in phases}
+        live, peaks = 0, dict.fromkeys(phases, 0)
+        for event in events:
+            if event.name() != "[memory]" or event.device_type() != DeviceType.CPU:
+                continue
+            live += event.nbytes()
+            for name, (start, end) in ranges.items():
+                if start <= event.start_ns() <= end:
+                    peaks[name] = max(peaks[name], live)
+        return peaks
 
 
 def run(
     job: Job, loop: Loop, *, hf_type: str, ac: str, emulated: bool, steps: int = 2, warmup: int = 1, adapt=None
 ) -> Measurement:
     """Build the HF model, wrap it as the job's strategy, and train ``steps`` steps with the
-    loop's step; measure the last (MemTracker's peak of live tensors, by phase). ``adapt``
-    changes the model after AC and before wrapping (calibrate.finetune's peft adapters)."""
+    loop's step; measure the last (MemTracker's peak of live tensors, by phase; under
+    ``compile`` the CPU allocator's, ``_AllocatorPeak``). ``adapt`` changes the model after AC
+    and before wrapping (calibrate.finetune's peft adapters). The job's TrainSpec turns on
+    float8, compile, optimizer in backward and ac-every, applied in torchtitan's order:
+    float8, AC, compile, FSDP."""
+    from torch.profiler import record_function
+
     if steps <= warmup:
         raise ValueError("steps must exceed warmup: the measured step needs optimizer states")
     torch.manual_seed(dist.get_rank() if dist.is_initialized() else 0)
     train = job.train
     policy = POLICIES[train.precision]
-    meter = _CpuMeter()
+    # dynamo runs a compiled function eagerly while a TorchDispatchMode (MemTracker) is active,
+    # so a compiled case is measured by the allocator alone (measured: with MemTracker on, the
+    # compiled case's peak was the eager one's and dynamo's counters were empty)
+    meter = _NoMeter() if train.compile else _CpuMeter()
+    allocator = _AllocatorPeak() if train.compile else None
     ids = torch.randint(0, job.model.vocab_size, (train.micro_batch, train.seq_len))
     phase_peaks: dict[str, int] = {}
     times = []
-    with meter:
+    with allocator or contextlib.nullcontext(), meter:
         model = LoopLM(
             job.model,
             hf_type=hf_type,
             attention=train.attention,
             autocast_dtype=DTYPES[policy.compute_dtype] if policy.autocast else None,
         )
-        apply_ac(model, ac, loop)
+        if train.float8:
+            apply_float8(model)
+        apply_ac(model, ac, loop, train.ac_every)
+        if train.compile:
+            apply_compile(model)
         if adapt is not None:
             adapt(model)
         hf_model = model.hf
         wrapped = wrap(model, job.with_(recipe=loop.recipe), emulated)  # the recipe's FSDP units
-        optimizer = _optimizer(wrapped, job)
-        step = make_step(loop, wrapped, hf_model, train.micro_batch)
+        if train.optimizer_in_backward:
+            optimizer_in_backward(wrapped, job)
+            optimizer = None
+        else:
+            optimizer = _optimizer(wrapped, job)
+        step = make_step(loop, wrapped, hf_model, train.micro_batch, compile_loss=train.compile)
         for index in range(steps):
             measured = index == steps - 1
             if measured:
@@ -387,17 +558,27 @@ def run(
             start = time.perf_counter()
             meter.new_step()
             marks = _forward_ends_at_backward(meter, phase_peaks) if measured else contextlib.nullcontext()
-            with marks:
+            with marks, record_function("memplan.forward_backward" if measured else "warmup"):
                 step(ids)
             if measured:
                 phase_peaks["backward"] = meter.peak()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            with record_function("memplan.optimizer" if measured else "warmup"):
+                if optimizer is not None:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
             times.append(time.perf_counter() - start)
             if measured:
                 phase_peaks["optimizer"] = meter.peak()
         peak = meter.peak()
         categories = meter.categories()
+    if allocator is not None:
+        found = allocator.peaks(("memplan.forward", "memplan.forward_backward", "memplan.optimizer"))
+        phase_peaks = {
+            "forward": found["memplan.forward"],
+            "backward": found["memplan.forward_backward"],
+            "optimizer": found["memplan.optimizer"],
+        }
+        peak = max(phase_peaks.values())
     phase = next(p for p in ("forward", "backward", "optimizer") if phase_peaks[p] == peak)
     return Measurement(
         peak_allocated_bytes=peak,

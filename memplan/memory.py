@@ -136,6 +136,15 @@ HEAD_BACKWARD = MomentSpec(
 for the head, whose weight gradient autograd sums chunk by chunk out of place (two chunks' and
 their sum live at each add; measured: the held-out torchtune FSDP cases, peak in the head's
 backward)."""
+WHOLE_HEAD_BACKWARD = MomentSpec(
+    phase="backward",
+    label="backward of the LM head",
+    groups=("states", "grads.carried", "activations.blocks", "activations.outside", "gathered.head", "loss.head"),
+)
+"""FSDP2, the head applied once (no chunked output): the head's backward holds the logit
+gradient and the head weight's unsharded gradient (before its unit's reduce-scatter) while the
+head unit is gathered and the last block prefetched (measured: the held-out torchtitan FSDP
+case without AC, llama h768, whose peak is here in MemTracker's head-module snapshot)."""
 FORWARD_START = MomentSpec(
     phase="forward",
     label="start of forward (first units' all-gathers copied out)",
@@ -726,14 +735,30 @@ class Step:
         loop = self.job.train.loop
         return loop.loss == "chunked-ce" and loop.loss_chunks > 1
 
+    def whole_head_backward(self) -> bool:
+        """FSDP with a head applied once and a logits tensor (``WHOLE_HEAD_BACKWARD``)."""
+        loop = self.job.train.loop
+        return (
+            self.framework.id == "fsdp"
+            and not self.chunked_head()
+            and loop.loss != "fused-linear-ce"
+            and self.job.model.arch != "vit"
+        )
+
     def head_backward_terms(self) -> list[Term]:
         """``HEAD_BACKWARD``: the logit gradients (compute dtype) and the head weight's gradient
-        summed out of place (the unsharded parameter's dtype)."""
-        if not self.chunked_head():
-            return []
+        summed out of place (the unsharded parameter's dtype); ``WHOLE_HEAD_BACKWARD``: the one
+        logit gradient and the head weight's unsharded gradient."""
         m, c = self.job.model, self.policy.compute_bytes
         tokens, vh = self.job.train.tokens_per_micro_batch, m.vocab_size * m.hidden
         wbytes = self.gather_bytes if self.framework.id == "fsdp" else self.policy.grad_bytes
+        if self.whole_head_backward():
+            return [
+                term(A, "loss.head", "logit gradient (the head's input)", f"{c}·b·s·V", c * tokens * m.vocab_size),
+                term(G, "loss.head", "head weight gradient (unsharded)", f"{wbytes}·V·h", wbytes * vh),
+            ]
+        if not self.chunked_head():
+            return []
         return [
             term(
                 A,
@@ -750,6 +775,8 @@ class Step:
         specs = MOMENTS if self.last_checkpointed() is None else (*MOMENTS[:3], LAST_CHECKPOINTED, *MOMENTS[3:])
         if self.chunked_head():
             specs = (*specs[:2], HEAD_BACKWARD, *specs[2:])
+        elif self.whole_head_backward():
+            specs = (*specs[:2], WHOLE_HEAD_BACKWARD, *specs[2:])
         if self.holds_root_grads():
             specs = (*specs[:-1], ROOT_BACKWARD, specs[-1])
         if self.tied_sum():

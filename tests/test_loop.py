@@ -457,3 +457,30 @@ def test_op_sac_and_compile_refuse_what_they_do_not_model():
         op_sac_kept(gpt2, TrainSpec(seq_len=64, micro_batch=2, precision="fp32", device="cpu"))
     with pytest.raises(MemplanError, match="not gpt2"):
         compiled_block_saved(gpt2, TrainSpec(seq_len=64, micro_batch=2, precision="fp32"))
+
+
+ALLOCATOR_SLACK_BYTES = 4096
+
+
+def test_allocator_peak_agrees_with_memtracker_on_an_eager_step():
+    """calibrate.loops' allocator meter (torch.profiler's CPU memory events) measures the compiled
+    cases, whose inductor buffers MemTracker does not see; on an eager step the two agree within
+    a few small tensors (measured 1,024 B here and 2,048 B of 507,607,276 on a held-out case)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.profiler import record_function
+
+    from calibrate.loops import _AllocatorPeak
+    from calibrate.workloads import CausalLM
+
+    spec = ModelSpec(num_layers=2, hidden=128, num_heads=8, num_kv_heads=2, ffn_hidden=344, vocab_size=512)
+    ids = torch.randint(0, spec.vocab_size, (2, 64))
+    cpu = torch.device("cpu")
+    with _AllocatorPeak() as allocator, MemTracker() as tracker:
+        model = CausalLM(spec)
+        tracker.track_external(model)
+        with record_function("step"):
+            loss, _ = model(ids, ids)
+            loss.backward()
+        tracked = tracker.get_tracker_snapshot("peak")[cpu]["Total"]
+    counted = allocator.peaks(("step",))["step"]
+    assert tracked > 0 and abs(counted - tracked) <= ALLOCATOR_SLACK_BYTES

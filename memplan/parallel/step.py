@@ -59,6 +59,11 @@ class RankStep(Step):
         )
         self.params = stage.layers * self.block_params + self.root_params
 
+    def whole_head_backward(self) -> bool:
+        """The whole-head moment is measured under data parallelism only; a TP rank's head is
+        vocabulary-parallel (its own moments, not measured with that moment)."""
+        return False
+
     def pending_params(self) -> int:
         return tensor.embedding_params(self.whole.model, self.layout.tp) if self.stage.first else 0
 
