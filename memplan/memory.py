@@ -736,13 +736,14 @@ class Step:
         return loop.loss == "chunked-ce" and loop.loss_chunks > 1
 
     def whole_head_backward(self) -> bool:
-        """FSDP with a head applied once and a logits tensor (``WHOLE_HEAD_BACKWARD``)."""
+        """FSDP with an LM head applied once and a logits tensor (``WHOLE_HEAD_BACKWARD``)."""
         loop = self.job.train.loop
         return (
             self.framework.id == "fsdp"
             and not self.chunked_head()
             and loop.loss != "fused-linear-ce"
             and self.job.model.arch != "vit"
+            and not self.job.model.num_labels  # a classifier's head has no V·h weight nor b·s·V logits
         )
 
     def head_backward_terms(self) -> list[Term]:
