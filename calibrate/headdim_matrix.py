@@ -8,9 +8,9 @@ process, DDP and FSDP2 on 2 gloo ranks, and expert parallel (EP 2, calibrate.moe
     python -m calibrate.headdim_matrix --report   # measured, estimated today, error %
 
 Records go to docs/headdim_matrix_cpu.jsonl in calibrate.heldout's format (its report reads
-them). A case's ``head_dim`` is the config.json key transformers builds the attention from;
-where memplan's ModelSpec cannot hold it, the record's spec carries it as the user would give
-it and its estimate is memplan's refusal of that config.json (``estimate_error``).
+them). The model's ``head_dim`` is the config.json key transformers builds the attention from;
+the first records were made before ModelSpec held it: their spec carries it as this one does,
+their estimate is memplan's refusal of the config.json then (``estimate_error``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import json
 import sys
 from dataclasses import dataclass
 
-from memplan.errors import MemplanError
-from memplan.hfconfig import model_from_hf_config
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
 from . import heldout, records
@@ -36,6 +34,7 @@ QWEN3_WIDE = ModelSpec(
     hidden=256,
     num_heads=8,
     num_kv_heads=2,
+    head_dim=64,
     ffn_hidden=768,
     vocab_size=4096,
     tied_embeddings=True,
@@ -48,6 +47,7 @@ QWEN3_NARROW = ModelSpec(
     hidden=384,
     num_heads=4,
     num_kv_heads=2,
+    head_dim=64,
     ffn_hidden=1024,
     vocab_size=4096,
     qk_norm=True,
@@ -59,6 +59,7 @@ MISTRAL_NARROW = ModelSpec(
     hidden=256,
     num_heads=4,
     num_kv_heads=2,
+    head_dim=32,
     ffn_hidden=768,
     vocab_size=4096,
 )
@@ -85,6 +86,7 @@ QWEN3_MOE_WIDE = ModelSpec(
     hidden=128,
     num_heads=4,
     num_kv_heads=2,
+    head_dim=64,
     ffn_hidden=384,
     vocab_size=4096,
     qk_norm=True,
@@ -102,14 +104,12 @@ HF_TYPE = {
     QWEN3_MOE.name: "qwen3_moe",
     QWEN3_MOE_WIDE.name: "qwen3_moe",
 }
-HEAD_DIM = {QWEN3_WIDE.name: 64, QWEN3_NARROW.name: 64, MISTRAL_NARROW.name: 32, QWEN3_MOE_WIDE.name: 64}
-"""config.json head_dim where it is not hidden / heads."""
 STRATEGY = {"single": "single", "ddp": "ddp", "fsdp": "fsdp-full-shard"}
 
 
 @dataclass(frozen=True)
 class Case:
-    """A held-out case (calibrate.heldout.Case's fields) with its config.json head_dim."""
+    """A held-out case (calibrate.heldout.Case's fields)."""
 
     id: str
     job: Job
@@ -117,8 +117,6 @@ class Case:
     ac: str
     mode: str
     hf_type: str
-    head_dim: int
-    """0: hidden / heads."""
 
 
 def _case(loop, model, strategy, *, gpus=1, b=1, s=128, ep=1, precision="fp32", attention="sdpa") -> Case:
@@ -130,7 +128,7 @@ def _case(loop, model, strategy, *, gpus=1, b=1, s=128, ep=1, precision="fp32", 
     )
     where = "g"  # every case runs on real ranks here
     name = f"{model.name}-{loop}-{strategy}-ep{ep}-{precision}-{attention}-{where}{gpus}-b{b}s{s}"
-    return Case(name, job, loop, "none", "local", HF_TYPE[model.name], HEAD_DIM.get(model.name, 0))
+    return Case(name, job, loop, "none", "local", HF_TYPE[model.name])
 
 
 CASES = (
@@ -158,7 +156,7 @@ def config_json(case: Case) -> dict:
         "num_hidden_layers": m.num_layers,
         "num_attention_heads": m.num_heads,
         "num_key_value_heads": m.num_kv_heads,
-        "head_dim": case.head_dim or m.hidden // m.num_heads,
+        "head_dim": m.head_size,
         "hidden_act": "silu",
         "tie_word_embeddings": m.tied_embeddings,
     }
@@ -174,35 +172,18 @@ def config_json(case: Case) -> dict:
     return cfg
 
 
-def _spec(case: Case) -> dict:
-    """The record's spec: the job's, with the config's head_dim where the job cannot hold it."""
-    spec = records.spec_dict(case.job)
-    if case.head_dim and case.head_dim != getattr(case.job.model, "head_dim", 0):
-        spec["model"]["head_dim"] = case.head_dim
-    return spec
-
-
 def _run(case: Case) -> records.Run:
     return records.Run(job=case.job, mode=case.mode, workload="hf", steps=heldout.STEPS, warmup=heldout.WARMUP)
 
 
 def record_id(case: Case) -> str:
-    """calibrate.heldout.record_id over the record's spec (with its head_dim)."""
-    run = _run(case)
-    key = records.run_key(_spec(case), run.mode, run.steps, run.workload)
-    return hashlib.sha1(json.dumps([key, case.loop, case.ac, case.hf_type]).encode()).hexdigest()[:10]
+    """calibrate.heldout.record_id: the run's key with the loop, policy and model type."""
+    key = json.dumps([_run(case).key, case.loop, case.ac, case.hf_type])
+    return hashlib.sha1(key.encode()).hexdigest()[:10]
 
 
 def make_record(case: Case, outcome: dict, wall_s: float) -> dict:
     record = records.make_record(_run(case), **outcome, wall_s=wall_s)
-    spec = _spec(case)
-    if spec != record["spec"]:  # the job lacks the head_dim: memplan's answer is its config.json's
-        record["spec"] = spec
-        try:
-            model_from_hf_config(config_json(case))
-            raise AssertionError(f"{case.id}: memplan read a head_dim its ModelSpec cannot hold")
-        except MemplanError as exc:
-            record["estimate"], record["estimate_error"] = None, str(exc)
     return record | {"id": record_id(case)} | heldout.loop_fields(case)  # type: ignore[arg-type]
 
 
@@ -233,7 +214,6 @@ def _rank_measurement(case_id: str) -> dict:
     from . import loops
 
     case = BY_ID[case_id]
-    overrides = {"head_dim": case.head_dim} if case.head_dim else None
     m = loops.run(
         case.job,
         loops.LOOPS[case.loop],
@@ -242,7 +222,6 @@ def _rank_measurement(case_id: str) -> dict:
         emulated=False,
         steps=heldout.STEPS,
         warmup=heldout.WARMUP,
-        hf_overrides=overrides,
     )
     return dataclasses.asdict(m)
 

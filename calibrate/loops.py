@@ -164,13 +164,10 @@ def _torchtune_loss_class():
     return module.CEWithChunkedOutputLoss
 
 
-def _hf_config(spec: ModelSpec, hf_type: str, *, attention: str, overrides: dict | None = None):
-    """The transformers config of ``hf_type`` with the spec's shapes (random weights);
-    ``overrides``: config keys set beyond them (a shape the spec cannot hold)."""
+def _hf_config(spec: ModelSpec, hf_type: str, *, attention: str):
+    """The transformers config of ``hf_type`` with the spec's shapes (random weights)."""
     from transformers import AutoConfig
 
-    if overrides and (hf_type in ("llama", "gpt2", "gpt_neox") or spec.arch == "bert"):
-        raise ValueError(f"config overrides are set on the generic (mistral, qwen) configs, not {hf_type}")
     if hf_type in ("llama", "gpt2", "gpt_neox"):
         return hf_config(spec, attention=attention)
     if spec.arch == "bert":  # bert, roberta: the head by num_labels (memplan.specs.ModelSpec)
@@ -203,13 +200,15 @@ def _hf_config(spec: ModelSpec, hf_type: str, *, attention: str, overrides: dict
         sliding_window=None,
         use_sliding_window=False,
     )
-    if spec.qk_norm:  # qwen3: its config's head_dim defaults to 128, its biases to none
-        shapes |= dict(head_dim=spec.head_dim, attention_bias=spec.qkv_bias)
-    if spec.num_experts:  # mixtral, qwen2_moe: the experts' keys (calibrate.moe_ep)
+    if spec.qk_norm or spec.head_dim:  # Qwen3Config's head_dim defaults to 128, the others' to hidden/heads
+        shapes["head_dim"] = spec.head_size
+    if spec.qk_norm:  # qwen3: its q/k/v biases default to none
+        shapes["attention_bias"] = spec.qkv_bias
+    if spec.num_experts:  # mixtral, qwen2_moe, qwen3_moe: the experts' keys (calibrate.moe_ep)
         from .moe_ep import hf_moe_kwargs
 
         shapes |= hf_moe_kwargs(spec, hf_type)
-    config = AutoConfig.for_model(hf_type, **shapes | (overrides or {}))
+    config = AutoConfig.for_model(hf_type, **shapes)
     config._attn_implementation = attention
     return config
 
@@ -217,14 +216,14 @@ def _hf_config(spec: ModelSpec, hf_type: str, *, attention: str, overrides: dict
 class LoopLM(nn.Module):
     """A transformers AutoModelForCausalLM (from a config) whose forward serves every loop."""
 
-    def __init__(self, spec: ModelSpec, *, hf_type: str, attention: str, autocast_dtype=None, overrides=None):
+    def __init__(self, spec: ModelSpec, *, hf_type: str, attention: str, autocast_dtype=None):
         super().__init__()
         from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
         auto: Any = AutoModelForCausalLM
         if spec.arch == "bert":
             auto = AutoModelForSequenceClassification if spec.num_labels else AutoModelForMaskedLM
-        self.hf = auto.from_config(_hf_config(spec, hf_type, attention=attention, overrides=overrides))
+        self.hf = auto.from_config(_hf_config(spec, hf_type, attention=attention))
         self.num_labels = spec.num_labels
         """A sequence classifier takes one label per row: the first token id modulo the labels."""
         self.autocast_dtype = autocast_dtype
@@ -509,23 +508,14 @@ class _AllocatorPeak:
 
 
 def run(
-    job: Job,
-    loop: Loop,
-    *,
-    hf_type: str,
-    ac: str,
-    emulated: bool,
-    steps: int = 2,
-    warmup: int = 1,
-    adapt=None,
-    hf_overrides: dict | None = None,
+    job: Job, loop: Loop, *, hf_type: str, ac: str, emulated: bool, steps: int = 2, warmup: int = 1, adapt=None
 ) -> Measurement:
     """Build the HF model, wrap it as the job's strategy, and train ``steps`` steps with the
     loop's step; measure the last (MemTracker's peak of live tensors, by phase; under
     ``compile`` the CPU allocator's, ``_AllocatorPeak``). ``adapt`` changes the model after AC
     and before wrapping (calibrate.finetune's peft adapters). The job's TrainSpec turns on
     float8, compile, optimizer in backward and ac-every, applied in torchtitan's order:
-    float8, AC, compile, FSDP. ``hf_overrides``: transformers config keys beyond the spec's shapes."""
+    float8, AC, compile, FSDP."""
     from torch.profiler import record_function
 
     if steps <= warmup:
@@ -547,7 +537,6 @@ def run(
             hf_type=hf_type,
             attention=train.attention,
             autocast_dtype=DTYPES[policy.compute_dtype] if policy.autocast else None,
-            overrides=hf_overrides,
         )
         if train.float8:
             apply_float8(model)
