@@ -118,17 +118,33 @@ class Case:
     mode: str
     hf_type: str
 
+    def adapt(self, model) -> None:
+        """peft's adapters on a LoRA case's model (calibrate.finetune.adapt); a full one trains as built."""
+        if self.job.train.finetune != "full":
+            from .finetune import adapt
 
-def _case(loop, model, strategy, *, gpus=1, b=1, s=128, ep=1, precision="fp32", attention="sdpa") -> Case:
-    job = Job(
-        model=model,
-        train=TrainSpec(seq_len=s, micro_batch=b, precision=precision, attention=attention, device="cpu"),
-        cluster=ClusterSpec(gpus=gpus),
-        plan=Plan(strategy=STRATEGY[strategy], ep=ep),
+            adapt(self.job, model)
+
+
+def _case(
+    loop, model, strategy, *, gpus=1, b=1, s=128, ep=1, precision="fp32", attention="sdpa", ac="none", lora=""
+) -> Case:
+    """``ac``: the loop's own policy (heldout.TODAY_AC: what a user types for it); ``lora``: peft
+    LoRA rank-8 adapters on these targets (none: a full fine-tune)."""
+    train = TrainSpec(
+        seq_len=s,
+        micro_batch=b,
+        precision=precision,
+        attention=attention,
+        device="cpu",
+        activation_checkpointing=heldout.TODAY_AC[ac],
+        **({"finetune": "lora", "lora_targets": lora} if lora else {}),
     )
+    job = Job(model=model, train=train, cluster=ClusterSpec(gpus=gpus), plan=Plan(strategy=STRATEGY[strategy], ep=ep))
     where = "g"  # every case runs on real ranks here
-    name = f"{model.name}-{loop}-{strategy}-ep{ep}-{precision}-{attention}-{where}{gpus}-b{b}s{s}"
-    return Case(name, job, loop, "none", "local", HF_TYPE[model.name])
+    extra = (f"-ac{ac}" if ac != "none" else "") + (f"-lora-{lora}" if lora else "")
+    name = f"{model.name}-{loop}-{strategy}-ep{ep}-{precision}-{attention}{extra}-{where}{gpus}-b{b}s{s}"
+    return Case(name, job, loop, ac, "local", HF_TYPE[model.name])
 
 
 CASES = (
@@ -141,6 +157,14 @@ CASES = (
     _case("plain-kept", QWEN3_MOE_WIDE, "single", b=2, s=256),
     _case("plain-kept", QWEN3_MOE_WIDE, "fsdp", gpus=2, b=2, s=128),
     _case("plain-kept", QWEN3_MOE_WIDE, "fsdp", gpus=2, b=2, s=128, ep=2),
+    # measured after the model: the loops' AC, mixed precision under FSDP2 and LoRA's o_proj input
+    _case("hf-trainer", QWEN3_WIDE, "single", b=2, s=256, ac="full"),
+    _case("torchtitan", QWEN3_WIDE, "fsdp", gpus=2, b=2, s=256, ac="op"),
+    _case("plain-kept", QWEN3_WIDE, "fsdp", gpus=2, b=1, s=128, precision="mixed-bf16"),
+    _case("plain-kept", QWEN3_NARROW, "single", b=2, s=256, lora="all-linear"),
+    _case("torchtune", MISTRAL_NARROW, "fsdp", gpus=2, b=1, s=256),
+    _case("hf-trainer", QWEN3_MOE_WIDE, "single", b=2, s=128, ac="full"),
+    _case("plain-freed", QWEN3_MOE_WIDE, "ddp", gpus=2, b=2, s=128),
 )
 BY_ID = {case.id: case for case in CASES}
 
@@ -222,6 +246,7 @@ def _rank_measurement(case_id: str) -> dict:
         emulated=False,
         steps=heldout.STEPS,
         warmup=heldout.WARMUP,
+        adapt=case.adapt,
     )
     return dataclasses.asdict(m)
 
