@@ -97,7 +97,33 @@ QWEN3_MOE_WIDE = ModelSpec(
     top_k_weights_fp32=False,
 )
 """Qwen3-30B-A3B's proportions: 4 heads of 64 (q width 256) over hidden 128, norm_topk_prob true."""
+QWEN3_PLAIN = ModelSpec(
+    name="qwen3-h256-d64x4",
+    num_layers=2,
+    hidden=256,
+    num_heads=4,
+    num_kv_heads=2,
+    ffn_hidden=768,
+    vocab_size=4096,
+    tied_embeddings=True,
+    qk_norm=True,
+)
+"""QWEN3_WIDE's twin with head_dim = hidden / heads (4 heads of 64): the misses without wide heads."""
+MISTRAL_WIDE = ModelSpec(
+    name="mistral-h256-d64x8",
+    num_layers=2,
+    hidden=256,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=64,
+    ffn_hidden=768,
+    vocab_size=4096,
+    tied_embeddings=True,
+)
+"""QWEN3_WIDE's twin without q/k norms (Mistral): the misses without Qwen3's norms."""
 HF_TYPE = {
+    QWEN3_PLAIN.name: "qwen3",
+    MISTRAL_WIDE.name: "mistral",
     QWEN3_WIDE.name: "qwen3",
     QWEN3_NARROW.name: "qwen3",
     MISTRAL_NARROW.name: "mistral",
@@ -165,6 +191,16 @@ CASES = (
     _case("torchtune", MISTRAL_NARROW, "fsdp", gpus=2, b=1, s=256),
     _case("hf-trainer", QWEN3_MOE_WIDE, "single", b=2, s=128, ac="full"),
     _case("plain-freed", QWEN3_MOE_WIDE, "ddp", gpus=2, b=2, s=128),
+    # the three Qwen3 cases over 2 % above, again on twins: heads of hidden / heads, no q/k norms
+    *(
+        _case(loop, twin, strategy, gpus=gpus, b=b, s=s, ac=ac, precision=precision)
+        for twin in (QWEN3_PLAIN, MISTRAL_WIDE)
+        for loop, strategy, gpus, b, s, ac, precision in (
+            ("hf-trainer", "single", 1, 2, 256, "full", "fp32"),
+            ("torchtitan", "fsdp", 2, 2, 256, "op", "fp32"),
+            ("plain-kept", "fsdp", 2, 1, 128, "none", "mixed-bf16"),
+        )
+    ),
 )
 BY_ID = {case.id: case for case in CASES}
 
