@@ -75,6 +75,12 @@ def test_head_dim_by_shapes_on_the_command_line():
     assert "head-dim 128" in result.output and f"= {expected / 1e9:.3f}B parameters" in result.output
 
 
+def test_qwen3_moe_per_tensor_list_holds_its_q_k_norms():
+    """DeepSpeed's and the per-tensor optimizers' list of a Qwen3-MoE block: q/k norms in sparse blocks too."""
+    spec = catalog.model_preset("qwen3-30b-a3b")
+    assert sum(tensor_numels(spec)) == spec.num_params
+
+
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-4b"])
 def test_qwen3_presets_with_wide_heads_count_what_transformers_builds(name):
     torch = pytest.importorskip("torch")
