@@ -200,9 +200,11 @@ def _hf_config(spec: ModelSpec, hf_type: str, *, attention: str):
         sliding_window=None,
         use_sliding_window=False,
     )
-    if spec.qk_norm:  # qwen3: its config's head_dim defaults to 128, its biases to none
-        shapes |= dict(head_dim=spec.head_dim, attention_bias=spec.qkv_bias)
-    if spec.num_experts:  # mixtral, qwen2_moe: the experts' keys (calibrate.moe_ep)
+    if spec.qk_norm or spec.head_dim:  # Qwen3Config's head_dim defaults to 128, the others' to hidden/heads
+        shapes["head_dim"] = spec.head_size
+    if spec.qk_norm:  # qwen3: its q/k/v biases default to none
+        shapes["attention_bias"] = spec.qkv_bias
+    if spec.num_experts:  # mixtral, qwen2_moe, qwen3_moe: the experts' keys (calibrate.moe_ep)
         from .moe_ep import hf_moe_kwargs
 
         shapes |= hf_moe_kwargs(spec, hf_type)
