@@ -258,6 +258,10 @@ CASES = (
     # measured after the encoder model (held out): FSDP2 around BERT, fp32 and mixed-bf16
     _case(BERT_CLS, "full", "fsdp", "fp32", gpus=2, b=4),
     _case(BERT_MLM, "full", "fsdp", "mixed-bf16", gpus=2, b=1, s=128),
+    # held out, measured before the LoRA + AC misses were looked into: peft's adapters under
+    # transformers' gradient checkpointing on two ranks (DDP; FSDP2 mixed-bf16 with dropout)
+    _case(QWEN3, "lora", "ddp", "fp32", gpus=2, rank=16, targets="all-linear", ac="full"),
+    _case(LLAMA, "lora", "fsdp", "mixed-bf16", gpus=2, b=1, s=128, rank=4, dropout=0.1, ac="full"),
 )
 STAND_IN = {
     "lion": "sgd-momentum",
