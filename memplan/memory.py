@@ -121,7 +121,7 @@ MOMENTS = (
             "grads.first_block",
             "activations.first_block",
             "logits.block",
-            "gathered.block",
+            "gathered.first_block",
             "block.backward.first",
         ),
     ),
@@ -395,6 +395,7 @@ class Step:
         if self.job.model.num_experts:
             gathered["gathered.block"] = moe.without_block_grads(gathered["gathered.block"])
         gathered["gathered.last_block"] = gathered["gathered.block"]
+        gathered["gathered.first_block"] = self.framework.first_block_gathered(self, gathered["gathered.block"])
         if self.job.model.arch == "bert":
             # an encoder's FSDP2 peak is at the start of the last block's backward, before any of
             # its gradients (measured per module with MemTracker: roberta-h256-cls3 on 2 gloo

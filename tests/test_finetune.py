@@ -39,23 +39,7 @@ def test_every_case_has_an_ok_record_that_rebuilds_it(recs):
         assert "peft" in record["libraries"] or record["spec"]["train"].get("finetune", "full") in ("full", "frozen:1")
 
 
-# held out, measured after the encoder model (docs/encoder_matrix_cpu.md): the estimate peaks at
-# the first block's backward (31.20 MiB) where the run's peak is 29.89 MiB; memplan counts the tied
-# word embedding's gradient shard there, which MemTracker does not show
-_MISSED = {
-    "bert-h256-mlm-full-fsdp-mixed-bf16-adamw-g2-b1s128": "+4.4 %: FSDP2 mixed-bf16 around a tied MLM encoder, "
-    "the first block's backward moment (docs/encoder_matrix_cpu.md)"
-}
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=_MISSED[c.id])) if c.id in _MISSED else c
-        for c in finetune.CASES
-    ],
-    ids=lambda c: c.id,
-)
+@pytest.mark.parametrize("case", finetune.CASES, ids=lambda c: c.id)
 def test_estimate_within_tolerance_of_the_measurement(case, recs):
     record = next(r for r in recs if r["case"] == case.id)
     measured = record["measurement"]["peak_allocated_bytes"]
