@@ -22,7 +22,11 @@ _COMPILE = (
     "on the allocator's peak; measured apart: eager 507.6 MB (the model's 507.6), blocks compiled alone 495.2 "
     "(= both compiled), the loss compiled alone 501.3; the modelled compiled blocks save 6.2 MB, measured 12.4"
 )
+_ZERO_GRAD = "zero-grad zeros (gradients kept through the next forward): measured before it was modelled"
 KNOWN = {
+    "llama-h512-hf-trainer-ddp-fp32-acnone-zgzeros-g2-b2s256": _ZERO_GRAD,
+    "qwen2-h896-plain-kept-fsdp-fp32-acnone-zgzeros-g2-b1s256": _ZERO_GRAD,
+    "llama-h768-torchtitan-fsdp-mixed-bf16-acfull-zgzeros-w8-b1s128": _ZERO_GRAD,
     "llama-h640-torchtune-fsdp-fp32-acnone-compile-w4-b2s128": _COMPILE,
     "llama-h384-plain-kept-fsdp-mixed-bf16-acnone-g2-b1s128": _FSDP,
     "gpt2-h384-s2048-plain-kept-fsdp-fp32-acnone-w4-b1s2048": _FSDP,
