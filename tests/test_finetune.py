@@ -39,21 +39,7 @@ def test_every_case_has_an_ok_record_that_rebuilds_it(recs):
         assert "peft" in record["libraries"] or record["spec"]["train"].get("finetune", "full") in ("full", "frozen:1")
 
 
-_ZERO_GRAD = "zero-grad zeros (gradients kept through the next forward): measured before it was modelled"
-_MISSED = {
-    "bert-h256-cls2-full-single-fp32-adamw-zgzeros-g1-b4s256": _ZERO_GRAD,
-    "bert-h256-mlm-full-single-amp-bf16-adamw-zgzeros-g1-b1s128": _ZERO_GRAD,
-}
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=_MISSED[c.id])) if c.id in _MISSED else c
-        for c in finetune.CASES
-    ],
-    ids=lambda c: c.id,
-)
+@pytest.mark.parametrize("case", finetune.CASES, ids=lambda c: c.id)
 def test_estimate_within_tolerance_of_the_measurement(case, recs):
     record = next(r for r in recs if r["case"] == case.id)
     measured = record["measurement"]["peak_allocated_bytes"]
