@@ -356,6 +356,7 @@ CASES = (
     _case("hf-trainer", LLAMA_A, "ddp", "fp32", gpus=2, b=2, s=256, mode="local", zero_grad="zeros"),
     _case("plain-kept", QWEN_A, "fsdp", "fp32", gpus=2, b=1, s=256, mode="local", zero_grad="zeros"),
     _case("torchtitan", LLAMA_C, "fsdp", "mixed-bf16", gpus=8, b=1, s=128, ac="full", zero_grad="zeros"),
+    _case("torchtitan", LLAMA_C, "fsdp", "mixed-bf16", gpus=8, b=1, s=128, ac="full"),  # its twin, gradients freed
 )
 BY_ID = {case.id: case for case in CASES}
 
