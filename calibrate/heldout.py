@@ -245,6 +245,7 @@ class Case:
             steps=STEPS,
             warmup=WARMUP,
             adapt=self.adapt,
+            zero_grad=self.job.train.zero_grad,
         )
 
     def adapt(self, model) -> None:
@@ -271,6 +272,7 @@ def _case(
     compile: bool = False,
     float8: bool = False,
     in_backward: bool = False,
+    zero_grad: str = "none",
 ) -> Case:
     """A case; the flags (ac_every, compile, float8, optimizer in backward) are in its spec,
     as a user types them, and the loop applies them (calibrate.loops.run)."""
@@ -287,14 +289,14 @@ def _case(
             compile=compile,
             float8=float8,
             optimizer_in_backward=in_backward,
+            zero_grad=zero_grad,
         ),
         cluster=ClusterSpec(gpus=gpus),
         plan=Plan(strategy=STRATEGY[strategy]),
     )
     where = "g" if mode == "local" else "w"
-    flags = (f"-every{ac_every}" if ac_every > 1 else "") + "".join(
-        f"-{flag}" for flag, on in (("compile", compile), ("float8", float8), ("oib", in_backward)) if on
-    )
+    flags = (f"-every{ac_every}" if ac_every > 1 else "") + (f"-zg{zero_grad}" if zero_grad != "none" else "")
+    flags += "".join(f"-{flag}" for flag, on in (("compile", compile), ("float8", float8), ("oib", in_backward)) if on)
     name = f"{model.name}-{loop}-{strategy}-{precision}-ac{ac}{flags}-{where}{gpus}-b{b}s{s}"
     return Case(name, job, loop, ac, mode)
 
@@ -349,6 +351,12 @@ CASES = (
     _case("torchtitan", LLAMA_C, "fsdp", "fp32", gpus=8, b=1, s=256, compile=True),
     _case("torchtitan", LLAMA_C, "fsdp", "fp32", gpus=8, b=1, s=256),  # the compiled case's eager twin
     _case("torchtune", LLAMA_D, "fsdp", "fp32", gpus=4, b=2, s=128, compile=True),
+    # gradients zero-filled between steps (optimizer.zero_grad(set_to_none=False)), measured
+    # before the convention was modelled
+    _case("hf-trainer", LLAMA_A, "ddp", "fp32", gpus=2, b=2, s=256, mode="local", zero_grad="zeros"),
+    _case("plain-kept", QWEN_A, "fsdp", "fp32", gpus=2, b=1, s=256, mode="local", zero_grad="zeros"),
+    _case("torchtitan", LLAMA_C, "fsdp", "mixed-bf16", gpus=8, b=1, s=128, ac="full", zero_grad="zeros"),
+    _case("torchtitan", LLAMA_C, "fsdp", "mixed-bf16", gpus=8, b=1, s=128, ac="full"),  # its twin, gradients freed
 )
 BY_ID = {case.id: case for case in CASES}
 
@@ -557,6 +565,7 @@ def loop_job(record: dict) -> Job:
         float8=loop.get("float8", False),
         offload_activations=loop["offload_activations"],
         optimizer_in_backward=loop["optimizer_in_backward"],
+        zero_grad=loop.get("zero_grad", "none"),
         recipe=loop["recipe"],
     )
 

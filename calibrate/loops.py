@@ -53,6 +53,7 @@ LOOP_KEYS = (
     "float8",
     "offload_activations",
     "optimizer_in_backward",
+    "zero_grad",
     "recipe",
 )
 AC_POLICIES = ("none", "full", "op")
@@ -80,7 +81,9 @@ class Loop:
     def conventions(self, ac: str, train=None) -> dict:
         """The record's ``loop`` object for this loop under activation checkpointing ``ac``,
         with the flags ``train`` (the case's TrainSpec) turns on (none without it)."""
-        flags = train or SimpleNamespace(ac_every=1, compile=False, float8=False, optimizer_in_backward=False)
+        flags = train or SimpleNamespace(
+            ac_every=1, compile=False, float8=False, optimizer_in_backward=False, zero_grad="none"
+        )
         return {
             "logits": self.logits,
             "loss": self.loss,
@@ -91,6 +94,7 @@ class Loop:
             "float8": flags.float8,
             "offload_activations": False,
             "optimizer_in_backward": flags.optimizer_in_backward,
+            "zero_grad": flags.zero_grad,
             "recipe": self.recipe,
         }
 
@@ -508,14 +512,25 @@ class _AllocatorPeak:
 
 
 def run(
-    job: Job, loop: Loop, *, hf_type: str, ac: str, emulated: bool, steps: int = 2, warmup: int = 1, adapt=None
+    job: Job,
+    loop: Loop,
+    *,
+    hf_type: str,
+    ac: str,
+    emulated: bool,
+    steps: int = 2,
+    warmup: int = 1,
+    adapt=None,
+    zero_grad: str = "none",
 ) -> Measurement:
     """Build the HF model, wrap it as the job's strategy, and train ``steps`` steps with the
     loop's step; measure the last (MemTracker's peak of live tensors, by phase; under
     ``compile`` the CPU allocator's, ``_AllocatorPeak``). ``adapt`` changes the model after AC
     and before wrapping (calibrate.finetune's peft adapters). The job's TrainSpec turns on
     float8, compile, optimizer in backward and ac-every, applied in torchtitan's order:
-    float8, AC, compile, FSDP."""
+    float8, AC, compile, FSDP. ``zero_grad``: how the gradients are cleared after each step,
+    none ``optimizer.zero_grad(set_to_none=True)`` or zeros (``set_to_none=False``: they stay
+    allocated through the next forward)."""
     from torch.profiler import record_function
 
     if steps <= warmup:
@@ -567,7 +582,7 @@ def run(
             with record_function("memplan.optimizer" if measured else "warmup"):
                 if optimizer is not None:
                     optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
+                    optimizer.zero_grad(set_to_none=zero_grad == "none")
             times.append(time.perf_counter() - start)
             if measured:
                 phase_peaks["optimizer"] = meter.peak()

@@ -127,15 +127,53 @@ class _NoHook:
 def _frozen_aware_tracker():
     """torch's MemTracker, which registers a gradient hook on every parameter of a module and
     so fails on frozen ones (torch 2.13, mem_tracker.py _track_module_params_and_buffers):
-    frozen parameters are marked as hooked already, with handles that remove nothing."""
+    frozen parameters are marked as hooked already, with handles that remove nothing.
+
+    Its ModTracker also keeps alive, after their backward, every module input that is a leaf
+    requiring grad (the output of a frozen input embedding that ``enable_input_require_grads``
+    marks, as peft does under gradient checkpointing) with the gradient accumulated into it:
+    the multi-grad hook mod_tracker.py ``_fw_pre_hook`` registers on a module's inputs
+    (autograd/graph.py register_multi_grad_hook, mode "all") closes over their grad_fns, and a
+    grad_fn holds the hook (a cycle through C++ that gc cannot collect), and through its edges
+    the graph below it down to the leaf's AccumulateGrad, which holds the leaf (measured: one
+    leaf and its .grad kept per step, none without the tracker; a parameter is kept anyway).
+    Those hooks are removed when the next step starts (``release_input_hooks``), their backward
+    having run.
+    """
+    from torch.distributed._tools import mod_tracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class FrozenAwareMemTracker(MemTracker):
+        def __init__(self):
+            super().__init__()
+            self._input_hooks: list = []
+
         def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
             for param in module.parameters():
                 if not param.requires_grad:
                     self._param_to_grad_hook_handles.setdefault(param, (_NoHook(), _NoHook()))
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+        def _register_multi_grad_hook(self, tensors, fn, *, mode="all"):
+            handle = self._register(tensors, fn, mode=mode)
+            if mode == "all":
+                self._input_hooks.append(handle)
+            return handle
+
+        def release_input_hooks(self) -> None:
+            for handle in self._input_hooks:
+                handle.remove()
+            self._input_hooks = []
+
+        def __enter__(self):
+            self._register = mod_tracker.register_multi_grad_hook
+            mod_tracker.register_multi_grad_hook = self._register_multi_grad_hook
+            return super().__enter__()
+
+        def __exit__(self, *args):
+            mod_tracker.register_multi_grad_hook = self._register
+            self.release_input_hooks()
+            return super().__exit__(*args)
 
     return FrozenAwareMemTracker()
 
@@ -155,6 +193,7 @@ class _CpuMeter:
         self.tracker.__exit__(*exc)
 
     def new_step(self):
+        self.tracker.release_input_hooks()
         self.tracker.reset_mod_stats()
 
     def reset_peak(self):

@@ -104,6 +104,12 @@ TRAIN_OPTIONS = [
         default=None,
         help="The optimizer steps each parameter inside backward.",
     ),
+    click.option(
+        "--zero-grad",
+        type=_choice(loop.ZERO_GRADS),
+        help="How gradients are cleared between steps: none frees them (set_to_none=True), zeros keeps "
+        "them allocated (set_to_none=False, torch < 2.0) [default: the recipe's; plain: none].",
+    ),
     click.option("--attention", type=_choice(specs.ATTENTIONS), default=default("attention"), show_default=True),
     click.option(
         "--device",

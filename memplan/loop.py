@@ -19,6 +19,7 @@ from .specs import TrainSpec, _check_choice, _check_positive
 LOGITS = ("kept", "freed")
 LOSSES = ("ce", "chunked-ce", "fused-linear-ce")
 AC_POLICIES = ("none", "selective", "op", "full")
+ZERO_GRADS = ("none", "zeros")
 RECIPES = ("plain", "hf-trainer", "torchtitan", "torchtune", "lightning", "accelerate")
 _FLAGS = ("compile", "float8", "offload_activations", "optimizer_in_backward")
 
@@ -52,6 +53,11 @@ class Loop:
     """torchtune's OffloadActivations: saved tensors moved to host memory in forward."""
     optimizer_in_backward: bool = False
     """The optimizer steps each parameter inside backward (torchtune's optimizer_in_bwd)."""
+    zero_grad: str = "none"
+    """How gradients are cleared between steps: none frees them (``zero_grad(set_to_none=True)``,
+    torch ≥ 2.0's default); zeros fills them with zeros (``set_to_none=False``, torch < 2.0's
+    default and the 2022 HF Trainer's ``model.zero_grad()``), so they stay allocated through
+    the next step's forward."""
     recipe: str = "plain"
     """The framework whose defaults filled the flags not given explicitly."""
 
@@ -59,6 +65,7 @@ class Loop:
         _check_choice(self.logits, LOGITS, "logits")
         _check_choice(self.loss, LOSSES, "loss")
         _check_choice(self.ac, AC_POLICIES, "ac")
+        _check_choice(self.zero_grad, ZERO_GRADS, "zero-grad")
         _check_choice(self.recipe, RECIPES, "recipe")
         _check_positive(self, "loss_chunks", "ac_every")
         for name in _FLAGS:

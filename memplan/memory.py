@@ -121,7 +121,7 @@ MOMENTS = (
             "grads.first_block",
             "activations.first_block",
             "logits.block",
-            "gathered.block",
+            "gathered.first_block",
             "block.backward.first",
         ),
     ),
@@ -395,6 +395,7 @@ class Step:
         if self.job.model.num_experts:
             gathered["gathered.block"] = moe.without_block_grads(gathered["gathered.block"])
         gathered["gathered.last_block"] = gathered["gathered.block"]
+        gathered["gathered.first_block"] = self.framework.first_block_gathered(self, gathered["gathered.block"])
         if self.job.model.arch == "bert":
             # an encoder's FSDP2 peak is at the start of the last block's backward, before any of
             # its gradients (measured per module with MemTracker: roberta-h256-cls3 on 2 gloo
@@ -415,10 +416,19 @@ class Step:
             groups.update(self.root_grad_groups())
         if self.tied_sum():
             vh, gbytes = self.job.model.vocab_size * self.job.model.hidden, self.train_policy.grad_bytes
+            # a gradient already allocated (zero-filled) takes the embedding's own in place
+            # (AccumulateGrad: variable_grad += new_grad outside grad mode): no sum
+            own = 1 if self.zero_filled() else 2
+            what = "own gradient (added in place)" if own == 1 else "own gradient, sum"
             groups["grads.tied_sum"] = [
-                term(G, "grads.tied_sum", "tied embedding: own gradient, sum", f"2·{gbytes}·V·h", 2 * gbytes * vh)
+                term(G, "grads.tied_sum", f"tied embedding: {what}", f"{own}·{gbytes}·V·h", own * gbytes * vh)
             ]
         return groups
+
+    def zero_filled(self) -> bool:
+        """Whether the loop clears gradients with zeros (``zero_grad(set_to_none=False)``): they
+        stay allocated from one step's optimizer step through the next forward."""
+        return self.job.train.zero_grad == "zeros"
 
     def tied_sum(self) -> bool:
         """Whether the step has ``TIED_SUM``: a trained tied embedding outside FSDP's root unit."""
@@ -434,8 +444,9 @@ class Step:
 
     def grad_groups(self) -> dict[str, list[Term]]:
         model, grads = self.job.model, self.grad_terms()
-        if self.job.train.grad_accum > 1 or self.framework.grads_held(self):
-            # with accumulation, earlier micro-batches' gradients are live all through the step
+        if self.job.train.grad_accum > 1 or self.framework.grads_held(self) or self.zero_filled():
+            # with accumulation, earlier micro-batches' gradients are live all through the step;
+            # zero-filled ones, the previous step's (measured: the zero-grad cases of the matrices)
             return {"grads": grads, "grads.carried": grads, "grads.last_block": grads, "grads.first_block": grads}
         # the input embedding's gradient comes last, after the first block's backward (a tied
         # embedding already has it from the head)
@@ -489,7 +500,7 @@ class Step:
         count = (self.root_params - head if self.P == "P" else self.trained.root) + tied
         blocks = (
             self.grad_terms()
-            if self.job.train.grad_accum > 1
+            if self.job.train.grad_accum > 1 or self.zero_filled()
             else self.grad_share(sum(self.trained.blocks), f"{L} blocks' params")
         )
         return {

@@ -130,6 +130,8 @@ class TrainingRequest:
     """torchtune's activation offloading to host memory."""
     optimizer_in_backward: bool | None = None
     """The optimizer steps each parameter inside backward."""
+    zero_grad: str | None = None
+    """none | zeros: gradients freed between steps (``set_to_none=True``) or zero-filled and kept."""
     # what is trained (memplan.finetune)
     finetune: str = TrainSpec.finetune
     """full | lora | qlora (LoRA on 4-bit NF4 base weights) | frozen:N (the input embedding and
@@ -177,6 +179,7 @@ _LOOP = (
     "float8",
     "offload_activations",
     "optimizer_in_backward",
+    "zero_grad",
 )
 """The TrainingRequest fields that are loop settings (``loop.Loop``), None where the recipe sets them."""
 

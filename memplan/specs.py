@@ -301,7 +301,19 @@ class ModelSpec:
 
 
 @lru_cache(maxsize=256)
-def _loop(logits, loss, loss_chunks, ac, ac_every, compile, float8, offload_activations, optimizer_in_backward, recipe):
+def _loop(
+    logits,
+    loss,
+    loss_chunks,
+    ac,
+    ac_every,
+    compile,
+    float8,
+    offload_activations,
+    optimizer_in_backward,
+    zero_grad,
+    recipe,
+):
     """A step's ``loop.Loop``, built once per distinct loop (the step's hot path reads it)."""
     from .loop import Loop
 
@@ -315,6 +327,7 @@ def _loop(logits, loss, loss_chunks, ac, ac_every, compile, float8, offload_acti
         float8=float8,
         offload_activations=offload_activations,
         optimizer_in_backward=optimizer_in_backward,
+        zero_grad=zero_grad,
         recipe=recipe,
     )
 
@@ -351,6 +364,7 @@ class TrainSpec:
     float8: bool = False
     offload_activations: bool = False
     optimizer_in_backward: bool = False
+    zero_grad: str = "none"
     recipe: str = "plain"
     """The recipe the loop's conventions were resolved from (``loop.resolve``)."""
     # what is trained (``finetune.Tuning``, whose docstrings say what each does)
@@ -399,6 +413,7 @@ class TrainSpec:
             self.float8,
             self.offload_activations,
             self.optimizer_in_backward,
+            self.zero_grad,
             self.recipe,
         )
 

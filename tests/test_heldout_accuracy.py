@@ -22,7 +22,21 @@ _COMPILE = (
     "on the allocator's peak; measured apart: eager 507.6 MB (the model's 507.6), blocks compiled alone 495.2 "
     "(= both compiled), the loss compiled alone 501.3; the modelled compiled blocks save 6.2 MB, measured 12.4"
 )
+_ZERO_GRAD = (
+    "-2.58 % (3.6 MiB): zero-filled gradients under torchtitan's FSDP2 units peak at the head unit's "
+    "post-backward (MemTracker: its unsharded bf16 gradient and the reduce-scatter input, 2 x 23.4 MiB, the "
+    "reduce-scatter output and its fp32 cast, 5.9 MiB, added in place into the kept sharded gradient, the last "
+    "block prefetched), an instant memplan has no moment for; the LM head's backward is its peak"
+)
+_FIRST_BLOCK = (
+    "+2.07 % (-4.69 % before the input embedding unit's prefetch at the first block was modelled): the peak "
+    "(MemTracker) is the start of the first block's recompute, its unsharded parameters, the prefetched "
+    "V·h embedding unit and the second block's unsharded gradients and reduce-scatter input, before the "
+    "first block's own saved tensors and backward temporaries, which memplan's first-block moment holds"
+)
 KNOWN = {
+    "llama-h768-torchtitan-fsdp-mixed-bf16-acfull-zgzeros-w8-b1s128": _ZERO_GRAD,
+    "llama-h768-torchtitan-fsdp-mixed-bf16-acfull-w8-b1s128": _FIRST_BLOCK,
     "llama-h640-torchtune-fsdp-fp32-acnone-compile-w4-b2s128": _COMPILE,
     "llama-h384-plain-kept-fsdp-mixed-bf16-acnone-g2-b1s128": _FSDP,
     "gpt2-h384-s2048-plain-kept-fsdp-fp32-acnone-w4-b1s2048": _FSDP,

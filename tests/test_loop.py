@@ -484,3 +484,35 @@ def test_allocator_peak_agrees_with_memtracker_on_an_eager_step():
         tracked = tracker.get_tracker_snapshot("peak")[cpu]["Total"]
     counted = allocator.peaks(("step",))["step"]
     assert tracked > 0 and abs(counted - tracked) <= ALLOCATOR_SLACK_BYTES
+
+
+def test_zero_grad_is_a_loop_flag_with_a_one_line_error_and_json_input():
+    import json
+
+    from click.testing import CliRunner
+
+    from memplan.cli import main
+
+    args = ["estimate", "--params", "1e9", "--gpus", "1", "--strategy", "single"]
+    bad = CliRunner().invoke(main, [*args, "--zero-grad", "sometimes"])
+    assert bad.exit_code == 2 and "--zero-grad" in bad.output and "'none', 'zeros'" in bad.output
+    assert len(bad.output.strip().splitlines()) == 1
+    out = json.loads(CliRunner().invoke(main, [*args, "--zero-grad", "zeros", "--format", "json"]).output)
+    assert out["inputs"]["train"]["zero_grad"] == "zeros"
+    with pytest.raises(MemplanError, match="zero-grad 'some' is not one of: none, zeros"):
+        Loop(zero_grad="some")
+
+
+def test_zero_filled_gradients_are_live_from_the_start_of_the_step():
+    """--zero-grad zeros: the previous step's gradients (zero-filled) are live in forward, so the
+    forward moment holds every gradient more than with them freed (4·P bytes for fp32 ones)."""
+    from memplan.memory import estimate
+    from memplan.specs import Job
+
+    model = ModelSpec(num_layers=2, hidden=256, num_heads=4, ffn_hidden=688, vocab_size=2048)
+    job = Job(model=model, train=TrainSpec(precision="fp32", seq_len=128)).with_(strategy="single")
+    freed, kept = (
+        next(m for m in estimate(job.with_(zero_grad=z)).moments if m.label == "end of forward (cross-entropy)")
+        for z in ("none", "zeros")
+    )
+    assert kept.allocated_bytes - freed.allocated_bytes == 4 * model.num_params

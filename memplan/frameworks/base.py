@@ -74,6 +74,10 @@ class Framework:
         (start of backward) or block (inside a block's backward)."""
         return []
 
+    def first_block_gathered(self, step: Step, block: list[Term]) -> list[Term]:
+        """What ``gathered(step, "block")`` holds at the first block's backward instead."""
+        return block
+
     def step_buffers(self, step: Step) -> list[Term]:
         """Buffers of optimizer.step() beyond the optimizer's own temporaries."""
         return []

