@@ -302,12 +302,14 @@ def test_the_replay_reserves_more_than_the_tensors_where_the_runs_did():
 # DeviceMemoryMonitor), so memplan's replayed reserved is what compares; the allocated this
 # derives (published reserved × memplan's allocated / reserved) is within the same fraction.
 # Not in ../shared/published: outside the data set's trust grades, held to the loop issue's 10 %.
+# The train.py of those runs cleared gradients with optimizers.zero_grad() (torch's default,
+# set_to_none=True); the 0.3.0 recipe's zero-filled ones (CUDA graphs) came later: zero_grad none.
 TORCHTITAN_8B = [(8, 82.4), (128, 67.0)]
 
 
 @pytest.mark.parametrize("gpus,reserved_gib", TORCHTITAN_8B, ids=[f"{g}-gpus" for g, _ in TORCHTITAN_8B])
 def test_torchtitan_recipe_against_torchtitans_published_reserved(gpus, reserved_gib):
-    flags = dict(model="llama-3.1-8b", gpus=gpus, gpu_mem="96GB", seq_len=8192, micro_batch=2)
+    flags = dict(model="llama-3.1-8b", gpus=gpus, gpu_mem="96GB", seq_len=8192, micro_batch=2, zero_grad="none")
     [est] = estimate(**flags, recipe="torchtitan", strategy="fsdp-full-shard", calibration=None).estimates
     assert est.job.train.activation_checkpointing == "op" and est.job.train.logits == "freed"
     assert reserved_bytes(est) == pytest.approx(reserved_gib * GIB, rel=0.10)
