@@ -199,7 +199,20 @@ MISTRAL_C = ModelSpec(
     ffn_hidden=2816,
     vocab_size=8192,
 )
+# torchtune's own Llama 3.2 (calibrate.loops.TorchtuneLM): tied embeddings, GQA 4:1
+TUNE_A = ModelSpec(
+    name="llama3_2-h448",
+    arch="llama",
+    num_layers=2,
+    hidden=448,
+    num_heads=8,
+    num_kv_heads=2,
+    ffn_hidden=1216,
+    vocab_size=32000,
+    tied_embeddings=True,
+)
 HF_TYPE = {
+    "llama3_2-h448": "torchtune llama3_2",
     "qwen2-h576-l4": "qwen2",
     "llama-h768": "llama",
     "llama-h640": "llama",
@@ -216,7 +229,7 @@ HF_TYPE = {
     "neox-h768": "gpt_neox",
     "neox-h512": "gpt_neox",
 }
-STRATEGY = {"ddp": "ddp", "fsdp": "fsdp-full-shard", "sgo": "fsdp-shard-grad-op"}
+STRATEGY = {"single": "single", "ddp": "ddp", "fsdp": "fsdp-full-shard", "sgo": "fsdp-shard-grad-op"}
 
 
 @dataclass(frozen=True)
@@ -349,6 +362,10 @@ CASES = (
     _case("torchtitan", LLAMA_C, "fsdp", "fp32", gpus=8, b=1, s=256, compile=True),
     _case("torchtitan", LLAMA_C, "fsdp", "fp32", gpus=8, b=1, s=256),  # the compiled case's eager twin
     _case("torchtune", LLAMA_D, "fsdp", "fp32", gpus=4, b=2, s=128, compile=True),
+    # torchtune's own model and single-device recipe with the standard cross-entropy (the published
+    # Llama-3.2-3B '+ Compile' row's loop), compiled and its eager twin
+    _case("torchtune-model", TUNE_A, "single", "bf16", gpus=1, b=2, s=256, compile=True),
+    _case("torchtune-model", TUNE_A, "single", "bf16", gpus=1, b=2, s=256),
 )
 BY_ID = {case.id: case for case in CASES}
 
