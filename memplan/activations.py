@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from .loop import logits_upcast_in_model
 from .moe import moe_backward_transient, moe_matrices, moe_saved, routed_rows
 from .precision import POLICIES
 from .specs import ModelSpec, TrainSpec
@@ -271,9 +272,19 @@ def model_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[S
         post.append(Saved("autocast head weight copy", "c·V·h", x.c * x.V * x.h))
     else:
         post.append(Saved("final norm output (head input)", "r·b·s·h", x.r * t * x.h))
-    logits_bytes = x.c
-    post.append(Saved("logits (held by the caller)", f"{logits_bytes}·b·s·V", logits_bytes * t * x.V, "logits"))
+    if fp32_logits(train, x):
+        # the model's output.float(): its compute-dtype logits are freed once cast (nothing saves them)
+        post.append(Saved("logits in fp32 (the model upcasts them)", "4·b·s·V", 4 * t * x.V, "logits"))
+    else:
+        post.append(Saved("logits (held by the caller)", f"{x.c}·b·s·V", x.c * t * x.V, "logits"))
     return pre, post
+
+
+def fp32_logits(train: TrainSpec, x: Shapes) -> bool:
+    """Whether a decoder's model returns its logits in fp32 where they are computed in a lower
+    precision: the standard cross-entropy under a recipe whose model upcasts them
+    (recipes.csv logits_upcast model: torchtune's TransformerDecoder)."""
+    return x.c < 4 and train.loop.loss == "ce" and logits_upcast_in_model(train.recipe)
 
 
 def loss_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[Saved]]:
@@ -287,7 +298,7 @@ def loss_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[Sa
     t, V = x.tokens, x.V
     lsm = Saved("log_softmax output (fp32)", "4·b·s·V", 4 * t * V, "loss.log_softmax")
     forward = [lsm]
-    if x.c < 4:
+    if x.c < 4 and not fp32_logits(train, x):  # logits the model upcast are the fp32 copy
         forward.append(Saved("fp32 copy of logits", "4·b·s·V", 4 * t * V, "loss.logits_fp32"))
     # nll_loss backward makes a b·s·V gradient, log_softmax backward another
     backward = [lsm, Saved("loss gradients (nll, log_softmax)", "2·4·b·s·V", 8 * t * V, "loss.gradients")]

@@ -143,6 +143,20 @@ def loss_in_model(recipe: str) -> bool:
     return recipe_rows()[recipe].get("loss_in_model", ("false", ""))[0] == "true"
 
 
+LOGITS_UPCAST = ("loss", "model")
+"""Where the logits become fp32 under the standard cross-entropy (recipes.csv logits_upcast):
+loss: inside the loss (transformers' ForCausalLMLoss, torchtitan's cross_entropy_loss: memplan's
+default); model: the model returns them in fp32 (torchtune's TransformerDecoder), so the loss,
+compiled or not, receives fp32 logits."""
+
+
+def logits_upcast_in_model(recipe: str) -> bool:
+    """Whether the recipe's model returns fp32 logits for the standard cross-entropy (``LOGITS_UPCAST``)."""
+    where = recipe_rows()[recipe].get("logits_upcast", ("loss", ""))[0]
+    _check_choice(where, LOGITS_UPCAST, "recipes.csv logits_upcast")
+    return where == "model"
+
+
 def fsdp_units(recipe: str) -> str:
     """The recipe's FSDP2 unit layout (``FSDP_UNITS``)."""
     units = recipe_rows()[recipe].get("reshard_after_forward", ("root-kept", ""))[0]
