@@ -272,7 +272,7 @@ def model_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[S
         post.append(Saved("autocast head weight copy", "c·V·h", x.c * x.V * x.h))
     else:
         post.append(Saved("final norm output (head input)", "r·b·s·h", x.r * t * x.h))
-    if fp32_logits(train, x):
+    if fp32_logits(model, train, x):
         # the model's output.float(): its compute-dtype logits are freed once cast (nothing saves them)
         post.append(Saved("logits in fp32 (the model upcasts them)", "4·b·s·V", 4 * t * x.V, "logits"))
     else:
@@ -280,11 +280,12 @@ def model_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[S
     return pre, post
 
 
-def fp32_logits(train: TrainSpec, x: Shapes) -> bool:
+def fp32_logits(model: ModelSpec, train: TrainSpec, x: Shapes) -> bool:
     """Whether a decoder's model returns its logits in fp32 where they are computed in a lower
     precision: the standard cross-entropy under a recipe whose model upcasts them
     (recipes.csv logits_upcast model: torchtune's TransformerDecoder)."""
-    return x.c < 4 and train.loop.loss == "ce" and logits_upcast_in_model(train.recipe)
+    decoder = model.arch not in ("vit", "bert")
+    return decoder and x.c < 4 and train.loop.loss == "ce" and logits_upcast_in_model(train.recipe)
 
 
 def loss_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[Saved]]:
@@ -298,7 +299,7 @@ def loss_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[Sa
     t, V = x.tokens, x.V
     lsm = Saved("log_softmax output (fp32)", "4·b·s·V", 4 * t * V, "loss.log_softmax")
     forward = [lsm]
-    if x.c < 4 and not fp32_logits(train, x):  # logits the model upcast are the fp32 copy
+    if x.c < 4 and not fp32_logits(model, train, x):  # logits the model upcast are the fp32 copy
         forward.append(Saved("fp32 copy of logits", "4·b·s·V", 4 * t * V, "loss.logits_fp32"))
     # nll_loss backward makes a b·s·V gradient, log_softmax backward another
     backward = [lsm, Saved("loss gradients (nll, log_softmax)", "2·4·b·s·V", 8 * t * V, "loss.gradients")]
