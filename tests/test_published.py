@@ -141,8 +141,8 @@ MISSED = [
         ),
         "-6.2 % (16.5 GiB against 17.6) with the 8-bit states counted. The config's default, bitsandbytes "
         "PagedAdamW8bit, keeps them in cudaMallocManaged memory (functional.py get_paged: torch.frombuffer "
-        "over cget_managed_ptr), which max_active cannot count: as paged-adamw8bit the row is 10.4 GiB "
-        "(-40.7 %). The published drop from the row before, 4.2 GiB, is less than counted 8-bit states "
+        "over cget_managed_ptr), which max_active cannot count: as paged-adamw8bit the row is 10.5 GiB "
+        "(-40.2 %). The published drop from the row before, 4.2 GiB, is less than counted 8-bit states "
         "save (5.9), so the run's states were counted (not paged); 1.1 GiB not found",
     ),
     # the four batch-4 BERT rows: every one 16-21 % under. The 2022 Trainer cleared gradients
