@@ -284,6 +284,7 @@ def _case(
     compile: bool = False,
     float8: bool = False,
     in_backward: bool = False,
+    optimizer: str = "adamw",
 ) -> Case:
     """A case; the flags (ac_every, compile, float8, optimizer in backward) are in its spec,
     as a user types them, and the loop applies them (calibrate.loops.run)."""
@@ -300,6 +301,7 @@ def _case(
             compile=compile,
             float8=float8,
             optimizer_in_backward=in_backward,
+            optimizer=optimizer,
         ),
         cluster=ClusterSpec(gpus=gpus),
         plan=Plan(strategy=STRATEGY[strategy]),
@@ -308,6 +310,7 @@ def _case(
     flags = (f"-every{ac_every}" if ac_every > 1 else "") + "".join(
         f"-{flag}" for flag, on in (("compile", compile), ("float8", float8), ("oib", in_backward)) if on
     )
+    flags += f"-{optimizer}" if optimizer != "adamw" else ""
     name = f"{model.name}-{loop}-{strategy}-{precision}-ac{ac}{flags}-{where}{gpus}-b{b}s{s}"
     return Case(name, job, loop, ac, mode)
 
@@ -366,6 +369,11 @@ CASES = (
     # Llama-3.2-3B '+ Compile' row's loop), compiled and its eager twin
     _case("torchtune-model", TUNE_A, "single", "bf16", gpus=1, b=2, s=256, compile=True),
     _case("torchtune-model", TUNE_A, "single", "bf16", gpus=1, b=2, s=256),
+    # the published '+ 8-bit AdamW' row's optimizer (its config's bitsandbytes PagedAdamW8bit, one per
+    # parameter under optimizer-in-backward); on CPU its states are ordinary tensors (get_state_buffer)
+    _case(
+        "torchtune-model", TUNE_A, "single", "bf16", gpus=1, b=2, s=256, in_backward=True, optimizer="paged-adamw8bit"
+    ),
 )
 BY_ID = {case.id: case for case in CASES}
 
