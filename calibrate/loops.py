@@ -262,6 +262,7 @@ def import_torchtune():
             return None
 
         def create_module(self, spec):
+            made.append(spec.name)
             module = Stub(spec.name)
             module.__path__ = []
             if spec.name == "torchao.dtypes.nf4tensor":  # isinstance(x, NF4Tensor) checks must answer False
@@ -272,13 +273,16 @@ def import_torchtune():
         def exec_module(self, module):
             return None
 
-    finder = Finder()
+    finder, made = Finder(), []
     sys.meta_path.insert(0, finder)
     try:
         import torchtune.models.llama3_2
         import torchtune.training  # noqa: F401
     finally:
         sys.meta_path.remove(finder)
+        # torchtune keeps the names it bound; nothing imported later finds a stand-in
+        for name in made:
+            sys.modules.pop(name, None)
     return sys.modules["torchtune"]
 
 

@@ -70,3 +70,21 @@ def test_live_measurement_matches_the_record(case, recs):
     recorded = record["measurement"]["peak_allocated_bytes"]
     measured = outcome["measurement"]["peak_allocated_bytes"]
     assert abs(measured - recorded) <= RELATIVE_TOLERANCE * recorded, (measured, recorded)
+
+
+def test_torchtune_model_is_the_cases_spec():
+    """The torchtune-model cases run torchtune's own llama3_2 (imported with stand-ins for what a
+    step never calls): the spec's parameter count, one tied embedding and head weight, bf16
+    parameters and fp32 logits out of its forward (what recipes.csv logits_upcast models)."""
+    import torch
+
+    from calibrate.loops import TorchtuneLM
+
+    spec = heldout.TUNE_A
+    model = TorchtuneLM(spec, dtype=torch.bfloat16, max_seq_len=16)
+    assert sum(p.numel() for p in model.parameters()) == spec.num_params
+    assert model.decoder.output.tied_module is model.decoder.tok_embeddings
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        logits = model(torch.randint(0, spec.vocab_size, (1, 16)))
+    assert logits.dtype == torch.float32 and logits.shape == (1, 16, spec.vocab_size)
