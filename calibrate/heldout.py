@@ -583,6 +583,8 @@ def loop_job(record: dict) -> Job:
         offload_activations=loop["offload_activations"],
         optimizer_in_backward=loop["optimizer_in_backward"],
         recipe=loop["recipe"],
+        # Hugging Face blocks under a framework's loop: sdpa's own grouped-query path, no k/v copies
+        kv_copies=None if record["hf_model_type"].startswith("torchtune") else False,
     )
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .loop import logits_upcast_in_model
+from .loop import kv_copies, logits_upcast_in_model
 from .moe import moe_backward_transient, moe_matrices, moe_saved, routed_rows
 from .precision import POLICIES
 from .specs import ModelSpec, TrainSpec
@@ -49,6 +49,10 @@ class Shapes:
     attention: str
     """flash (sdpa's fused kernels), eager, or math-fp32: CPU sdpa with dropout falls back
     to the math path (the CPU flash kernel has no dropout), which upcasts to fp32 (measured)."""
+    kv_saved: int
+    """Width of the k and v attention saves: kv under sdpa's own grouped-query path; h where
+    they are copied to every query head first (eager's repeat_kv; torchtune's attention,
+    ``loop.kv_copies``)."""
 
     @property
     def tokens(self) -> int:
@@ -80,7 +84,13 @@ def shapes(model: ModelSpec, train: TrainSpec) -> Shapes:
         p=model.dropout,
         autocast=policy.autocast,
         attention=attention,
+        kv_saved=model.hidden if attention != "flash" or copied_kv(train) else model.kv_hidden,
     )
+
+
+def copied_kv(train: TrainSpec) -> bool:
+    """The step's k/v copies: as given, or as the recipe's model makes them (``loop.kv_copies``)."""
+    return kv_copies(train.recipe) if train.kv_copies is None else train.kv_copies
 
 
 def _norm(model: ModelSpec, x: Shapes, label: str) -> list[Saved]:
@@ -135,10 +145,12 @@ def _attention_core(model: ModelSpec, x: Shapes) -> list[Saved]:
 
 def _qkv_out(model: ModelSpec, x: Shapes) -> list[Saved]:
     t = x.tokens
-    kv = x.h if x.attention != "flash" else x.kv  # repeat_kv materialises k, v outside sdpa's GQA
+    # repeat_kv (eager) or the model's own copies (torchtune) materialise k, v per query head
+    kv = x.kv_saved
     c = 4 if x.attention == "math-fp32" else x.c
+    formula = "c·b·s·(h + 2·h): k, v per query head" if kv != x.kv else "c·b·s·(h + 2·kv)"
     saved = [
-        Saved("q, k, v", "c·b·s·(h + 2·kv)", c * t * (x.h + 2 * kv)),
+        Saved("q, k, v", formula, c * t * (x.h + 2 * kv)),
         Saved("attention output", "c·b·s·h", x.c * t * x.h),
     ]
     if model.arch == "neox" and x.attention == "flash":

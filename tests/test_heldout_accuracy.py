@@ -22,21 +22,7 @@ _COMPILE = (
     "on the allocator's peak; measured apart: eager 507.6 MB (the model's 507.6), blocks compiled alone 495.2 "
     "(= both compiled), the loss compiled alone 501.3; the modelled compiled blocks save 6.2 MB, measured 12.4"
 )
-_TUNE_EAGER = (
-    "torchtune's own model, eager: -1.04 % (3.5 MB); measured with saved-tensor hooks, its RMSNorm "
-    "(0.6.1: F.rms_norm on x.float()) saves an fp32 normalised tensor, 4·b·s·h where memplan has r·b·s·h "
-    "(5 norms: 2.3 MB), and its attention saves k and v expanded to every query head (expand + flatten "
-    "before SDPA), 2·c·b·s·(h - kv) more per block (1.4 MB); neither is modelled"
-)
-_TUNE_PAGED = (
-    "torchtune's own model, optimizer in backward with one bitsandbytes PagedAdamW8bit per parameter (CPU: "
-    "states not paged): -1.19 %; the activations miss the eager twin's 3.5 MB (its RMSNorm's fp32 output, its "
-    "per-head k/v copies); the states are memplan's within 30,720 B, the 2 KB of qmaps each 8-bit instance moves "
-    "to the device (name2qmap, 15 instances)"
-)
 KNOWN = {
-    "llama3_2-h448-torchtune-model-single-bf16-acnone-oib-paged-adamw8bit-w1-b2s256": _TUNE_PAGED,
-    "llama3_2-h448-torchtune-model-single-bf16-acnone-w1-b2s256": _TUNE_EAGER,
     "llama-h640-torchtune-fsdp-fp32-acnone-compile-w4-b2s128": _COMPILE,
     "llama-h384-plain-kept-fsdp-mixed-bf16-acnone-g2-b1s128": _FSDP,
     "gpt2-h384-s2048-plain-kept-fsdp-fp32-acnone-w4-b1s2048": _FSDP,

@@ -71,9 +71,8 @@ EXPRESSIBLE = [
     # use_fast_kernels: optimum's BetterTransformer, torch's scaled_dot_product_attention
     ("use_fast_kernels", "FSDP1 FULL_SHARD over 4", _7B_100 | dict(attention="sdpa")),
     # torchtune full_finetune_single_device, no wrapper: its model returns fp32 logits
-    # (recipes.csv logits_upcast), its _loss_step applies nn.CrossEntropyLoss and dels them. -3.3 %:
-    # torchtune's attention also saves k and v copied to every query head (1.75 GiB here, measured
-    # on CPU with its own layer, docs/heldout_matrix_cpu.md; not modelled)
+    # (recipes.csv logits_upcast) and copies k and v per query head (kv_copies), its _loss_step
+    # applies nn.CrossEntropyLoss and dels them
     (
         "row '+ Packed Dataset'",
         "single GPU (standard CE loss, eager)",
@@ -127,10 +126,10 @@ MISSED = [
         "row '+ Compile'",
         "single GPU (torch.compile, standard CE)",
         _TORCHTUNE_3B | dict(recipe="torchtune", loss="ce", ac="none", compile=True),
-        "-11.2 % (45.3 GiB against 51.0; -18.9 % before the fp32 logits torchtune's model returns were "
-        "modelled): of the 5.7 GiB left, 1.75 is torchtune's attention saving k and v copied to every query "
-        "head (its compiled layer measured on CPU saves exactly 2·c·b·s·(h - kv) more than memplan's compiled "
-        "block; not modelled), about 3.9 not found (inductor's saved list on CUDA is not measurable here)",
+        "-7.8 % (47.0 GiB against 51.0; -18.9 % before torchtune's fp32 logits and per-head k/v copies were "
+        "modelled): torchtune's compiled layer measured on CPU saves memplan's compiled block to the byte and "
+        "the loss is within 1 % (held-out), so the 3.9 GiB left is what inductor keeps on CUDA (or flex "
+        "attention, the packed rows' attention, keeps): not measurable here",
     ),
     (
         "row '+ 8-bit AdamW'",
