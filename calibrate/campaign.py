@@ -77,9 +77,10 @@ QWEN25_05B = ModelSpec(
 """Qwen/Qwen2.5-0.5B config.json (hidden_size 896, 24 layers, 14 heads, 2 KV heads,
 intermediate 4864, vocab 151936, tied embeddings; Qwen2 attention has q/k/v biases)."""
 ENCODER = "vit-large-patch16-224"
-"""The encoder: a ViT (transformers' ViTForImageClassification from its config). BERT is not
-measured: memplan has no BERT family (memplan.hfconfig refuses model_type bert), so there is
-no estimate to compare it with."""
+"""The encoder: a ViT (transformers' ViTForImageClassification from its config), which the
+campaign's ``Run`` workloads build. BERT and RoBERTa are measured on CPU through
+calibrate/loops.py's Hugging Face loop (calibrate/finetune.py's encoder cases), not a ``Run``
+workload, so the campaign does not run them."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -99,39 +99,45 @@ class FinetuneCase(heldout.Case):
 
     def adapt(self, model) -> None:
         """Cast, quantize, freeze and add adapters as the libraries do (the module docstring)."""
-        import torch
-
-        from memplan.precision import POLICIES
-
-        from .wrappers import DTYPES
-
-        train, policy = self.job.train, POLICIES[self.job.train.precision]
-        if policy.low_precision_params and not policy.master:
-            model.hf.to(DTYPES[policy.param_dtype])
-        tuning = train.tuning
-        if tuning.mode == "full":
-            return
-        if tuning.mode == "frozen":
-            model.hf.get_input_embeddings().requires_grad_(False)
-            for block in list(model.layers)[: tuning.frozen_blocks]:
-                block.requires_grad_(False)
-            return
-        if tuning.mode == "qlora":
-            for block in model.layers:
-                _quantize_linears(block, compute_dtype=torch.bfloat16)
-        from peft import LoraConfig, get_peft_model
-
-        targets = "all-linear" if tuning.targets == ("all-linear",) else _modules(tuning.targets)
-        config = LoraConfig(
-            r=tuning.rank, lora_alpha=int(tuning.alpha), target_modules=targets, lora_dropout=tuning.dropout
-        )
-        get_peft_model(model.hf, config)  # adapters injected into model.hf in place, the rest frozen
+        adapt(self.job, model)
 
     def record_fields(self) -> dict:
         libraries = ["peft", "bitsandbytes"] if self.job.train.tuning.mode == "qlora" else ["peft"]
         if self.job.train.optimizer in ("adam8bit", "lion", "lion8bit", "paged-adamw8bit"):
             libraries.append("bitsandbytes")
         return {"libraries": {name: metadata.version(name) for name in dict.fromkeys(libraries)}}
+
+
+def adapt(job: Job, model) -> None:
+    """The job's model (a ``calibrate.loops.LoopLM``) cast, quantized, frozen and given adapters as
+    the libraries do (the module docstring)."""
+    import torch
+
+    from memplan.precision import POLICIES
+
+    from .wrappers import DTYPES
+
+    train, policy = job.train, POLICIES[job.train.precision]
+    if policy.low_precision_params and not policy.master:
+        model.hf.to(DTYPES[policy.param_dtype])
+    tuning = train.tuning
+    if tuning.mode == "full":
+        return
+    if tuning.mode == "frozen":
+        model.hf.get_input_embeddings().requires_grad_(False)
+        for block in list(model.layers)[: tuning.frozen_blocks]:
+            block.requires_grad_(False)
+        return
+    if tuning.mode == "qlora":
+        for block in model.layers:
+            _quantize_linears(block, compute_dtype=torch.bfloat16)
+    from peft import LoraConfig, get_peft_model
+
+    targets = "all-linear" if tuning.targets == ("all-linear",) else _modules(tuning.targets)
+    config = LoraConfig(
+        r=tuning.rank, lora_alpha=int(tuning.alpha), target_modules=targets, lora_dropout=tuning.dropout
+    )
+    get_peft_model(model.hf, config)  # adapters injected into model.hf in place, the rest frozen
 
 
 def _modules(targets: tuple[str, ...]) -> list[str]:

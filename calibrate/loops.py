@@ -214,9 +214,11 @@ def _hf_config(spec: ModelSpec, hf_type: str, *, attention: str):
         sliding_window=None,
         use_sliding_window=False,
     )
-    if spec.qk_norm:  # qwen3: its config's head_dim defaults to 128, its biases to none
-        shapes |= dict(head_dim=spec.head_dim, attention_bias=spec.qkv_bias)
-    if spec.num_experts:  # mixtral, qwen2_moe: the experts' keys (calibrate.moe_ep)
+    if spec.qk_norm or spec.head_dim:  # Qwen3Config's head_dim defaults to 128, the others' to hidden/heads
+        shapes["head_dim"] = spec.head_size
+    if spec.qk_norm:  # qwen3: its q/k/v biases default to none
+        shapes["attention_bias"] = spec.qkv_bias
+    if spec.num_experts:  # mixtral, qwen2_moe, qwen3_moe: the experts' keys (calibrate.moe_ep)
         from .moe_ep import hf_moe_kwargs
 
         shapes |= hf_moe_kwargs(spec, hf_type)
@@ -294,7 +296,7 @@ class TorchtuneLM(nn.Module):
     def __init__(self, spec: ModelSpec, *, dtype: torch.dtype, max_seq_len: int):
         super().__init__()
         torchtune = import_torchtune()
-        if spec.arch != "llama" or not spec.tied_embeddings or spec.qkv_bias or spec.num_experts:
+        if spec.arch != "llama" or not spec.tied_embeddings or spec.qkv_bias or spec.num_experts or spec.head_dim:
             raise ValueError(f"{spec.name}: torchtune's llama3_2 builder is a llama with tied embeddings")
         with torchtune.training.set_default_dtype(dtype):
             self.decoder = torchtune.models.llama3_2.llama3_2(

@@ -22,7 +22,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from memplan.specs import ModelSpec
 
-MOE_TYPES = ("mixtral", "qwen2_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def hf_moe_kwargs(spec: ModelSpec, hf_type: str) -> dict:
@@ -36,6 +36,14 @@ def hf_moe_kwargs(spec: ModelSpec, hf_type: str) -> dict:
             "num_experts": spec.num_experts,
             "moe_intermediate_size": spec.moe_ffn_hidden or spec.ffn_hidden,
             "shared_expert_intermediate_size": spec.shared_ffn_hidden,
+            "decoder_sparse_step": spec.moe_every,
+            "mlp_only_layers": [],
+            "norm_topk_prob": spec.normalize_top_k,
+        }
+    elif hf_type == "qwen3_moe":  # Qwen3MoeSparseMoeBlock: routed experts only, no shared expert
+        keys = {
+            "num_experts": spec.num_experts,
+            "moe_intermediate_size": spec.moe_ffn_hidden or spec.ffn_hidden,
             "decoder_sparse_step": spec.moe_every,
             "mlp_only_layers": [],
             "norm_topk_prob": spec.normalize_top_k,

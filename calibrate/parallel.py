@@ -145,7 +145,7 @@ class StageModel(nn.Module):
         s = x.shape[1] * (1 if self.embed_tokens is not None else self.seq_factor)
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)
-        cos, sin = self.rope if self.rope is not None else rotary_tables(s, self.spec.head_dim, x.device)
+        cos, sin = self.rope if self.rope is not None else rotary_tables(s, self.spec.head_size, x.device)
         for layer in self.layers:
             x = layer(x, cos, sin)
         if self.lm_head is not None:
@@ -229,7 +229,7 @@ def _cp_shard(job: Job, mesh, stage: StageModel, ids):
 
     s = ids.shape[1]
     balancer = _HeadTailLoadBalancer(s, job.layout.cp, torch.device("cpu"))
-    tables = rotary_tables(s, job.model.head_dim, ids.device)
+    tables = rotary_tables(s, job.model.head_size, ids.device)
     local, cos, sin = _context_parallel_shard(mesh["cp"], (ids, *tables), (1, 0, 0), load_balancer=balancer)
     stage.rope = (cast(torch.Tensor, cos), cast(torch.Tensor, sin))
     return local

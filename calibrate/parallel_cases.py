@@ -23,6 +23,8 @@ MODEL_KV2 = ModelSpec(
 )
 MODEL_KV4 = dataclasses.replace(MODEL_KV2, name="llama-h256-kv4", num_kv_heads=4, vocab_size=4096)
 MODEL_V512 = dataclasses.replace(MODEL_KV4, name="llama-h256-kv4-v512", vocab_size=512)
+MODEL_D64X8 = dataclasses.replace(MODEL_KV2, name="llama-h256-d64x8-kv2", num_heads=8, head_dim=64)
+"""8 heads of 64 over hidden 256 (q width 512: Qwen3-0.6B's proportions; docs/headdim_matrix_cpu.md)."""
 
 
 def case_job(*, model: ModelSpec, gpus: int, strategy: str, seq: int, micro_batch: int, ep: int = 1, **layout) -> Job:
@@ -82,6 +84,10 @@ CASES = dict(
         # measured after the CP fix, held out from it: the ring's backward as the peak at other sizes
         _case("cp4-fsdp-s1024-b1", MODEL_KV4, gpus=4, strategy="fsdp-full-shard", cp=4, seq=1024, micro_batch=1),
         _case("cp2-fsdp-v512", MODEL_V512, gpus=2, strategy="fsdp-full-shard", cp=2, seq=1024),
+        # measured after ModelSpec.head_dim, held out from it: TP's head shards, CP's ring over a·d
+        _case("tp2-sp-d64x8", MODEL_D64X8, gpus=2, tp=2),
+        _case("cp2-fsdp-d64x8", MODEL_D64X8, gpus=2, strategy="fsdp-full-shard", cp=2, seq=512),
+        _case("cp2-fsdp-kv2", gpus=2, strategy="fsdp-full-shard", cp=2, seq=512),  # its twin, heads of h/a
     )
 )
 

@@ -70,4 +70,10 @@ def write_report(path: Path) -> None:
             f"The context-parallel cases' first table, measured before the CP model changed, is `{cp_first.name}`; "
             "cp4-fsdp-s1024-b1 and cp2-fsdp-v512 were measured after that change, held out from it.",
         ]
+    lines += [
+        "",
+        "tp2-sp-d64x8, cp2-fsdp-d64x8 (8 heads of 64 over hidden 256: `ModelSpec.head_dim`) and cp2-fsdp-kv2 "
+        "(its twin, heads of hidden / heads) were measured after the head-dim model, held out from it "
+        "(docs/headdim_matrix_cpu.md).",
+    ]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -60,7 +60,7 @@ _LATER_DEFAULTS: dict[str, dict[str, Any]] = {
     "model": {
         f.name: f.default
         for f in fields(ModelSpec)
-        if f.name in (*MOE_FIELDS, "qk_norm", "type_vocab_size", "num_labels")
+        if f.name in (*MOE_FIELDS, "qk_norm", "type_vocab_size", "num_labels", "head_dim")
     },
     "plan": {"ep": 1},
 }

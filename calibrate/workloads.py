@@ -48,16 +48,16 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, *, attention: str, selective_ac: bool):
         super().__init__()
         self.spec = spec
-        h, kv = spec.hidden, spec.kv_hidden
+        h, q, kv = spec.hidden, spec.q_hidden, spec.kv_hidden
         qkv_bias = spec.linear_bias or spec.qkv_bias
         self.fused_qkv = spec.arch != "llama"  # HF gpt2 c_attn, gpt_neox query_key_value
         if self.fused_qkv:
-            self.qkv_proj = nn.Linear(h, h + 2 * kv, bias=qkv_bias)
+            self.qkv_proj = nn.Linear(h, q + 2 * kv, bias=qkv_bias)
         else:
-            self.q_proj = nn.Linear(h, h, bias=qkv_bias)
+            self.q_proj = nn.Linear(h, q, bias=qkv_bias)
             self.k_proj = nn.Linear(h, kv, bias=qkv_bias)
             self.v_proj = nn.Linear(h, kv, bias=qkv_bias)
-        self.o_proj = nn.Linear(h, h, bias=spec.linear_bias)
+        self.o_proj = nn.Linear(q, h, bias=spec.linear_bias)
         self.attention = attention
         self.selective_ac = selective_ac
         self.resid_dropout = nn.Dropout(spec.dropout)
@@ -81,9 +81,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin):
         b, s, _ = x.shape
-        d = self.spec.head_dim
+        d = self.spec.head_size
         if self.fused_qkv:
-            q, k, v = self.qkv_proj(x).split([self.spec.hidden, self.spec.kv_hidden, self.spec.kv_hidden], dim=-1)
+            q, k, v = self.qkv_proj(x).split([self.spec.q_hidden, self.spec.kv_hidden, self.spec.kv_hidden], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = (t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v))
@@ -162,7 +162,7 @@ class CausalLM(nn.Module):
         if self.embed_positions is not None:
             x = x + self.embed_positions(torch.arange(s, device=input_ids.device))
         x = self.dropout(x)
-        cos, sin = rotary_tables(s, self.spec.head_dim, x.device) if self.rotary else (None, None)
+        cos, sin = rotary_tables(s, self.spec.head_size, x.device) if self.rotary else (None, None)
         for layer in self.layers:
             x = layer(x, cos, sin)
         if chunks:
@@ -305,6 +305,8 @@ def hf_config(spec: ModelSpec, *, attention: str):
         )
         if spec.arch == "llama":
             shape.update(num_key_value_heads=spec.num_kv_heads, attention_bias=spec.qkv_bias)
+            if spec.head_dim:  # LlamaConfig.head_dim (None: hidden / heads)
+                shape.update(head_dim=spec.head_dim)
         else:
             shape.update(rotary_pct=1.0, hidden_dropout=spec.dropout, hidden_act=spec.activation)
     config = AutoConfig.for_model(_HF_TYPES[spec.arch], **common, **shape)

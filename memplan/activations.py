@@ -5,10 +5,11 @@ blocks of ``calibrate/workloads.py`` (modeling_llama.py / modeling_gpt2.py layou
 transformers' ViTForImageClassification (modeling_vit.py);
 ``tests/test_activations.py`` re-reads them and compares byte for byte.
 
-Symbols: b micro-batch, s sequence (a ViT's patches + 1), h hidden, kv the k/v width (GQA),
-a heads, d head dim, f ffn width, V vocabulary (a ViT's classes), C·H·W an image's pixels;
-c compute bytes, r residual-stream bytes, m dropout-mask bytes (CUDA's fused dropout keeps a
-1-byte mask, CPU's composite dropout a mask in the input dtype).
+Symbols: b micro-batch, s sequence (a ViT's patches + 1), h hidden, q the query and attention
+output width a·d (h unless the head dim is set apart), kv the k/v width (GQA), a heads, d head
+dim, f ffn width, V vocabulary (a ViT's classes), C·H·W an image's pixels; c compute bytes,
+r residual-stream bytes, m dropout-mask bytes (CUDA's fused dropout keeps a 1-byte mask, CPU's
+composite dropout a mask in the input dtype).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class Shapes:
     b: int
     s: int
     h: int
+    q: int
+    """a·d: the query and attention output width (``ModelSpec.q_hidden``)."""
     kv: int
     a: int
     d: int
@@ -50,8 +53,8 @@ class Shapes:
     """flash (sdpa's fused kernels), eager, or math-fp32: CPU sdpa with dropout falls back
     to the math path (the CPU flash kernel has no dropout), which upcasts to fp32 (measured)."""
     kv_saved: int
-    """Width of the k and v attention saves: kv under sdpa's own grouped-query path; h where
-    they are copied to every query head first (eager's repeat_kv; torchtune's attention,
+    """Width of the k and v attention saves: kv under sdpa's own grouped-query path; q (a·d)
+    where they are copied to every query head first (eager's repeat_kv; torchtune's attention,
     ``loop.kv_copies``)."""
 
     @property
@@ -73,9 +76,10 @@ def shapes(model: ModelSpec, train: TrainSpec) -> Shapes:
         b=train.micro_batch,
         s=s,
         h=model.hidden,
+        q=model.q_hidden,
         kv=model.kv_hidden,
         a=model.num_heads,
-        d=model.head_dim,
+        d=model.head_size,
         f=model.ffn_hidden,
         V=model.vocab_size,
         c=c,
@@ -84,7 +88,7 @@ def shapes(model: ModelSpec, train: TrainSpec) -> Shapes:
         p=model.dropout,
         autocast=policy.autocast,
         attention=attention,
-        kv_saved=model.hidden if attention != "flash" or copied_kv(train) else model.kv_hidden,
+        kv_saved=model.q_hidden if attention != "flash" or copied_kv(train) else model.kv_hidden,
     )
 
 
@@ -114,8 +118,8 @@ def _qk_norm(model: ModelSpec, x: Shapes) -> list[Saved]:
     fp32 cast otherwise), rstd per head and token, the normalised input in the compute dtype."""
     t, kv_heads = x.tokens, model.num_kv_heads
     return [
-        Saved("q_norm, k_norm: fp32 inputs", "4·b·s·(h + kv)", 4 * t * (x.h + x.kv)),
-        Saved("q_norm, k_norm: normalised", "c·b·s·(h + kv)", x.c * t * (x.h + x.kv)),
+        Saved("q_norm, k_norm: fp32 inputs", "4·b·s·(q + kv)", 4 * t * (x.q + x.kv)),
+        Saved("q_norm, k_norm: normalised", "c·b·s·(q + kv)", x.c * t * (x.q + x.kv)),
         Saved("q_norm, k_norm: rstd", "4·b·s·(a + a_kv)", 4 * t * (x.a + kv_heads)),
     ]
 
@@ -148,14 +152,14 @@ def _qkv_out(model: ModelSpec, x: Shapes) -> list[Saved]:
     # repeat_kv (eager) or the model's own copies (torchtune) materialise k, v per query head
     kv = x.kv_saved
     c = 4 if x.attention == "math-fp32" else x.c
-    formula = "c·b·s·(h + 2·h): k, v per query head" if kv != x.kv else "c·b·s·(h + 2·kv)"
+    formula = "c·b·s·(q + 2·q): k, v per query head" if kv != x.kv else "c·b·s·(q + 2·kv)"
     saved = [
-        Saved("q, k, v", formula, c * t * (x.h + 2 * kv)),
-        Saved("attention output", "c·b·s·h", x.c * t * x.h),
+        Saved("q, k, v", formula, c * t * (x.q + 2 * kv)),
+        Saved("attention output", "c·b·s·q", x.c * t * x.q),
     ]
     if model.arch == "neox" and x.attention == "flash":
         # rotary makes new q, k while sdpa keeps v: a view that pins the whole fused qkv output
-        saved.append(Saved("fused qkv output pinned by v", "c·b·s·(h + kv)", x.c * t * (x.h + x.kv)))
+        saved.append(Saved("fused qkv output pinned by v", "c·b·s·(q + kv)", x.c * t * (x.q + x.kv)))
     return saved
 
 
@@ -197,9 +201,10 @@ def block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False
         saved.append(Saved("residual dropout masks", "2·m·b·s·h", 2 * x.m * t * x.h))
     if x.autocast:
         # autocast caches one low-precision copy of every linear weight (not bias) per forward
-        weights = x.h * (2 * x.h + 2 * x.kv) + (3 if model.gated_mlp else 2) * x.h * x.f
+        # q_proj h×q, k/v_proj h×kv each, o_proj q×h
+        weights = x.h * (2 * x.q + 2 * x.kv) + (3 if model.gated_mlp else 2) * x.h * x.f
         if model.num_experts:  # the router, every expert hit, the shared expert and its gate
-            weights = x.h * (2 * x.h + 2 * x.kv) + moe_matrices(model)
+            weights = x.h * (2 * x.q + 2 * x.kv) + moe_matrices(model)
         saved.append(Saved("autocast weight copies", "c·(block weight matrices)", x.c * weights))
     if train.tuning.adapters:
         from .finetune import adapter_block_saved
@@ -225,7 +230,7 @@ def block_kept(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False)
         # the checkpointed core keeps only its inputs: q, k, v before repeat_kv (kv wide)
         core = {s.name for s in _attention_core(model, x)} | {"q, k, v"}
         saved = [s for s in saved if s.name not in core]
-        saved.append(Saved("q, k, v (checkpoint inputs)", "c·b·s·(h + 2·kv)", x.c * x.tokens * (x.h + 2 * x.kv)))
+        saved.append(Saved("q, k, v (checkpoint inputs)", "c·b·s·(q + 2·kv)", x.c * x.tokens * (x.q + 2 * x.kv)))
     return saved
 
 

@@ -95,6 +95,7 @@ def _model_row(row: dict[str, str]) -> ModelSpec:
         patch_size=int(row["patch_size"]) or 16,
         **experts().get(row["name"], {}),
         qk_norm=row["name"] in qk_norms(),
+        head_dim=head_dims().get(row["name"], 0),
         **encoders().get(row["name"], {}),
     )
 
@@ -103,6 +104,12 @@ def _model_row(row: dict[str, str]) -> ModelSpec:
 def qk_norms() -> frozenset[str]:
     """The presets whose attention normalises q and k per head (tables/qk_norm.csv: Qwen3)."""
     return frozenset(row["name"] for row in read_table("qk_norm.csv"))
+
+
+@cache
+def head_dims() -> dict[str, int]:
+    """The presets whose attention heads are apart from hidden / heads (tables/head_dims.csv)."""
+    return {row["name"]: int(row["head_dim"]) for row in read_table("head_dims.csv")}
 
 
 @cache
@@ -126,6 +133,8 @@ def experts() -> dict[str, dict[str, Any]]:
             "shared_expert_gate": row["shared_gate"] == "1",
             "first_dense_layers": int(row["first_dense"]),
             "moe_every": int(row["moe_every"]),
+            "normalize_top_k": row["norm_top_k"] == "1",
+            "top_k_weights_fp32": row["top_k_fp32"] == "1",
         }
         for row in read_table("experts.csv")
     }

@@ -43,11 +43,11 @@ def _attention_ops(x: Shapes, device: str) -> list[tuple[str, Saved]]:
         # matmul(q, kᵀ) and matmul(probs, v) run as aten.bmm
         return [
             (_ALWAYS, Saved("attention scores (bmm output)", "c·b·a·s²", x.c * t * x.a * x.s)),
-            (_ALWAYS, Saved("attention output (bmm output)", "c·b·s·h", x.c * t * x.h)),
+            (_ALWAYS, Saved("attention output (bmm output)", "c·b·s·q", x.c * t * x.q)),
         ]
     kind = _ALWAYS if device == "cuda" else _NEVER
     return [
-        (kind, Saved("attention output (sdpa)", "c·b·s·h", x.c * t * x.h)),
+        (kind, Saved("attention output (sdpa)", "c·b·s·q", x.c * t * x.q)),
         (kind, Saved("sdpa logsumexp", "4·b·a·s", 4 * x.b * x.a * x.s)),
     ]
 
@@ -62,9 +62,9 @@ def _forward_ops(model: ModelSpec, train: TrainSpec) -> list[tuple[str, Saved]]:
         return Saved(f"{name} projection output", f"c·b·s·{width}", c * t * n)
 
     if model.arch == "llama":
-        qkv = [(linear, out("q", "h", x.h)), (linear, out("k", "kv", x.kv)), (linear, out("v", "kv", x.kv))]
+        qkv = [(linear, out("q", "q", x.q)), (linear, out("k", "kv", x.kv)), (linear, out("v", "kv", x.kv))]
     else:
-        qkv = [(linear, out("fused qkv", "(h + 2·kv)", x.h + 2 * x.kv))]
+        qkv = [(linear, out("fused qkv", "(q + 2·kv)", x.q + 2 * x.kv))]
     mlp_in = [(linear, out("gate", "f", x.f))] if model.gated_mlp else []
     return (
         qkv
@@ -200,12 +200,12 @@ def compiled_block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: boo
         # (measured: its own compiled layer, docs/heldout_matrix_cpu.md)
         Saved(
             "q, k (after rotary), v",
-            "c·b·s·(h + 2·h): k, v per query head" if x.kv_saved != x.kv else "c·b·s·(h + 2·kv)",
-            x.c * t * (x.h + 2 * x.kv_saved),
+            "c·b·s·(q + 2·q): k, v per query head" if x.kv_saved != x.kv else "c·b·s·(q + 2·kv)",
+            x.c * t * (x.q + 2 * x.kv_saved),
         ),
-        Saved("attention output", "c·b·s·h", x.c * t * x.h),
+        Saved("attention output", "c·b·s·q", x.c * t * x.q),
         Saved("sdpa logsumexp", "4·b·a·s", 4 * x.b * x.a * x.s),
-        Saved("o projection input (attention output, transposed copy)", "c·b·s·h", x.c * t * x.h),
+        Saved("o projection input (attention output, transposed copy)", "c·b·s·q", x.c * t * x.q),
         Saved("residual after attention (norm 2 recomputed from it)", "r·b·s·h", x.r * t * x.h),
         Saved("SwiGLU gate, up, product", "3·c·b·s·f", 3 * x.c * t * x.f),
     ]

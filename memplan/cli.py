@@ -48,6 +48,7 @@ MODEL_OPTIONS = [
     click.option("--hidden", type=int),
     click.option("--heads", type=int),
     click.option("--kv-heads", type=int),
+    click.option("--head-dim", type=int, help="One head's width (llama); hidden/heads where not given."),
     click.option("--ffn", type=int),
     click.option("--vocab", type=int),
 ]

@@ -111,8 +111,8 @@ those per block of 256 (functional.quantize_4bit, QuantState.state2)."""
 
 def _linears(model) -> dict[str, tuple[int, int]]:
     """(in, out) features of each linear layer of one block, by ``LINEARS``' names."""
-    h, kv, f = model.hidden, model.kv_hidden, model.ffn_hidden
-    shapes = {"q": (h, h), "k": (h, kv), "v": (h, kv), "qkv": (h, h + 2 * kv), "o": (h, h)}
+    h, q, kv, f = model.hidden, model.q_hidden, model.kv_hidden, model.ffn_hidden
+    shapes = {"q": (h, q), "k": (h, kv), "v": (h, kv), "qkv": (h, q + 2 * kv), "o": (q, h)}
     shapes |= {"gate": (h, f), "up": (h, f), "down": (f, h)}
     return {name: shapes[name] for name in LINEARS[model.arch]}
 
@@ -169,7 +169,7 @@ def _block_tensors(model) -> list[tuple[int, ...]]:
         bias = model.linear_bias or (model.qkv_bias and name in ("q", "k", "v", "qkv"))
         shapes += [(n_out,)] if bias else []
         if name == "o" and model.qk_norm:  # Qwen3Attention registers q_norm, k_norm after o_proj
-            shapes += [(model.head_dim,), (model.head_dim,)]
+            shapes += [(model.head_size,), (model.head_size,)]
     norm = [(model.hidden,)] if model.arch == "llama" else [(model.hidden,), (model.hidden,)]
     return shapes + 2 * norm
 
@@ -531,8 +531,8 @@ def adapter_block_saved(model, train, full: list[Saved], *, adapter_bytes: int) 
     }
     saved = [s for s in full if s.name not in dropped]
     saved.append(Saved("SwiGLU gate, silu, up", "3·c·b·s·f", 3 * x.c * t * x.f))
-    inputs = {"q": "h", "k": "h", "v": "h", "o": "h", "gate": "h", "up": "h", "down": "f"}
-    width = {"h": x.h, "f": x.f}
+    inputs = {"q": "h", "k": "h", "v": "h", "o": "q", "gate": "h", "up": "h", "down": "f"}
+    width = {"h": x.h, "q": x.q, "f": x.f}
     shared = {"q": "norm 1 output", "k": "norm 1 output", "v": "norm 1 output", "gate": "norm 2 output"}
     shared |= {"up": "norm 2 output", "down": "SwiGLU product"}
     once: dict[str, Saved] = {}

@@ -132,7 +132,7 @@ FAMILIES = {
     # Qwen2Attention: q/k/v always have a bias, o_proj and the MLP never (modeling_qwen2.py).
     "qwen2": Family("llama", False, {"attention_dropout": 0.0}, lambda cfg: (True, False)),
     # Qwen3Attention: q/k/v biases only with attention_bias (default false), per-head q_norm and
-    # k_norm over head_dim (modeling_qwen3.py); a head_dim apart from hidden/heads is refused below
+    # k_norm over head_dim (modeling_qwen3.py; Qwen3Config's head_dim defaults to 128, read below)
     "qwen3": Family(
         "llama",
         False,
@@ -149,6 +149,19 @@ FAMILIES = {
     # MixtralExperts: num_local_experts of intermediate_size; no shared expert (modeling_mixtral.py)
     "mixtral": Family(
         "llama", False, {"attention_dropout": 0.0}, extra=lambda cfg: _moe_extra(cfg, experts="num_local_experts")
+    ),
+    # Qwen3MoeSparseMoeBlock: routed experts of moe_intermediate_size, no shared expert; the router
+    # casts its top-k weights to the logits' dtype (Qwen3MoeTopKRouter); Qwen3 attention's q/k
+    # norms and q/k/v biases only with attention_bias (modeling_qwen3_moe.py)
+    "qwen3_moe": Family(
+        "llama",
+        False,
+        {"attention_dropout": 0.0},
+        lambda cfg: (_flag(cfg, "attention_bias", False), False),
+        lambda cfg: (
+            _moe_extra(cfg, experts="num_experts")
+            | {"normalize_top_k": _flag(cfg, "norm_topk_prob", False), "top_k_weights_fp32": False, "qk_norm": True}
+        ),
     ),
     # Qwen2MoeSparseMoeBlock: routed experts of moe_intermediate_size, one shared expert of
     # shared_expert_intermediate_size behind a sigmoid gate; q/k/v biases (modeling_qwen2_moe.py)
@@ -197,8 +210,6 @@ UNDESCRIBED = {
     "deepseek_v3": "its multi-head latent attention (q_lora_rank, kv_lora_rank, qk_rope_head_dim) has no "
     "ModelSpec fields; the preset deepseek-v3-gqa keeps its MoE shapes with standard GQA attention",
     "deepseek_v2": "its multi-head latent attention (q_lora_rank, kv_lora_rank) has no ModelSpec fields",
-    "qwen3_moe": "Qwen3 attention's per-head q/k RMSNorms (q_norm, k_norm) and its head_dim apart from "
-    "hidden/heads have no ModelSpec fields",
     "gemma2": "its alternating sliding-window / global attention and its attention and final logit soft-caps "
     "(attn_logit_softcapping, final_logit_softcapping) are not modelled",
     "gemma3_text": "its interleaved sliding-window / global attention (layer_types) and per-head q/k norms are "
@@ -282,12 +293,15 @@ def model_from_hf_config(source: str | Path | dict, *, name: str | None = None) 
             fields[spec_field] = read(cfg, keys, int)
     heads = fields["num_heads"]
     fields["num_kv_heads"] = read(cfg, ("num_key_value_heads",), int, heads)  # absent: no GQA
-    head_dim = read(cfg, ("head_dim",), int, fields["hidden"] // heads)
-    if head_dim * heads != fields["hidden"]:
-        # Llama 3.2 / Qwen3 / Mistral-Nemo decouple head_dim from hidden; ModelSpec cannot yet.
+    # LlamaAttention and its kin: getattr(config, "head_dim", None) or hidden_size // num_attention_heads
+    # (Qwen3Config alone defaults it, to 128); Qwen3-0.6B/4B and Mistral-Nemo set it apart from hidden/heads
+    default_head_dim = 128 if model_type == "qwen3" else 0
+    fields["head_dim"] = read(cfg, ("head_dim",), int, default_head_dim)
+    if fields["head_dim"] and fields["head_dim"] * heads != fields["hidden"] and family.arch != "llama":
         raise MemplanError(
-            f"config.json head_dim {head_dim} differs from hidden_size/num_attention_heads "
-            f"= {fields['hidden']}/{heads}; only head_dim == hidden/heads is supported yet"
+            f"config.json head_dim {fields['head_dim']} differs from hidden_size/num_attention_heads "
+            f"= {fields['hidden']}/{heads}; only llama-family configs (llama, mistral, qwen2, qwen3, phi3, "
+            "mixtral, qwen2_moe, qwen3_moe) set it apart"
         )
     act = read(cfg, ACTIVATION_KEYS, str, "")
     if act and act not in ACTIVATIONS:

@@ -41,7 +41,7 @@ def resolve_model(request: ModelRequest) -> ModelChoice:
 
 def _explicit_model(request: ModelRequest) -> ModelSpec:
     arch = request.arch or "llama"
-    shape = {k: getattr(request, k) for k in SHAPES}  # ModelRequest checked that all but kv_heads are given
+    shape = {k: getattr(request, k) for k in SHAPES}  # ModelRequest checked all but kv_heads, head_dim
     gpt2 = arch == "gpt2"
     # gpt2: 1024 learned positions, a tied head; bert: BertConfig's 512 positions, 2 token types,
     # the MLM head (tied)
@@ -53,6 +53,7 @@ def _explicit_model(request: ModelRequest) -> ModelSpec:
         hidden=shape["hidden"],
         num_heads=shape["heads"],
         num_kv_heads=shape["kv_heads"] or 0,
+        head_dim=shape["head_dim"] or 0,
         ffn_hidden=shape["ffn"],
         vocab_size=shape["vocab"],
         tied_embeddings=gpt2 or arch == "bert",

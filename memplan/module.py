@@ -3,7 +3,7 @@
 Anything with ``named_parameters()`` yielding (name, tensor-like with ``.shape``) will do.
 A Hugging Face model carries its ``config``, which says everything; a plain module says its
 shapes: the token embedding gives vocabulary and width, the numbered blocks the depth, and
-the remaining choices (family, ffn width, kv heads, biases, tied head, learned positions) are
+the remaining choices (family, ffn width, kv heads, head dim, biases, tied head, learned positions) are
 those whose parameter count equals the module's, block by block and in total, exactly.
 """
 
@@ -50,10 +50,12 @@ def _candidates(h: int, vocab: int, layers: int, heads: int, block: list, root: 
     positions = [0] + [s[0] for n, s in root if len(s) == 2 and s[1] == h and s[0] != vocab]
     archs = [arch] if arch else ["llama", "gpt2", "neox"]
     kv_heads = [k for k in range(1, heads + 1) if heads % k == 0]
-    for family, ffn, kv, pos, tied, bias, qkv_bias in itertools.product(
-        archs, dims or [4 * h], kv_heads, positions, (True, False), (False, True), (False, True)
+    # a llama q_proj of heads·head_dim rows apart from h: each width the block holds that the heads divide
+    head_dims = [0] + [d // heads for d in dims if d % heads == 0]
+    for family, ffn, kv, head_dim, pos, tied, bias, qkv_bias in itertools.product(
+        archs, dims or [4 * h], kv_heads, head_dims, positions, (True, False), (False, True), (False, True)
     ):
-        if (family == "llama") == bias or (family == "gpt2") != (pos > 0):
+        if (family == "llama") == bias or (family == "gpt2") != (pos > 0) or (head_dim and family != "llama"):
             continue
         try:
             yield ModelSpec(
@@ -63,6 +65,7 @@ def _candidates(h: int, vocab: int, layers: int, heads: int, block: list, root: 
                 hidden=h,
                 num_heads=heads,
                 num_kv_heads=kv if family == "llama" else heads,
+                head_dim=head_dim,
                 ffn_hidden=ffn,
                 vocab_size=vocab,
                 tied_embeddings=tied,
@@ -72,6 +75,13 @@ def _candidates(h: int, vocab: int, layers: int, heads: int, block: list, root: 
             )
         except MemplanError:
             continue
+
+
+def _matrices(spec: ModelSpec) -> list[int]:
+    """The sizes of one block's weight matrices (an ffn width and a head dim may trade counts)."""
+    from .finetune import _linears
+
+    return sorted(n_in * n_out for n_in, n_out in _linears(spec).values())
 
 
 def spec_from_module(
@@ -110,8 +120,9 @@ def _from_shapes(shapes, total: int, *, num_heads: int | None, arch: str | None)
     vocab, h = max((s for _, s in matrices), key=lambda s: s[0])
     block = blocks[min(blocks)]
     block_total = sum(_count(s) for _, s in block)
+    matrices_of_block = sorted(_count(s) for _, s in block if len(s) == 2)
     for spec in _candidates(h, vocab, len(blocks), num_heads, block, root, arch):
-        if spec.block_params() == block_total and spec.num_params == total:
+        if spec.block_params() == block_total and spec.num_params == total and _matrices(spec) == matrices_of_block:
             return spec
     listed = ", ".join(f"{n} {list(s)}" for n, s in block)
     raise MemplanError(

@@ -359,10 +359,11 @@ def render_explain(choice: ModelChoice, est: Estimate) -> str:
         _header(choice, job),
         f"strategy {job.plan.strategy}, offload {job.plan.offload}",
         "",
-        "Symbols: P parameters, b micro-batch, s sequence, h hidden, kv k/v width, a heads, d head dim,",
-        "f ffn width, V vocabulary, c compute bytes, r residual-stream bytes, m dropout-mask bytes.",
+        "Symbols: P parameters, b micro-batch, s sequence, h hidden, q query width a·d, kv k/v width, a heads,",
+        "d head dim, f ffn width, V vocabulary, c compute bytes, r residual-stream bytes, m dropout-mask bytes.",
         f"Here P={job.model.num_params:,}, b={job.train.micro_batch}, s={job.train.seq_len}, "
-        f"h={job.model.hidden}, kv={job.model.kv_hidden}, a={job.model.num_heads}, f={job.model.ffn_hidden}, "
+        f"h={job.model.hidden}, q={job.model.q_hidden}, kv={job.model.kv_hidden}, a={job.model.num_heads}, "
+        f"d={job.model.head_size}, f={job.model.ffn_hidden}, "
         f"V={job.model.vocab_size}.",
     ]
     for moment in est.moments:

@@ -16,7 +16,8 @@ from .errors import InputError, UnknownKeywordError
 from .layout import Layout
 from .specs import OFFLOADS, ClusterSpec, ModelSpec, Plan, TrainSpec
 
-SHAPES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
+SHAPES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "head_dim")
+_OPTIONAL_SHAPES = ("kv_heads", "head_dim")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +45,8 @@ class ModelRequest:
     """MLP hidden size (with ``arch``)."""
     vocab: int | None = None
     """Vocabulary size, or classes of a vit head (with ``arch``)."""
+    head_dim: int | None = None
+    """One attention head's width (with ``arch`` llama); hidden / heads where not given."""
 
     def __post_init__(self):
         given = self.sources()
@@ -79,7 +82,7 @@ class ModelRequest:
         return given
 
     def missing_shapes(self) -> list[str]:
-        return [k for k in SHAPES if k != "kv_heads" and getattr(self, k) is None]
+        return [k for k in SHAPES if k not in _OPTIONAL_SHAPES and getattr(self, k) is None]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -86,6 +86,12 @@ class ModelSpec:
     num_heads: int
     num_kv_heads: int = 0
     """0 means as many as ``num_heads`` (no GQA)."""
+    head_dim: int = 0
+    """One attention head's width; 0 means hidden // num_heads. Llama-family configs may set it
+    apart (config.json ``head_dim``: Qwen3-0.6B's 16 heads of 128 over hidden 1024, Mistral-Nemo's
+    32 of 128 under 5120): q_proj is hidden → heads·head_dim, k/v_proj hidden → kv_heads·head_dim,
+    o_proj heads·head_dim → hidden (modeling_llama.py LlamaAttention). Kept 0 where it equals
+    hidden // num_heads, so one model has one spec."""
     ffn_hidden: int
     vocab_size: int
     """Token vocabulary; for ``vit`` the number of classes of the head."""
@@ -153,8 +159,20 @@ class ModelSpec:
         if self.num_kv_heads == 0:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         _check_positive(self, "num_kv_heads")
-        if self.hidden % self.num_heads:
-            raise MemplanError(f"hidden {self.hidden} is not divisible by heads {self.num_heads}")
+        if self.head_dim and not self.hidden % self.num_heads and self.head_dim == self.hidden // self.num_heads:
+            object.__setattr__(self, "head_dim", 0)  # the default spelled out: one spec per model
+        if self.head_dim:
+            _check_positive(self, "head_dim")
+            if self.arch != "llama":
+                raise MemplanError(
+                    f"head_dim {self.head_dim} apart from hidden/heads = {self.hidden}/{self.num_heads} is "
+                    f"modelled for arch llama (q/k/v/o projections apart), not {self.arch!r}"
+                )
+        elif self.hidden % self.num_heads:
+            raise MemplanError(
+                f"hidden {self.hidden} is not divisible by heads {self.num_heads}; give head_dim for heads "
+                "narrower or wider than hidden/heads"
+            )
         if self.num_heads % self.num_kv_heads:
             raise MemplanError(
                 lambda n: f"heads {self.num_heads} is not divisible by {n.word('kv_heads')} {self.num_kv_heads}"
@@ -186,12 +204,18 @@ class ModelSpec:
             )
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.num_heads
+    def head_size(self) -> int:
+        """One head's width: ``head_dim``, or hidden // num_heads where it is 0."""
+        return self.head_dim or self.hidden // self.num_heads
+
+    @property
+    def q_hidden(self) -> int:
+        """The query (and attention output) width, heads·head_dim: ``hidden`` unless head_dim is set apart."""
+        return self.num_heads * self.head_size
 
     @property
     def kv_hidden(self) -> int:
-        return self.num_kv_heads * self.head_dim
+        return self.num_kv_heads * self.head_size
 
     @property
     def gated_mlp(self) -> bool:
@@ -204,15 +228,16 @@ class ModelSpec:
 
     def block_param_counts(self) -> dict[str, int]:
         """Parameters of one block, per projection (the FSDP unit of every strategy)."""
-        h, kv, f = self.hidden, self.kv_hidden, self.ffn_hidden
+        h, q, kv, f = self.hidden, self.q_hidden, self.kv_hidden, self.ffn_hidden
         bias = self.linear_bias
         qkv_bias = bias or self.qkv_bias
+        # q_proj h → q, k_proj and v_proj h → kv, o_proj q → h (modeling_llama.py LlamaAttention)
         counts = {
-            "attn_qkv": h * (h + 2 * kv) + (h + 2 * kv) * qkv_bias,
-            "attn_out": h * h + h * bias,
+            "attn_qkv": h * (q + 2 * kv) + (q + 2 * kv) * qkv_bias,
+            "attn_out": q * h + h * bias,
             "mlp_in": (2 if self.gated_mlp else 1) * h * f + f * bias * (2 if self.gated_mlp else 1),
             "mlp_out": f * h + h * bias,
-            "norms": 2 * self.norm_params + (2 * self.head_dim if self.qk_norm else 0),
+            "norms": 2 * self.norm_params + (2 * self.head_size if self.qk_norm else 0),
         }
         return counts
 
@@ -263,6 +288,7 @@ class ModelSpec:
 
     def describe(self) -> str:
         gqa = f", kv-heads {self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        gqa += f", head-dim {self.head_dim}" if self.head_dim else ""
         moe = f", {self.num_experts} experts top-{self.experts_per_token}" if self.num_experts else ""
         if self.arch == "bert":
             moe = f", {self.num_labels}-label classifier" if self.num_labels else ", MLM head"

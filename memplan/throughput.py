@@ -114,7 +114,7 @@ def flops_per_token(job: Job) -> float:
     m, s = job.model, job.train.seq_len
     # an MoE token runs through its top-k experts only: N counts the active parameters
     n = active_params(m)
-    attention_fwd = 4 * m.num_layers * m.hidden * s
+    attention_fwd = 4 * m.num_layers * m.q_hidden * s  # q·kᵀ and probs·v over a·d, hidden unless set apart
     recompute = {"none": 0.0, "selective": attention_fwd, "op": n, "full": 2 * n + attention_fwd}[
         job.train.activation_checkpointing
     ]

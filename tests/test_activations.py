@@ -19,7 +19,7 @@ def measured_block_saved(model: ModelSpec, train: TrainSpec) -> int:
     dtype = DTYPES[policy.param_dtype]
     block = block.to(dtype)
     x = torch.randn(train.micro_batch, train.seq_len, model.hidden, dtype=dtype, requires_grad=True)
-    cos, sin = rotary_tables(train.seq_len, model.head_dim, "cpu") if model.arch != "gpt2" else (None, None)
+    cos, sin = rotary_tables(train.seq_len, model.head_size, "cpu") if model.arch != "gpt2" else (None, None)
     skip = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *(t for t in (cos, sin) if t is not None))}
     seen = {}
 
@@ -60,6 +60,20 @@ def test_block_saved_bytes_match_autograd(arch, precision, attention, kv, dropou
     )
     train = TrainSpec(seq_len=64, micro_batch=2, precision=precision, attention=attention, device="cpu")
     estimated = sum(s.bytes for s in block_saved(model, train))
+    assert estimated == measured_block_saved(model, train)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp-bf16", "bf16"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("head_dim", [8, 32])  # narrower and wider than hidden/heads = 16
+def test_block_saved_bytes_match_autograd_with_a_head_dim_apart(precision, attention, head_dim):
+    """q is heads·head_dim wide, k and v kv_heads·head_dim: Mistral-Nemo's and Qwen3-0.6B's heads."""
+    model = ModelSpec(
+        num_layers=1, hidden=128, num_heads=8, num_kv_heads=2, head_dim=head_dim, ffn_hidden=344, vocab_size=512
+    )
+    train = TrainSpec(seq_len=64, micro_batch=2, precision=precision, attention=attention, device="cpu")
+    estimated = sum(s.bytes for s in block_saved(model, train))
+    assert model.q_hidden == 8 * head_dim != model.hidden
     assert estimated == measured_block_saved(model, train)
 
 

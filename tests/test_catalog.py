@@ -31,7 +31,7 @@ def _hf_config(spec):
             return tf.Qwen3Config(
                 **common,
                 num_key_value_heads=spec.num_kv_heads,
-                head_dim=spec.head_dim,
+                head_dim=spec.head_size,
                 tie_word_embeddings=spec.tied_embeddings,
             )
         cls = tf.Qwen2Config if spec.qkv_bias else tf.LlamaConfig

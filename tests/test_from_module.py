@@ -19,6 +19,7 @@ SMALL = dict(num_layers=2, hidden=64, num_heads=4, vocab_size=128, name="small")
 NATIVE = [
     ModelSpec(arch="llama", num_kv_heads=2, ffn_hidden=172, **SMALL),
     ModelSpec(arch="llama", num_kv_heads=4, ffn_hidden=128, tied_embeddings=True, **SMALL),
+    ModelSpec(arch="llama", num_kv_heads=2, head_dim=32, ffn_hidden=172, **SMALL),  # q width 128 over 64
     ModelSpec(arch="gpt2", ffn_hidden=256, max_positions=64, tied_embeddings=True, linear_bias=True, **SMALL),
     ModelSpec(arch="neox", ffn_hidden=256, linear_bias=True, **SMALL),
 ]
@@ -37,7 +38,9 @@ def _same_estimates(spec_a: ModelSpec, spec_b: ModelSpec) -> None:
     ]
 
 
-@pytest.mark.parametrize("spec", NATIVE, ids=lambda s: f"{s.arch}-kv{s.num_kv_heads}-tied{s.tied_embeddings}")
+@pytest.mark.parametrize(
+    "spec", NATIVE, ids=lambda s: f"{s.arch}-kv{s.num_kv_heads}-d{s.head_size}-tied{s.tied_embeddings}"
+)
 def test_native_module_round_trips(spec):
     module = build_model(spec, attention="sdpa", ac="none", workload="native")
     got = spec_from_module(module, num_heads=spec.num_heads, name=spec.name, dropout=spec.dropout)
@@ -49,7 +52,7 @@ def test_native_module_round_trips(spec):
         spec.num_heads,
         spec.vocab_size,
     )
-    assert got.block_params() == spec.block_params()
+    assert got.block_params() == spec.block_params() and got.head_dim == spec.head_dim
     _same_estimates(got, spec)
 
 

@@ -173,7 +173,7 @@ def test_op_checkpoint_recomputes_to_the_same_gradients():
     torch.manual_seed(0)
     block = Block(TINY, attention="sdpa", selective_ac=False)
     x = torch.randn(2, 8, TINY.hidden, requires_grad=True)
-    cos, sin = rotary_tables(8, TINY.head_dim, "cpu")
+    cos, sin = rotary_tables(8, TINY.head_size, "cpu")
     block(x, cos, sin).sum().backward()
     plain = [p.grad.clone() for p in block.parameters()]
     block.zero_grad()

@@ -120,7 +120,7 @@ def test_torchtune_layer_saves_k_and_v_per_query_head():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model.decoder.layers[0](x)
     modelled = sum(t.bytes for t in block_saved(spec, train))
-    copies = 2 * 2 * b * s * (spec.hidden - spec.kv_hidden)  # in the model: k, v per query head
+    copies = 2 * 2 * b * s * (spec.q_hidden - spec.kv_hidden)  # in the model: k, v per query head
     assert modelled - sum(t.bytes for t in block_saved(spec, dataclasses.replace(train, kv_copies=False))) == copies
-    d = spec.head_dim
+    d = spec.head_size
     assert sum(seen.values()) - modelled == 2 * (4 - 2) * b * s * spec.hidden - (4 * 2 * s * d - 4 * s * d)

@@ -161,7 +161,7 @@ def test_unsupported_model_type():
     one_line_error(
         {"model_type": "t5"},
         "model_type 't5' is not supported; supported: bert, gpt2, gpt_neox, llama, mistral, mixtral, phi3, qwen2, "
-        "qwen2_moe, qwen3, roberta, vit",
+        "qwen2_moe, qwen3, qwen3_moe, roberta, vit",
     )
 
 
@@ -183,11 +183,19 @@ def test_missing_key():
         ("tie_word_embeddings", "yes", "tie_word_embeddings must be true or false"),
         ("attention_dropout", "0.1", "attention_dropout must be a number"),
         ("hidden_act", "relu", "activation 'relu' is not supported"),
-        ("head_dim", 32, "head_dim 32 differs from hidden_size/num_attention_heads = 64/4"),
+        ("head_dim", 0, "head_dim must be a positive integer, got 0"),
     ],
 )
 def test_bad_values(key, value, expected):
     one_line_error({"model_type": "llama", **_SMALL, key: value}, expected)
+
+
+def test_a_head_dim_apart_is_read_for_llama_and_refused_for_gpt2():
+    spec = model_from_hf_config({"model_type": "llama", **_SMALL, "head_dim": 32})
+    assert (spec.head_dim, spec.q_hidden) == (32, 128)
+    assert model_from_hf_config({"model_type": "llama", **_SMALL, "head_dim": 16}).head_dim == 0  # 64/4 spelled out
+    gpt2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 128, "n_positions": 32}
+    one_line_error(gpt2 | {"head_dim": 32}, "only llama-family configs")
 
 
 def test_bad_source_type():

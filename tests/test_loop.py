@@ -276,7 +276,7 @@ def test_op_sac_matches_torchtitans_policy(arch, precision, attention, kv):
     block = Block(model, attention=attention, selective_ac=False).to(_dtype(precision))
     block = _titan_selective_ac()._wrap_block(block)
     x = torch.randn(2, 64, model.hidden, dtype=_dtype(precision), requires_grad=True)
-    rotary = rotary_tables(64, model.head_dim, "cpu") if arch != "gpt2" else (None, None)
+    rotary = rotary_tables(64, model.head_size, "cpu") if arch != "gpt2" else (None, None)
     with _Live(block, x, *(t for t in rotary if t is not None)) as live:
         y = block(x, *rotary)
         measured = live.current() - live.base - y.untyped_storage().nbytes()
@@ -298,7 +298,7 @@ def test_layer_sac_keeps_full_ac_inputs_and_plain_blocks():
     blocks = [Block(model, attention="sdpa", selective_ac=False).to(torch.bfloat16) for _ in range(layers)]
     blocks = [checkpoint_wrapper(b) if checkpointed(i, loop.ac_every) else b for i, b in enumerate(blocks)]
     x = torch.randn(2, 64, model.hidden, dtype=torch.bfloat16, requires_grad=True)
-    cos, sin = rotary_tables(64, model.head_dim, "cpu")
+    cos, sin = rotary_tables(64, model.head_size, "cpu")
     with _Live(*blocks, x, cos, sin) as live:
         y = x
         for b in blocks:
@@ -320,7 +320,7 @@ def test_compiled_block_saves_what_the_partitioner_keeps(precision, b, kv):
     train = TrainSpec(seq_len=64, micro_batch=b, precision=precision, device="cpu")
     block = Block(model, attention="sdpa", selective_ac=False).to(_dtype(precision))
     x = torch.randn(b, 64, model.hidden, dtype=_dtype(precision), requires_grad=True)
-    cos, sin = rotary_tables(64, model.head_dim, "cpu")
+    cos, sin = rotary_tables(64, model.head_size, "cpu")
     shared = {t.untyped_storage().data_ptr() for t in (*block.parameters(), cos, sin)}
     compiled, seen = torch.compile(block), {}
 
@@ -427,7 +427,7 @@ def test_op_sac_block_backward_peaks_where_full_ac_does(precision, attention):
         torch.manual_seed(0)
         block = wrap(Block(model, attention=attention, selective_ac=False).to(_dtype(precision)))
         x = torch.randn(2, 64, model.hidden, dtype=_dtype(precision), requires_grad=True)
-        rotary = rotary_tables(64, model.head_dim, "cpu")
+        rotary = rotary_tables(64, model.head_size, "cpu")
         with _Live(block, x, *rotary) as live:
             y = block(x, *rotary)
             seed = torch.ones_like(y)
@@ -457,7 +457,7 @@ def test_float8_training_keeps_what_bf16_keeps():
     train = TrainSpec(seq_len=64, micro_batch=2, precision="bf16", device="cpu")
     block = float8.convert_to_float8_training(Block(model, attention="sdpa", selective_ac=False).to(torch.bfloat16))
     x = torch.randn(2, 64, model.hidden, dtype=torch.bfloat16, requires_grad=True)
-    rotary = rotary_tables(64, model.head_dim, "cpu")
+    rotary = rotary_tables(64, model.head_size, "cpu")
     shared = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *rotary)}
     seen = {}
 

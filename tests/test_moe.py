@@ -17,6 +17,8 @@ TINY = {
         shared_expert_intermediate_size=80,
         decoder_sparse_step=2,
     ),
+    # Qwen3-30B-A3B's proportions: heads of 32 (q width 128) over hidden 64, norm_topk_prob true
+    "qwen3_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=32, norm_topk_prob=True),
 }
 
 
@@ -83,7 +85,7 @@ def test_deepseek_v3_gqa_preset_counts_glm4_moe():
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
+        head_dim=spec.head_size,
         n_routed_experts=spec.num_experts,
         n_shared_experts=spec.shared_ffn_hidden // spec.moe_ffn_hidden,
         num_experts_per_tok=spec.experts_per_token,
@@ -101,7 +103,41 @@ def test_active_params_count_top_k_experts():
     assert moe.active_params(spec) == spec.num_params - idle
 
 
-@pytest.mark.parametrize("model_type,fragment", [("deepseek_v3", "latent attention"), ("qwen3_moe", "q/k RMSNorms")])
+def test_qwen3_30b_a3b_preset_counts_what_transformers_builds():
+    tf = pytest.importorskip("transformers")
+    spec = catalog.model_preset("qwen3-30b-a3b")
+    config = tf.Qwen3MoeConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.ffn_hidden,
+        moe_intermediate_size=spec.moe_ffn_hidden,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_size,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.experts_per_token,
+        norm_topk_prob=spec.normalize_top_k,
+        tie_word_embeddings=False,
+    )
+    assert (spec.head_size, spec.q_hidden, spec.hidden) == (128, 4096, 2048)
+    assert spec.qk_norm and not spec.top_k_weights_fp32 and not spec.shared_ffn_hidden
+    assert spec.num_params == hf_num_params(config, "Qwen3MoeForCausalLM")
+    # the model card's 3.3B activated: top-8 of the 128 experts
+    assert moe.active_params(spec) == pytest.approx(3.3e9, rel=0.02)
+
+
+def test_qwen3_moe_config_reads_its_router():
+    spec = model_from_hf_config(tiny_config("qwen3_moe"))
+    assert spec.qk_norm and spec.normalize_top_k and not spec.top_k_weights_fp32
+    assert not spec.shared_ffn_hidden and spec.head_dim == 32
+    # norm_topk_prob absent: Qwen3MoeConfig's default, false
+    assert not model_from_hf_config(
+        {k: v for k, v in tiny_config("qwen3_moe").items() if k != "norm_topk_prob"}
+    ).normalize_top_k
+
+
+@pytest.mark.parametrize("model_type,fragment", [("deepseek_v3", "latent attention")])
 def test_undescribed_attention_is_refused(model_type, fragment):
     with pytest.raises(MemplanError, match=fragment):
         model_from_hf_config({"model_type": model_type, "hidden_size": 64})
@@ -141,7 +177,11 @@ def _measured_moe_saved(model_type: str, spec: ModelSpec, train) -> int:
     from memplan.precision import POLICIES
 
     config = tf.AutoConfig.for_model(model_type, hidden_size=spec.hidden, **hf_moe_kwargs(spec, model_type))
-    block_class = {"mixtral": "MixtralSparseMoeBlock", "qwen2_moe": "Qwen2MoeSparseMoeBlock"}[model_type]
+    block_class = {
+        "mixtral": "MixtralSparseMoeBlock",
+        "qwen2_moe": "Qwen2MoeSparseMoeBlock",
+        "qwen3_moe": "Qwen3MoeSparseMoeBlock",
+    }[model_type]
     module = __import__(f"transformers.models.{model_type}.modeling_{model_type}", fromlist=[block_class])
     torch.manual_seed(0)
     dtype = DTYPES[POLICIES[train.precision].param_dtype]

@@ -65,15 +65,15 @@ def tensor_numels(model) -> list[int]:
     """Elements of each parameter tensor of the Hugging Face model of the spec's shapes
     (modeling_llama.py, modeling_vit.py, modeling_bert.py: q, k, v apart; modeling_gpt2.py,
     modeling_gpt_neox.py: fused)."""
-    h, kv, f, bias = model.hidden, model.kv_hidden, model.ffn_hidden, model.linear_bias
+    h, q, kv, f, bias = model.hidden, model.q_hidden, model.kv_hidden, model.ffn_hidden, model.linear_bias
     apart = model.arch in ("llama", "vit", "bert")
-    attn = [h * h, h * kv, h * kv] if apart else [h * (h + 2 * kv)]
-    attn_bias = ([h, kv, kv] if apart else [h + 2 * kv]) if model.qkv_bias or bias else []
+    attn = [h * q, h * kv, h * kv] if apart else [h * (q + 2 * kv)]
+    attn_bias = ([q, kv, kv] if apart else [q + 2 * kv]) if model.qkv_bias or bias else []
     mlp = [h * f, h * f, f * h] if model.gated_mlp else [h * f, f * h]
     mlp_bias = ([f, f, h] if model.gated_mlp else [f, h]) if bias else []
     norm = [h] if model.arch == "llama" else [h, h]
-    qk_norm = [model.head_dim] * 2 if model.qk_norm else []  # Qwen3's q_norm, k_norm
-    block = attn + attn_bias + [h * h] + ([h] if bias else []) + qk_norm + mlp + mlp_bias + 2 * norm
+    qk_norm = [model.head_size] * 2 if model.qk_norm else []  # Qwen3's q_norm, k_norm
+    block = attn + attn_bias + [q * h] + ([h] if bias else []) + qk_norm + mlp + mlp_bias + 2 * norm
     if model.arch == "vit":  # patch conv (+ bias), class token, positions; classifier (+ bias)
         root = [model.image_channels * model.patch_size**2 * h, h, h, model.max_positions * h]
         return block * model.num_layers + root + norm + [h * model.vocab_size, model.vocab_size]
@@ -90,7 +90,7 @@ def tensor_numels(model) -> list[int]:
         from .. import moe
 
         w = moe.expert_width(model)
-        sparse = attn + attn_bias + [h * h] + 2 * norm + [model.num_experts * h]
+        sparse = attn + attn_bias + [q * h] + qk_norm + 2 * norm + [model.num_experts * h]
         sparse += [model.num_experts * 2 * w * h, model.num_experts * h * w]
         if model.shared_ffn_hidden:  # Qwen2-MoE's shared expert (gate, up, down) and its h → 1 gate
             sparse += [h * model.shared_ffn_hidden] * 3 + ([h] if model.shared_expert_gate else [])

@@ -34,7 +34,7 @@ def merged_output(kept: list[Saved], model: ModelSpec, local: TrainSpec, layout:
         return []
     x = shapes(model, local)
     return [
-        Saved("attention output, copied by the reshape after the ring's merge", "c·b·(s/cp)·h", x.c * x.tokens * x.h)
+        Saved("attention output, copied by the reshape after the ring's merge", "c·b·(s/cp)·q", x.c * x.tokens * x.q)
     ]
 
 
@@ -52,7 +52,7 @@ def ring_buffers(model: ModelSpec, local: TrainSpec, layout: Layout) -> list[Ter
     if layout.cp == 1:
         return []
     x = shapes(model, local)
-    q = x.b * x.s * x.h // layout.tp  # one rank's q (and attention output), its TP share of the heads
+    q = x.b * x.s * x.q // layout.tp  # one rank's q (and attention output), its TP share of the heads
     kv = x.b * x.s * 2 * x.kv // layout.tp  # one rank's K and V
     parts = (
         ("fp32 dQ, dK, dV accumulators", "4·(q + kv)", 4 * (q + kv)),
@@ -67,7 +67,7 @@ def ring_buffers(model: ModelSpec, local: TrainSpec, layout: Layout) -> list[Ter
             Component.BUFFERS,
             "cp.ring",
             "ring attention's backward: " + "; ".join(name for name, _, _ in parts),
-            " + ".join(f for _, f, _ in parts) + " (q = b·(s/cp)·h/tp, kv = b·(s/cp)·2·kv/tp)",
+            " + ".join(f for _, f, _ in parts) + " (q = b·(s/cp)·a·d/tp, kv = b·(s/cp)·2·kv/tp)",
             sum(n for _, _, n in parts),
         )
     ]
