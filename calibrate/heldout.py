@@ -199,7 +199,20 @@ MISTRAL_C = ModelSpec(
     ffn_hidden=2816,
     vocab_size=8192,
 )
+# torchtune's own Llama 3.2 (calibrate.loops.TorchtuneLM): tied embeddings, GQA 4:1
+TUNE_A = ModelSpec(
+    name="llama3_2-h448",
+    arch="llama",
+    num_layers=2,
+    hidden=448,
+    num_heads=8,
+    num_kv_heads=2,
+    ffn_hidden=1216,
+    vocab_size=32000,
+    tied_embeddings=True,
+)
 HF_TYPE = {
+    "llama3_2-h448": "torchtune llama3_2",
     "qwen2-h576-l4": "qwen2",
     "llama-h768": "llama",
     "llama-h640": "llama",
@@ -216,7 +229,7 @@ HF_TYPE = {
     "neox-h768": "gpt_neox",
     "neox-h512": "gpt_neox",
 }
-STRATEGY = {"ddp": "ddp", "fsdp": "fsdp-full-shard", "sgo": "fsdp-shard-grad-op"}
+STRATEGY = {"single": "single", "ddp": "ddp", "fsdp": "fsdp-full-shard", "sgo": "fsdp-shard-grad-op"}
 
 
 @dataclass(frozen=True)
@@ -273,6 +286,7 @@ def _case(
     float8: bool = False,
     in_backward: bool = False,
     zero_grad: str = "none",
+    optimizer: str = "adamw",
 ) -> Case:
     """A case; the flags (ac_every, compile, float8, optimizer in backward) are in its spec,
     as a user types them, and the loop applies them (calibrate.loops.run)."""
@@ -290,6 +304,7 @@ def _case(
             float8=float8,
             optimizer_in_backward=in_backward,
             zero_grad=zero_grad,
+            optimizer=optimizer,
         ),
         cluster=ClusterSpec(gpus=gpus),
         plan=Plan(strategy=STRATEGY[strategy]),
@@ -297,6 +312,7 @@ def _case(
     where = "g" if mode == "local" else "w"
     flags = (f"-every{ac_every}" if ac_every > 1 else "") + (f"-zg{zero_grad}" if zero_grad != "none" else "")
     flags += "".join(f"-{flag}" for flag, on in (("compile", compile), ("float8", float8), ("oib", in_backward)) if on)
+    flags += f"-{optimizer}" if optimizer != "adamw" else ""
     name = f"{model.name}-{loop}-{strategy}-{precision}-ac{ac}{flags}-{where}{gpus}-b{b}s{s}"
     return Case(name, job, loop, ac, mode)
 
@@ -357,6 +373,15 @@ CASES = (
     _case("plain-kept", QWEN_A, "fsdp", "fp32", gpus=2, b=1, s=256, mode="local", zero_grad="zeros"),
     _case("torchtitan", LLAMA_C, "fsdp", "mixed-bf16", gpus=8, b=1, s=128, ac="full", zero_grad="zeros"),
     _case("torchtitan", LLAMA_C, "fsdp", "mixed-bf16", gpus=8, b=1, s=128, ac="full"),  # its twin, gradients freed
+    # torchtune's own model and single-device recipe with the standard cross-entropy (the published
+    # Llama-3.2-3B '+ Compile' row's loop), compiled and its eager twin
+    _case("torchtune-model", TUNE_A, "single", "bf16", gpus=1, b=2, s=256, compile=True),
+    _case("torchtune-model", TUNE_A, "single", "bf16", gpus=1, b=2, s=256),
+    # the published '+ 8-bit AdamW' row's optimizer (its config's bitsandbytes PagedAdamW8bit, one per
+    # parameter under optimizer-in-backward); on CPU its states are ordinary tensors (get_state_buffer)
+    _case(
+        "torchtune-model", TUNE_A, "single", "bf16", gpus=1, b=2, s=256, in_backward=True, optimizer="paged-adamw8bit"
+    ),
 )
 BY_ID = {case.id: case for case in CASES}
 
@@ -567,6 +592,8 @@ def loop_job(record: dict) -> Job:
         optimizer_in_backward=loop["optimizer_in_backward"],
         zero_grad=loop.get("zero_grad", "none"),
         recipe=loop["recipe"],
+        # Hugging Face blocks under a framework's loop: sdpa's own grouped-query path, no k/v copies
+        kv_copies=None if record["hf_model_type"].startswith("torchtune") else False,
     )
 
 

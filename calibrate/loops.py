@@ -13,6 +13,10 @@ does it, calling the framework's own function where it runs here:
                    (accelerate's README loop: the outputs are kept)
     torchtune      ``logits = model(x)`` as torchtune's chunked output (the LM head applied
                    per chunk of the hidden states); ``CEWithChunkedOutputLoss``; ``del logits``
+    torchtune-model  torchtune's own model (models/llama3_2's TransformerDecoder, whose forward
+                   upcasts the logits: ``self.output(h).float()``) and its single-device
+                   recipe's ``_loss_step`` with ``torch.nn.CrossEntropyLoss``; compiled by
+                   torchtune's ``training.compile_model`` and ``compile_loss``
     torchtitan     ``pred = model(x); loss = cross_entropy_loss(pred, labels); del pred``
                    (torchtitan's Trainer._forward_backward_body and components/loss.py)
 
@@ -145,6 +149,16 @@ LOOPS = {
             "TransformerDecoder.chunked_output, del logits",
         ),
         Loop(
+            name="torchtune-model",
+            recipe="torchtune",
+            logits="freed",
+            loss="ce",
+            package="torchtune",
+            source="recipes/full_finetune_single_device.py _loss_step (del logits) on models/llama3_2's "
+            "TransformerDecoder (output = self.output(h).float()) with torch.nn.CrossEntropyLoss; "
+            "training/_compile.py compile_model, compile_loss",
+        ),
+        Loop(
             name="torchtitan",
             recipe="torchtitan",
             logits="freed",
@@ -215,6 +229,97 @@ def _hf_config(spec: ModelSpec, hf_type: str, *, attention: str):
     config = AutoConfig.for_model(hf_type, **shapes)
     config._attn_implementation = attention
     return config
+
+
+_TORCHTUNE_ABSENT = ("datasets", "omegaconf", "sentencepiece", "tiktoken")
+"""Packages torchtune imports when its package loads (data, config, tokenizers) that this
+environment lacks and a training step never calls."""
+
+
+def import_torchtune():
+    """The torchtune package, imported with stand-ins for what it imports at load time but a
+    full fine-tune's step never calls: torchao.dtypes.nf4tensor (QLoRA's NF4, gone from torchao
+    0.18), torchtune.training.quantization (QAT, which names torchao 0.7's API), and the data,
+    config and tokenizer packages above when absent. A stand-in raises when it is called."""
+    import importlib.abc
+    import importlib.machinery
+    import sys
+    import types
+
+    if "torchtune.models.llama3_2" in sys.modules:
+        return sys.modules["torchtune"]
+
+    def absent(*args, **kwargs):
+        raise NotImplementedError("a stand-in for a package torchtune imports but this step does not use")
+
+    class Stub(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return type(name, (), {"__init__": absent}) if name[:1].isupper() else absent
+
+    exact = {"torchao.dtypes.nf4tensor", "torchtune.training.quantization"}
+    roots = {r for r in _TORCHTUNE_ABSENT if importlib.util.find_spec(r) is None}
+
+    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            if name in exact or name.split(".")[0] in roots:
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+            return None
+
+        def create_module(self, spec):
+            made.append(spec.name)
+            module = Stub(spec.name)
+            module.__path__ = []
+            if spec.name == "torchao.dtypes.nf4tensor":  # isinstance(x, NF4Tensor) checks must answer False
+                module.NF4Tensor = type("NF4Tensor", (), {})
+                module.implements = lambda *a, **k: lambda f: f
+            return module
+
+        def exec_module(self, module):
+            return None
+
+    finder, made = Finder(), []
+    sys.meta_path.insert(0, finder)
+    try:
+        import torchtune.models.llama3_2
+        import torchtune.training  # noqa: F401
+    finally:
+        sys.meta_path.remove(finder)
+        # torchtune keeps the names it bound; nothing imported later finds a stand-in
+        for name in made:
+            sys.modules.pop(name, None)
+    return sys.modules["torchtune"]
+
+
+class TorchtuneLM(nn.Module):
+    """torchtune's Llama 3.2 TransformerDecoder (models/llama3_2 ``llama3_2``, tied embeddings) with
+    the spec's shapes, built in the parameter dtype as the recipe builds it (under
+    ``training.set_default_dtype``)."""
+
+    def __init__(self, spec: ModelSpec, *, dtype: torch.dtype, max_seq_len: int):
+        super().__init__()
+        torchtune = import_torchtune()
+        if spec.arch != "llama" or not spec.tied_embeddings or spec.qkv_bias or spec.num_experts or spec.head_dim:
+            raise ValueError(f"{spec.name}: torchtune's llama3_2 builder is a llama with tied embeddings")
+        with torchtune.training.set_default_dtype(dtype):
+            self.decoder = torchtune.models.llama3_2.llama3_2(
+                vocab_size=spec.vocab_size,
+                num_layers=spec.num_layers,
+                num_heads=spec.num_heads,
+                num_kv_heads=spec.num_kv_heads,
+                embed_dim=spec.hidden,
+                max_seq_len=spec.max_positions or max_seq_len,  # the rotary cache's length
+                intermediate_dim=spec.ffn_hidden,
+            )
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.decoder.layers
+
+    def forward(self, input_ids, labels=None, chunks: int = 0):
+        self.decoder.set_num_output_chunks(chunks)
+        return self.decoder(input_ids)
 
 
 class LoopLM(nn.Module):
@@ -346,6 +451,23 @@ def make_step(loop: Loop, model: nn.Module, hf_model: nn.Module, micro_batch: in
             loss.backward()
 
         return torchtune_step
+    if loop.name == "torchtune-model":
+        training = import_torchtune().training
+        # ignore_index -100, the recipe's ignore_labels_cache; not chunked: compile_loss compiles it whole
+        ce: nn.Module = nn.CrossEntropyLoss()
+        ce = training.compile_loss(ce, verbose=False) if compile_loss else ce
+
+        def torchtune_model_step(ids):
+            # full_finetune_single_device.py FullFinetuneRecipeSingleDevice._loss_step
+            labels = _shifted(ids)
+            logits = model(ids)
+            labels = labels.reshape(-1)
+            logits = logits.reshape(-1, logits.size(-1))
+            loss = ce(logits, labels)
+            del logits
+            loss.backward()
+
+        return torchtune_model_step
     if loop.name == "torchtitan":
         from torchtitan.components.loss import cross_entropy_loss
 
@@ -546,21 +668,30 @@ def run(
     ids = torch.randint(0, job.model.vocab_size, (train.micro_batch, train.seq_len))
     phase_peaks: dict[str, int] = {}
     times = []
+    model: nn.Module
     with allocator or contextlib.nullcontext(), meter:
-        model = LoopLM(
-            job.model,
-            hf_type=hf_type,
-            attention=train.attention,
-            autocast_dtype=DTYPES[policy.compute_dtype] if policy.autocast else None,
-        )
-        if train.float8:
-            apply_float8(model)
-        apply_ac(model, ac, loop, train.ac_every)
-        if train.compile:
-            apply_compile(model)
+        if loop.name == "torchtune-model":
+            if ac != "none" or train.float8 or policy.autocast or train.attention != "sdpa":
+                raise ValueError("the torchtune-model loop runs without AC, float8 or autocast, with sdpa")
+            model = TorchtuneLM(job.model, dtype=DTYPES[policy.param_dtype], max_seq_len=train.seq_len)
+            if train.compile:  # training/_compile.py: every TransformerSelfAttentionLayer compiled in place
+                import_torchtune().training.compile_model(model.decoder, verbose=False)
+        else:
+            hf = LoopLM(
+                job.model,
+                hf_type=hf_type,
+                attention=train.attention,
+                autocast_dtype=DTYPES[policy.compute_dtype] if policy.autocast else None,
+            )
+            if train.float8:
+                apply_float8(hf)
+            apply_ac(hf, ac, loop, train.ac_every)
+            if train.compile:
+                apply_compile(hf)
+            model = hf
         if adapt is not None:
             adapt(model)
-        hf_model = model.hf
+        hf_model = getattr(model, "hf", model)  # the Trainer loop trains the transformers model
         wrapped = wrap(model, job.with_(recipe=loop.recipe), emulated)  # the recipe's FSDP units
         if train.optimizer_in_backward:
             optimizer_in_backward(wrapped, job)

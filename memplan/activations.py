@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from .loop import kv_copies, logits_upcast_in_model
 from .moe import moe_backward_transient, moe_matrices, moe_saved, routed_rows
 from .precision import POLICIES
 from .specs import ModelSpec, TrainSpec
@@ -51,6 +52,10 @@ class Shapes:
     attention: str
     """flash (sdpa's fused kernels), eager, or math-fp32: CPU sdpa with dropout falls back
     to the math path (the CPU flash kernel has no dropout), which upcasts to fp32 (measured)."""
+    kv_saved: int
+    """Width of the k and v attention saves: kv under sdpa's own grouped-query path; q (a·d)
+    where they are copied to every query head first (eager's repeat_kv; torchtune's attention,
+    ``loop.kv_copies``)."""
 
     @property
     def tokens(self) -> int:
@@ -83,7 +88,13 @@ def shapes(model: ModelSpec, train: TrainSpec) -> Shapes:
         p=model.dropout,
         autocast=policy.autocast,
         attention=attention,
+        kv_saved=model.q_hidden if attention != "flash" or copied_kv(train) else model.kv_hidden,
     )
+
+
+def copied_kv(train: TrainSpec) -> bool:
+    """The step's k/v copies: as given, or as the recipe's model makes them (``loop.kv_copies``)."""
+    return kv_copies(train.recipe) if train.kv_copies is None else train.kv_copies
 
 
 def _norm(model: ModelSpec, x: Shapes, label: str) -> list[Saved]:
@@ -138,10 +149,12 @@ def _attention_core(model: ModelSpec, x: Shapes) -> list[Saved]:
 
 def _qkv_out(model: ModelSpec, x: Shapes) -> list[Saved]:
     t = x.tokens
-    kv = x.q if x.attention != "flash" else x.kv  # repeat_kv materialises k, v outside sdpa's GQA
+    # repeat_kv (eager) or the model's own copies (torchtune) materialise k, v per query head
+    kv = x.kv_saved
     c = 4 if x.attention == "math-fp32" else x.c
+    formula = "c·b·s·(q + 2·q): k, v per query head" if kv != x.kv else "c·b·s·(q + 2·kv)"
     saved = [
-        Saved("q, k, v", "c·b·s·(q + 2·kv)", c * t * (x.q + 2 * kv)),
+        Saved("q, k, v", formula, c * t * (x.q + 2 * kv)),
         Saved("attention output", "c·b·s·q", x.c * t * x.q),
     ]
     if model.arch == "neox" and x.attention == "flash":
@@ -276,9 +289,20 @@ def model_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[S
         post.append(Saved("autocast head weight copy", "c·V·h", x.c * x.V * x.h))
     else:
         post.append(Saved("final norm output (head input)", "r·b·s·h", x.r * t * x.h))
-    logits_bytes = x.c
-    post.append(Saved("logits (held by the caller)", f"{logits_bytes}·b·s·V", logits_bytes * t * x.V, "logits"))
+    if fp32_logits(model, train, x):
+        # the model's output.float(): its compute-dtype logits are freed once cast (nothing saves them)
+        post.append(Saved("logits in fp32 (the model upcasts them)", "4·b·s·V", 4 * t * x.V, "logits"))
+    else:
+        post.append(Saved("logits (held by the caller)", f"{x.c}·b·s·V", x.c * t * x.V, "logits"))
     return pre, post
+
+
+def fp32_logits(model: ModelSpec, train: TrainSpec, x: Shapes) -> bool:
+    """Whether a decoder's model returns its logits in fp32 where they are computed in a lower
+    precision: the standard cross-entropy under a recipe whose model upcasts them
+    (recipes.csv logits_upcast model: torchtune's TransformerDecoder)."""
+    decoder = model.arch not in ("vit", "bert")
+    return decoder and x.c < 4 and train.loop.loss == "ce" and logits_upcast_in_model(train.recipe)
 
 
 def loss_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[Saved]]:
@@ -292,7 +316,7 @@ def loss_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[Sa
     t, V = x.tokens, x.V
     lsm = Saved("log_softmax output (fp32)", "4·b·s·V", 4 * t * V, "loss.log_softmax")
     forward = [lsm]
-    if x.c < 4:
+    if x.c < 4 and not fp32_logits(model, train, x):  # logits the model upcast are the fp32 copy
         forward.append(Saved("fp32 copy of logits", "4·b·s·V", 4 * t * V, "loss.logits_fp32"))
     # nll_loss backward makes a b·s·V gradient, log_softmax backward another
     backward = [lsm, Saved("loss gradients (nll, log_softmax)", "2·4·b·s·V", 8 * t * V, "loss.gradients")]

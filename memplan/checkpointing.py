@@ -196,7 +196,13 @@ def compiled_block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: boo
         Saved("block input (norm 1 recomputed from it)", "r·b·s·h", x.r * t * x.h),
         Saved("rstd of norm 1 and norm 2 (fp32)", "2·4·b·s", 8 * t),
         Saved("norm 1 output (q, k, v projection input)", "c·b·s·h", x.c * t * x.h),
-        Saved("q, k (after rotary), v", "c·b·s·(q + 2·kv)", x.c * t * (x.q + 2 * x.kv)),
+        # torchtune's attention copies k and v per query head before sdpa, which saves the copies
+        # (measured: its own compiled layer, docs/heldout_matrix_cpu.md)
+        Saved(
+            "q, k (after rotary), v",
+            "c·b·s·(q + 2·q): k, v per query head" if x.kv_saved != x.kv else "c·b·s·(q + 2·kv)",
+            x.c * t * (x.q + 2 * x.kv_saved),
+        ),
         Saved("attention output", "c·b·s·q", x.c * t * x.q),
         Saved("sdpa logsumexp", "4·b·a·s", 4 * x.b * x.a * x.s),
         Saved("o projection input (attention output, transposed copy)", "c·b·s·q", x.c * t * x.q),

@@ -368,13 +368,23 @@ def paged(optimizer: str, device: str, shape: tuple[int, ...]) -> bool:
     return optimizer == "paged-adamw8bit" and device == "cuda" and math.prod(shape) >= PAGED_MIN_ELEMENTS
 
 
+def _paged_bytes(optimizer: str, device: str, shape: tuple[int, ...]) -> int:
+    """The part of a tensor's states in unified memory: its two uint8 states (get_state_buffer);
+    their fp32 absmax blocks stay torch tensors on the device (bitsandbytes 0.50 optim/optimizer.py
+    Optimizer2State.init_state: ``torch.zeros((blocks,), dtype=torch.float32, device=p.device)``)."""
+    return 2 * math.prod(shape) if paged(optimizer, device, shape) else 0
+
+
 STATE_NAMES = {
     "adafactor": ("Adafactor factored second moments (transformers)", "Σ 4·(rows + cols) per matrix"),
     "torch-adafactor": ("torch Adafactor row and column variances", "Σ s·(rows + cols) per matrix"),
     "lion": ("Lion momentum (bitsandbytes, fp32)", "4·P"),
     "lion8bit": ("Lion 8-bit momentum (bitsandbytes)", "Σ (1 + 4/256)·n per tensor"),
     "adam8bit": ("8-bit AdamW states", "Σ 8-bit states per tensor"),
-    "paged-adamw8bit": ("paged 8-bit AdamW states counted by torch", "Σ 8-bit states per tensor < 1e5"),
+    "paged-adamw8bit": (
+        "paged 8-bit AdamW states counted by torch",
+        "Σ 8-bit states per tensor < 1e5 + 2·4·⌈n/256⌉ absmax of the rest",
+    ),
 }
 
 
@@ -398,9 +408,8 @@ def optimizer_state_terms(step) -> list[Term]:
     job = step.job
     optimizer, device = job.train.optimizer, job.train.device
     nbytes = sum(
-        _state_bytes(optimizer, t, step.train_policy.state_bytes)
+        _state_bytes(optimizer, t, step.train_policy.state_bytes) - _paged_bytes(optimizer, device, t)
         for t in trained_tensors(step)
-        if not paged(optimizer, device, t)
     )
     sharded = step.strategy.shards_optimizer
     name, formula = STATE_NAMES[optimizer]
@@ -412,11 +421,7 @@ def paged_state_bytes(job) -> int:
     from .memory import Step
 
     step = Step(job)
-    nbytes = sum(
-        _state_bytes(job.train.optimizer, t, 1)
-        for t in trained_tensors(step)
-        if paged(job.train.optimizer, job.train.device, t)
-    )
+    nbytes = sum(_paged_bytes(job.train.optimizer, job.train.device, t) for t in trained_tensors(step))
     return step.local(nbytes, step.strategy.shards_optimizer)
 
 

@@ -150,6 +150,27 @@ def loss_in_model(recipe: str) -> bool:
     return recipe_rows()[recipe].get("loss_in_model", ("false", ""))[0] == "true"
 
 
+LOGITS_UPCAST = ("loss", "model")
+"""Where the logits become fp32 under the standard cross-entropy (recipes.csv logits_upcast):
+loss: inside the loss (transformers' ForCausalLMLoss, torchtitan's cross_entropy_loss: memplan's
+default); model: the model returns them in fp32 (torchtune's TransformerDecoder), so the loss,
+compiled or not, receives fp32 logits."""
+
+
+def logits_upcast_in_model(recipe: str) -> bool:
+    """Whether the recipe's model returns fp32 logits for the standard cross-entropy (``LOGITS_UPCAST``)."""
+    where = recipe_rows()[recipe].get("logits_upcast", ("loss", ""))[0]
+    _check_choice(where, LOGITS_UPCAST, "recipes.csv logits_upcast")
+    return where == "model"
+
+
+def kv_copies(recipe: str) -> bool:
+    """Whether the recipe's model copies k and v to every query head before attention
+    (recipes.csv kv_copies: torchtune's MultiHeadAttention), so a grouped-query block saves
+    b·s·h-wide k and v where sdpa's own grouped-query path keeps them kv wide."""
+    return recipe_rows()[recipe].get("kv_copies", ("false", ""))[0] == "true"
+
+
 def fsdp_units(recipe: str) -> str:
     """The recipe's FSDP2 unit layout (``FSDP_UNITS``)."""
     units = recipe_rows()[recipe].get("reshard_after_forward", ("root-kept", ""))[0]
@@ -194,10 +215,16 @@ def in_force(train: TrainSpec, searched: tuple[str, ...] = ()) -> Resolved:
             for c in resolved.conventions
         ),
     )
-    # a recipe setting the step also carries (the optimizer implementation) is explicit where it differs
+
+    # a recipe setting the step also carries (the optimizer implementation, k/v copies) is explicit
+    # where it is given (not None) and differs
+    def given(setting: str):
+        value = getattr(train, setting, None)
+        return None if value is None else _show(value)
+
     elsewhere = tuple(
-        Convention(setting=c.setting, value=str(getattr(train, c.setting)), origin="explicit", source="")
-        if getattr(train, c.setting, c.value) != c.value
+        Convention(setting=c.setting, value=str(given(c.setting)), origin="explicit", source="")
+        if given(c.setting) not in (None, c.value)
         else c
         for c in resolved.elsewhere
     )

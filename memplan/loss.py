@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from .activations import Saved, head_outputs, shapes
+from .activations import Saved, fp32_logits, head_outputs, shapes
 from .activations import loss_saved as ce_saved
 from .loop import Loop
 from .specs import ModelSpec, TrainSpec
@@ -41,7 +41,8 @@ def logits_live(model: ModelSpec, train: TrainSpec, loop: Loop, *, instant: str)
         return []
     chunks = f", {loop.loss_chunks} chunks" if loop.loss == "chunked-ce" else ""
     rows, cols, formula = head_outputs(model, x)  # an encoder's classifier: b·N
-    return [Saved(f"logits (at {instant}{chunks})", f"{x.c}·{formula}", x.c * rows * cols)]
+    size = 4 if fp32_logits(model, train, x) else x.c  # activations.model_saved's logits term
+    return [Saved(f"logits (at {instant}{chunks})", f"{size}·{formula}", size * rows * cols)]
 
 
 def _chunk_rows(seq: int, chunks: int) -> list[int]:
@@ -112,7 +113,14 @@ def _compiled_ce(model: ModelSpec, train: TrainSpec, loop: Loop) -> tuple[list[S
     saved = [Saved("per-token max and log-sum-exp (fp32)", "2·4·b·s", 8 * x.tokens)]
     if chunked and x.b > 1:
         saved.append(Saved("label chunks (int64 copies)", "8·b·s", 8 * x.tokens))
-    gradient = Saved("logit gradient of one chunk", "c·b·⌈s/n⌉·V", x.c * x.b * rows * x.V)
+    if fp32_logits(model, train, x):
+        # logits the model upcast (torchtune's output.float()) come in fp32, so the compiled loss
+        # saves them in fp32 (``logits_live``) and returns an fp32 gradient; the cast's backward
+        # then makes the compute-dtype gradient after the loss's saved logits are released
+        # (measured: torchtune's own model, the held-out compiled llama3_2 case)
+        gradient = Saved("fp32 logit gradient", "4·b·s·V", 4 * x.tokens * x.V)
+    else:
+        gradient = Saved("logit gradient of one chunk", "c·b·⌈s/n⌉·V", x.c * x.b * rows * x.V)
     return saved, saved + [gradient]
 
 

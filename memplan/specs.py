@@ -367,6 +367,9 @@ class TrainSpec:
     zero_grad: str = "none"
     recipe: str = "plain"
     """The recipe the loop's conventions were resolved from (``loop.resolve``)."""
+    kv_copies: bool | None = None
+    """Whether the model's attention copies k and v to every query head before attention;
+    None: as the recipe's model does (``loop.kv_copies``: torchtune's)."""
     # what is trained (``finetune.Tuning``, whose docstrings say what each does)
     finetune: str = "full"
     lora_rank: int = 8
@@ -384,6 +387,8 @@ class TrainSpec:
         self.loop  # noqa: B018 -- the loop's conventions checked
         self.tuning  # noqa: B018 -- the fine-tuning mode checked
         _check_choice(self.attention, ATTENTIONS, "attention")
+        if self.kv_copies not in (None, True, False):
+            raise MemplanError(f"kv_copies must be true, false or unset, got {self.kv_copies!r}")
         _check_choice(self.device, DEVICES, "device")
         if self.reduce_dtype is not None:
             _check_choice(self.reduce_dtype, REDUCE_DTYPES, "reduce dtype")

@@ -2,6 +2,7 @@
 at least, each record rebuilding into its case's Job and carrying the loop that ran it.
 The accuracy tolerance on these records comes with the loop-aware model (issue 12)."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,56 @@ def test_live_measurement_matches_the_record(case, recs):
     recorded = record["measurement"]["peak_allocated_bytes"]
     measured = outcome["measurement"]["peak_allocated_bytes"]
     assert abs(measured - recorded) <= RELATIVE_TOLERANCE * recorded, (measured, recorded)
+
+
+def test_torchtune_model_is_the_cases_spec():
+    """The torchtune-model cases run torchtune's own llama3_2 (imported with stand-ins for what a
+    step never calls): the spec's parameter count, one tied embedding and head weight, bf16
+    parameters and fp32 logits out of its forward (what recipes.csv logits_upcast models)."""
+    import torch
+
+    from calibrate.loops import TorchtuneLM
+
+    spec = heldout.TUNE_A
+    model = TorchtuneLM(spec, dtype=torch.bfloat16, max_seq_len=16)
+    assert sum(p.numel() for p in model.parameters()) == spec.num_params
+    assert model.decoder.output.tied_module is model.decoder.tok_embeddings
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        logits = model(torch.randint(0, spec.vocab_size, (1, 16)))
+    assert logits.dtype == torch.float32 and logits.shape == (1, 16, spec.vocab_size)
+
+
+def test_torchtune_layer_saves_k_and_v_per_query_head():
+    """torchtune's own layer (0.6.1), eager, its saved tensors against memplan's block under the
+    torchtune recipe, whose attention copies k and v to every query head (recipes.csv kv_copies).
+    What is left is stated: 0.6.1's RMSNorm (F.rms_norm on x.float()) saves an fp32 normalised
+    tensor where memplan's r·b·s·h follows the manual RMSNorm of the published table's version
+    (two norms), and torchtune's rotary saves one fp32 cache slice (4·s·d) where memplan charges
+    Hugging Face's cos/sin casts (4·c·s·d)."""
+    import torch
+
+    from calibrate.loops import TorchtuneLM
+    from memplan.activations import block_saved
+    from memplan.specs import TrainSpec
+
+    spec = heldout.TUNE_A
+    b, s = 2, 64
+    train = TrainSpec(seq_len=s, micro_batch=b, precision="bf16", device="cpu", recipe="torchtune", loss="ce")
+    model = TorchtuneLM(spec, dtype=torch.bfloat16, max_seq_len=s)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = model.decoder.tok_embeddings(torch.randint(0, spec.vocab_size, (b, s)))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.decoder.layers[0](x)
+    modelled = sum(t.bytes for t in block_saved(spec, train))
+    copies = 2 * 2 * b * s * (spec.q_hidden - spec.kv_hidden)  # in the model: k, v per query head
+    assert modelled - sum(t.bytes for t in block_saved(spec, dataclasses.replace(train, kv_copies=False))) == copies
+    d = spec.head_size
+    assert sum(seen.values()) - modelled == 2 * (4 - 2) * b * s * spec.hidden - (4 * 2 * s * d - 4 * s * d)

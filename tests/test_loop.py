@@ -211,6 +211,36 @@ def test_freed_logits_are_gone_when_the_caller_drops_them(loss, precision):
         out.backward()
 
 
+@pytest.mark.parametrize("logits", ["kept", "freed"])
+def test_torchtune_model_upcasts_its_logits_before_the_loss(logits):
+    """torchtune's TransformerDecoder returns ``self.output(h).float()`` (modules/transformer.py
+    l.659) and its single-device recipe applies torch.nn.CrossEntropyLoss to it, then ``del
+    logits`` (freed): the caller's logits are fp32, the loss upcasts nothing, and the
+    compute-dtype logits are gone once cast. The end of forward and the start of backward as
+    ``by_moment`` counts them for the torchtune recipe, against MemTracker on that step."""
+    from memplan.loss import by_moment
+
+    model = _model()
+    train = TrainSpec(
+        seq_len=64, micro_batch=2, precision="bf16", device="cpu", recipe="torchtune", loss="ce", logits=logits
+    )
+    moments = by_moment(model, train, train.loop)
+    torch.manual_seed(0)
+    hidden, head, _ = _logits(model, train, Loop())
+    labels = torch.randint(0, model.vocab_size, (train.micro_batch * train.seq_len,))
+    with _Live(hidden, head, labels) as live:
+        out = torch.nn.functional.linear(hidden, head.weight).float()  # TransformerDecoder.forward
+        loss = torch.nn.CrossEntropyLoss()(out.reshape(-1, model.vocab_size), labels)
+        measured_forward = live.peak()
+        if logits == "freed":
+            del out
+        live.mark()
+        loss.backward()
+        measured_backward = live.peak()
+    assert 0 <= measured_forward - sum(s.bytes for s in moments["forward"]) <= SCALAR_SLACK_BYTES
+    assert 0 <= measured_backward - sum(s.bytes for s in moments["loss"]) <= SCALAR_SLACK_BYTES
+
+
 def test_fused_linear_ce_has_no_logits_tensor():
     model, train = _model(vocab=32000), TrainSpec(seq_len=512, micro_batch=2, precision="bf16", device="cpu")
     fused, ce = Loop(loss="fused-linear-ce"), Loop()

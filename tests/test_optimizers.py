@@ -103,7 +103,8 @@ def test_paged_states_are_outside_torch_counters_on_cuda():
     cpu = cuda.with_(device="cpu")
     paged = paged_state_bytes(cuda)
     large = [t for t in full_tensors(LLAMA) if math.prod(t) >= PAGED_MIN_ELEMENTS]
-    assert paged == sum(2 * (math.prod(t) + 4 * math.ceil(math.prod(t) / 256)) for t in large) > 0
+    # the two uint8 states page; their fp32 absmax blocks are torch.zeros on the device (init_state)
+    assert paged == sum(2 * math.prod(t) for t in large) > 0
     assert paged_state_bytes(cpu) == 0  # bitsandbytes falls back to ordinary tensors on CPU
     states = lambda job: next(t.bytes for t in Step(job).optimizer_terms() if t.key == "optimizer.states")  # noqa: E731
     assert states(cpu) - states(cuda) == paged
