@@ -7,6 +7,7 @@ from memplan.precision import POLICIES
 from memplan.specs import ModelSpec, TrainSpec
 
 torch = pytest.importorskip("torch")
+from calibrate.saved import saved_bytes  # noqa: E402
 from calibrate.workloads import Block, hf_config, make_batch, rotary_tables  # noqa: E402
 from calibrate.wrappers import DTYPES  # noqa: E402
 
@@ -20,19 +21,9 @@ def measured_block_saved(model: ModelSpec, train: TrainSpec) -> int:
     block = block.to(dtype)
     x = torch.randn(train.micro_batch, train.seq_len, model.hidden, dtype=dtype, requires_grad=True)
     cos, sin = rotary_tables(train.seq_len, model.head_size, "cpu") if model.arch != "gpt2" else (None, None)
-    skip = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *(t for t in (cos, sin) if t is not None))}
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
+    skip = (*block.parameters(), *(t for t in (cos, sin) if t is not None))
     autocast = torch.autocast("cpu", dtype=DTYPES[policy.compute_dtype], enabled=policy.autocast)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        block(x, cos, sin)
-    return sum(seen.values())
+    return saved_bytes(lambda: block(x, cos, sin), skip=skip, autocast=autocast)
 
 
 CASES = [
@@ -89,24 +80,10 @@ def measured_vit_saved(model: ModelSpec, train: TrainSpec) -> tuple[int, int]:
     layer = vit.vit.layers[0]
     x = torch.randn(train.micro_batch, model.max_positions, model.hidden, dtype=dtype, requires_grad=True)
     pixels, labels = make_batch(model, micro_batch=train.micro_batch, seq_len=train.seq_len, device="cpu")
-    skip = {t.untyped_storage().data_ptr() for t in (*vit.parameters(), pixels, labels)}
     autocast = torch.autocast("cpu", dtype=DTYPES[policy.compute_dtype], enabled=policy.autocast)
-
-    def saved_bytes(forward) -> int:
-        seen = {}
-
-        def pack(t):
-            st = t.untyped_storage()
-            if st.data_ptr() not in skip and t.dim() > 0:
-                seen[st.data_ptr()] = st.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-            forward()
-        return sum(seen.values())
-
-    block = saved_bytes(lambda: layer(x))
-    return block, saved_bytes(lambda: vit(pixel_values=pixels, labels=labels)) - block
+    options = dict(skip=(*vit.parameters(), pixels, labels), autocast=autocast, scalars=False)
+    block = saved_bytes(lambda: layer(x), **options)
+    return block, saved_bytes(lambda: vit(pixel_values=pixels, labels=labels), **options) - block
 
 
 VIT_CASES = [

@@ -61,6 +61,7 @@ def measured_bert_saved(model, train, hf_type: str) -> tuple[int, int]:
     it (parameters, buffers, the input ids and the labels excluded)."""
     torch = pytest.importorskip("torch")
     from calibrate.loops import LoopLM
+    from calibrate.saved import saved_bytes
     from calibrate.wrappers import DTYPES
     from memplan.precision import POLICIES
 
@@ -71,25 +72,11 @@ def measured_bert_saved(model, train, hf_type: str) -> tuple[int, int]:
     torch.manual_seed(0)
     ids = torch.randint(2, model.vocab_size, (train.micro_batch, train.seq_len))  # no padding id
     labels = ids[:, 0] % model.num_labels if model.num_labels else ids
-    skip = {t.untyped_storage().data_ptr() for t in (*lm.hf.parameters(), *lm.hf.buffers(), ids, labels)}
     autocast = torch.autocast("cpu", dtype=DTYPES[policy.compute_dtype], enabled=policy.autocast)
-
-    def saved_bytes(forward) -> int:
-        seen = {}
-
-        def pack(t):
-            st = t.untyped_storage()
-            if st.data_ptr() not in skip and t.dim() > 0:
-                seen[st.data_ptr()] = st.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-            forward()
-        return sum(seen.values())
-
+    options = dict(skip=(*lm.hf.parameters(), *lm.hf.buffers(), ids, labels), autocast=autocast, scalars=False)
     x = torch.randn(train.micro_batch, train.seq_len, model.hidden, dtype=dtype, requires_grad=True) + 0  # not a leaf
-    block = saved_bytes(lambda: lm.layers[0](x))
-    return block, saved_bytes(lambda: lm.hf(input_ids=ids, labels=labels)) - block
+    block = saved_bytes(lambda: lm.layers[0](x), **options)
+    return block, saved_bytes(lambda: lm.hf(input_ids=ids, labels=labels), **options) - block
 
 
 # six cases cover every precision, attention, dropout and head in the fast lane; the whole grid is slow

@@ -102,6 +102,7 @@ def test_torchtune_layer_saves_k_and_v_per_query_head():
     import torch
 
     from calibrate.loops import TorchtuneLM
+    from calibrate.saved import saved_bytes
     from memplan.activations import block_saved
     from memplan.specs import TrainSpec
 
@@ -109,19 +110,10 @@ def test_torchtune_layer_saves_k_and_v_per_query_head():
     b, s = 2, 64
     train = TrainSpec(seq_len=s, micro_batch=b, precision="bf16", device="cpu", recipe="torchtune", loss="ce")
     model = TorchtuneLM(spec, dtype=torch.bfloat16, max_seq_len=s)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     x = model.decoder.tok_embeddings(torch.randint(0, spec.vocab_size, (b, s)))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.decoder.layers[0](x)
+    measured = saved_bytes(lambda: model.decoder.layers[0](x), skip=model.parameters())
     modelled = sum(t.bytes for t in block_saved(spec, train))
     copies = 2 * 2 * b * s * (spec.q_hidden - spec.kv_hidden)  # in the model: k, v per query head
     assert modelled - sum(t.bytes for t in block_saved(spec, dataclasses.replace(train, kv_copies=False))) == copies
     d = spec.head_size
-    assert sum(seen.values()) - modelled == 2 * (4 - 2) * b * s * spec.hidden - (4 * 2 * s * d - 4 * s * d)
+    assert measured - modelled == 2 * (4 - 2) * b * s * spec.hidden - (4 * 2 * s * d - 4 * s * d)

@@ -314,6 +314,7 @@ def test_compiled_block_saves_what_the_partitioner_keeps(precision, b, kv):
     """A torch.compile'd reference llama block (CPU inductor): the distinct storages its
     compiled autograd function saves, seen by saved-tensor hooks (MemTracker does not see
     inside a compiled region). About a minute per case on two cores."""
+    from calibrate.saved import saved_bytes
     from calibrate.workloads import Block, rotary_tables
 
     model = _model("llama", kv)
@@ -321,18 +322,10 @@ def test_compiled_block_saves_what_the_partitioner_keeps(precision, b, kv):
     block = Block(model, attention="sdpa", selective_ac=False).to(_dtype(precision))
     x = torch.randn(b, 64, model.hidden, dtype=_dtype(precision), requires_grad=True)
     cos, sin = rotary_tables(64, model.head_size, "cpu")
-    shared = {t.untyped_storage().data_ptr() for t in (*block.parameters(), cos, sin)}
-    compiled, seen = torch.compile(block), {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in shared:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
+    compiled = torch.compile(block)
     compiled(x, cos, sin)  # compile outside the hooks
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        compiled(x, cos, sin)
-    assert sum(seen.values()) == sum(s.bytes for s in compiled_block_saved(model, train))
+    measured = saved_bytes(lambda: compiled(x, cos, sin), skip=(*block.parameters(), cos, sin))
+    assert measured == sum(s.bytes for s in compiled_block_saved(model, train))
 
 
 def test_by_moment_reproduces_todays_plain_loop():
@@ -388,6 +381,8 @@ def test_compiled_chunked_loss_saves_the_logits_and_row_statistics(precision):
     chunked loss: inductor saves the logit chunks themselves (so `del logits` frees nothing
     until the loss's backward), two fp32 numbers per token, and the labels. About a
     minute on two cores."""
+    from calibrate.saved import saved_storages
+
     model, train = _model(), TrainSpec(seq_len=64, micro_batch=2, precision=precision, device="cpu")
     loop = Loop(loss="chunked-ce", loss_chunks=4, compile=True, logits="freed")
     loss_fn = _torchtune_chunked_loss()(num_output_chunks=loop.loss_chunks)
@@ -396,14 +391,7 @@ def test_compiled_chunked_loss_saves_the_logits_and_row_statistics(precision):
     loss_fn(_logits(model, train, loop)[2], labels).backward()  # compile outside the hooks
     logits = _logits(model, train, loop)[2]
     logit_storages = {t.untyped_storage().data_ptr() for t in logits}
-    seen = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss_fn(logits, labels)
+    seen = saved_storages(lambda: loss_fn(logits, labels))
     held = sum(n for ptr, n in seen.items() if ptr in logit_storages)
     rest = sum(n for ptr, n in seen.items() if ptr not in logit_storages)
     assert held == sum(s.bytes for s in logits_live(model, train, loop, instant="loss"))
@@ -450,6 +438,7 @@ def test_float8_training_keeps_what_bf16_keeps():
     high-precision input and weight and casts them again in backward, so a block's saved
     bytes do not change (measured: torchao 0.18 runs its float8 matmuls on CPU)."""
     float8 = pytest.importorskip("torchao.float8")
+    from calibrate.saved import saved_bytes
     from calibrate.workloads import Block, rotary_tables
     from memplan.activations import block_saved
 
@@ -458,18 +447,9 @@ def test_float8_training_keeps_what_bf16_keeps():
     block = float8.convert_to_float8_training(Block(model, attention="sdpa", selective_ac=False).to(torch.bfloat16))
     x = torch.randn(2, 64, model.hidden, dtype=torch.bfloat16, requires_grad=True)
     rotary = rotary_tables(64, model.head_size, "cpu")
-    shared = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *rotary)}
-    seen = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in shared:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x, *rotary)
+    measured = saved_bytes(lambda: block(x, *rotary), skip=(*block.parameters(), *rotary))
     assert type(block.attn.q_proj).__name__ == "Float8Linear"
-    assert sum(seen.values()) == sum(s.bytes for s in block_saved(model, train))
+    assert measured == sum(s.bytes for s in block_saved(model, train))
 
 
 def test_op_sac_and_compile_refuse_what_they_do_not_model():

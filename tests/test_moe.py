@@ -173,6 +173,7 @@ def _measured_moe_saved(model_type: str, spec: ModelSpec, train) -> int:
     torch = pytest.importorskip("torch")
     tf = pytest.importorskip("transformers")
     from calibrate.moe_ep import hf_moe_kwargs
+    from calibrate.saved import saved_bytes
     from calibrate.wrappers import DTYPES
     from memplan.precision import POLICIES
 
@@ -189,17 +190,7 @@ def _measured_moe_saved(model_type: str, spec: ModelSpec, train) -> int:
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.02)
     x = torch.randn(train.micro_batch, train.seq_len, spec.hidden, dtype=dtype, requires_grad=True)
-    skip = {t.untyped_storage().data_ptr() for t in (*block.parameters(), x)}
-    seen = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in skip:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x)
-    return sum(seen.values())
+    return saved_bytes(lambda: block(x), skip=(*block.parameters(), x))
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY))
