@@ -575,6 +575,11 @@ def latest(recs: list[dict]) -> list[dict]:
     return list(by_id.values())
 
 
+def latest_ok(path: str | Path) -> list[dict]:
+    """A committed matrix's measured cases: the last record of each, those that ran."""
+    return [r for r in latest(records.read([path])) if r["status"] == "ok"]
+
+
 def loop_job(record: dict) -> Job:
     """The record's Job with the loop that ran it (its ``loop``) as memplan's inputs: the
     conventions and the recipe's FSDP units (calibrate.wrappers lays them out as the framework

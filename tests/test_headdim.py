@@ -109,10 +109,9 @@ TOLERANCE = 0.02
 
 
 def _records() -> list[dict]:
-    from calibrate import headdim_matrix, heldout, records
+    from calibrate import headdim_matrix, heldout
 
-    path = Path(__file__).resolve().parent.parent / headdim_matrix.OUT
-    return [r for r in heldout.latest(records.read([path])) if r["status"] == "ok"]
+    return heldout.latest_ok(Path(__file__).resolve().parent.parent / headdim_matrix.OUT)
 
 
 def test_the_matrix_covers_wide_and_narrow_heads_and_qwen3_moe():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from calibrate import heldout, records
+from calibrate import heldout
 from memplan.memory import estimate
 
 TOLERANCE = 0.01
@@ -48,7 +48,7 @@ KNOWN = {
 
 
 def _records() -> list[dict]:
-    return [r for r in heldout.latest(records.read([RECORDS])) if r["status"] == "ok"]
+    return heldout.latest_ok(RECORDS)
 
 
 def _params():

@@ -282,10 +282,9 @@ TOLERANCE = 0.02
 def _matrix_records() -> list[dict]:
     from pathlib import Path
 
-    from calibrate import heldout, moe_matrix, records
+    from calibrate import heldout, moe_matrix
 
-    path = Path(__file__).resolve().parent.parent / moe_matrix.OUT
-    return [r for r in heldout.latest(records.read([path])) if r["status"] == "ok"]
+    return heldout.latest_ok(Path(__file__).resolve().parent.parent / moe_matrix.OUT)
 
 
 def test_the_matrix_covers_the_asked_shapes():
