@@ -24,12 +24,9 @@ _COMPILE = (
 )
 KNOWN = {
     "llama-h640-torchtune-fsdp-fp32-acnone-compile-w4-b2s128": _COMPILE,
-    "llama-h384-plain-kept-fsdp-mixed-bf16-acnone-g2-b1s128": _FSDP,
     "gpt2-h384-s2048-plain-kept-fsdp-fp32-acnone-w4-b1s2048": _FSDP,
     "mistral-h512-hf-trainer-fsdp-mixed-bf16-acfull-w4-b1s128": _FSDP,
     "neox-h768-hf-trainer-fsdp-fp32-acfull-w4-b1s512": _FSDP,
-    "neox-h512-plain-freed-fsdp-bf16-acnone-w8-b1s128": _FSDP,
-    "neox-h512-hf-trainer-fsdp-amp-fp16-acnone-w16-b1s128": _FSDP,
 }
 
 
