@@ -184,6 +184,7 @@ no activations, the gathered root unit and its gradients)."""
 
 
 def _fsdp_block_moments(which: str, grads: str, kept: str, transient: str) -> tuple[MomentSpec, ...]:
+    """A block's all-gather copy-out, its backward beside the next unit's buffer, its end."""
     return (
         MomentSpec(
             phase="backward",
@@ -207,15 +208,6 @@ FSDP_BLOCK_MOMENTS = (
     *_fsdp_block_moments("last", "grads.last_block", "activations.last_block", "block.backward.last"),
     *_fsdp_block_moments("first", "grads.first_block", "activations.first_block", "block.backward.first"),
 )
-FSDP_MIDDLE_BLOCK_MOMENTS = (
-    *_fsdp_block_moments("upper", "grads.upper_block", "activations.upper_block", "block.backward.upper"),
-    *_fsdp_block_moments("lower", "grads.lower_block", "activations.lower_block", "block.backward.lower"),
-)
-"""With three blocks or more, the blocks between at either end (``Step.fsdp_between``): upper,
-block L−2, with the most activations kept; lower, block 1, with the most gradient shards
-reduced (the same block when L is 3); each with a block before it prefetched and the block
-after's reduce-scatter input retained (measured: the tuned matrix's 4-block llama FSDP full-AC
-case, whose peak is in block 1's MLP backward)."""
 """FSDP2 full shard, the first and the last block's backward at three instants each (torch 2.13
 _fsdp_param_group.py): ``pre_backward`` copies the block's all-gather out (``wait_for_unshard``:
 the all-gather buffer and the unsharded parameters both live) with every activation still kept;
@@ -227,6 +219,15 @@ reduced before (``reduce_scatter_states``, popped in this block's post-backward)
 module with MemTracker: the held-out neox plain-freed peak is the first block's copy-out, the
 neox hf-trainer peak its backward beside the input embedding unit's buffer, the mistral
 hf-trainer peak its end."""
+FSDP_MIDDLE_BLOCK_MOMENTS = (
+    *_fsdp_block_moments("upper", "grads.upper_block", "activations.upper_block", "block.backward.upper"),
+    *_fsdp_block_moments("lower", "grads.lower_block", "activations.lower_block", "block.backward.lower"),
+)
+"""With three blocks or more, the blocks between at either end (``Step.fsdp_between``): upper,
+block L−2, with the most activations kept; lower, block 1, with the most gradient shards
+reduced (the same block when L is 3); each with a block before it prefetched and the block
+after's reduce-scatter input retained (measured: the tuned matrix's 4-block llama FSDP full-AC
+case, whose peak is in block 1's MLP backward)."""
 ROOT_REDUCE = MomentSpec(
     phase="backward",
     label="reduce-scatter of the input embedding's unit (root post-backward)",
@@ -503,7 +504,7 @@ class Step:
         return groups
 
     def splits_fsdp_blocks(self) -> bool:
-        """Whether the blocks' backward is FSDP2 full shard's pair of moments per block
+        """Whether the blocks' backward is FSDP2 full shard's three instants per block
         (``FSDP_BLOCK_MOMENTS``): a full fine-tune of a dense decoder, one micro-batch, its
         states on the GPU (on any GPU count: the sweep's families share one set of moments)."""
         model, train = self.job.model, self.job.train

@@ -214,16 +214,18 @@ def _forward_start(step) -> list:
 
 
 def _block_backward(step, instant: str) -> list:
-    """FSDP2 full shard's buffers at either end of the first or the last block's backward
-    (``memory.FSDP_BLOCK_MOMENTS``; torch 2.13 _fsdp_param_group.py). Start: ``pre_backward``'s
-    copy-out (``wait_for_unshard``) holds the block's all-gather buffer and its unsharded
-    parameters. End, before ``post_backward``: the unsharded parameters, the block's unsharded
-    gradients (the parameters' dtype) and the all-gather buffer of the unit ``_backward_prefetch``
-    gathers next (the block before; at the first block a torchtitan / accelerate input embedding
-    unit, the root being gathered already under the other layouts). Both: the reduce-scatter input
-    of the unit reduced before, kept in ``FSDPCommContext.reduce_scatter_states`` until this
-    block's post-backward (the block after; at the last block a torchtitan / accelerate untied head
-    unit, which reduced after the head's backward, while a unit holding the input embedding reduces
+    """FSDP2 full shard's buffers in a block's backward (``memory.FSDP_BLOCK_MOMENTS``; torch 2.13
+    _fsdp_param_group.py); ``instant`` is WHICH_AT, WHICH the first, last, upper or lower block,
+    AT copy, start or end. Copy: ``pre_backward``'s copy-out (``wait_for_unshard``) holds the
+    block's all-gather buffer and its unsharded parameters. Start: the buffer freed, the block's
+    backward beside the all-gather buffer of the unit ``_backward_prefetch`` gathers next (the
+    block before; at the first block a torchtitan / accelerate input embedding unit, nothing where
+    the root holding it is gathered already) and the first weight gradient it makes. End, before
+    ``post_backward``: the unsharded parameters, all the block's unsharded gradients (the
+    parameters' dtype), the next unit's buffer. All three: the reduce-scatter input of the unit
+    reduced before, kept in ``FSDPCommContext.reduce_scatter_states`` until this block's
+    post-backward (the block after; at the last block a torchtitan / accelerate untied head unit,
+    which reduced after the head's backward, while a unit holding the input embedding reduces
     last)."""
     model, L, bp = step.job.model, step.job.model.num_layers, step.block_params
     g, r, own_units = step.gather_bytes, step.reduce_bytes, step.fsdp_units == "blocks"
