@@ -485,11 +485,13 @@ class Step:
             groups.update(self.fsdp_block_grad_groups())
         if self.splits_fsdp_blocks():
             L = self.job.model.num_layers
-            groups["activations.below_last"] = self.block_terms(range(L - 1)) if L > 1 else []
-            groups["activations.below_first"] = []
+            groups["activations.below_last"] = (self.block_terms(range(L - 1)) if L > 1 else []) + self.block_end_terms(
+                L - 1
+            )
+            groups["activations.below_first"] = self.block_end_terms(0)
             for name, k in self.fsdp_between():
                 groups[f"activations.{name}_block"] = self.block_terms(range(k + 1))
-                groups[f"activations.below_{name}"] = self.block_terms(range(k))
+                groups[f"activations.below_{name}"] = self.block_terms(range(k)) + self.block_end_terms(k)
                 groups[f"block.backward.{name}"] = self.transient_terms(k)
             blocks = ("first", *(name for name, _ in self.fsdp_between()), "last")
             for where in (f"{w}_{at}" for w in blocks for at in ("copy", "start", "end")):
@@ -541,6 +543,37 @@ class Step:
         one moment per block there."""
         layout = getattr(self, "layout", self.job.layout)  # RankStep's whole job's layout
         return layout.pp == 1 and layout.tp == 1
+
+    def block_end_terms(self, index: int) -> list[Term]:
+        """What block ``index`` holds at the end of its backward, inside its input norm's backward
+        (the last op), for Hugging Face's LlamaRMSNorm: what that norm saved (recomputed under AC,
+        with the checkpoint's kept block input), the gradient arriving from the block's output, and
+        the norm backward's own temporaries, measured alone with MemTracker (LlamaRMSNorm on a
+        1×128×512 input, its backward's peak above its start: 18 bytes per element in bf16 and
+        fp16, 16 in fp32; the mistral hf-trainer held-out peak holds all of it: 1.78 MiB)."""
+        model = self.job.model
+        if model.arch != "llama":
+            return []
+        x = shapes(model, self.job.train)
+        t, checkpointed_block = x.tokens, self.kind(index)[0] and self.job.train.activation_checkpointing == "full"
+        kept = self.kept(index) if checkpointed_block else []
+        norm = [
+            Saved("norm 1: fp32 input", "4·b·s·h", 4 * t * x.h),
+            Saved("norm 1: normalised", "r·b·s·h", x.r * t * x.h),
+            Saved("norm 1: rstd", "4·b·s", 4 * t),
+        ]
+        temporaries = 16 + (x.r if x.r < 4 else 0)
+        return _terms(A, kept, "activations.block_end") + [
+            *_terms(A, norm, "block.backward.end"),
+            term(A, "block.backward.end", "gradient of the block's output", "r·b·s·h", x.r * t * x.h),
+            term(
+                A,
+                "block.backward.end",
+                "input norm's backward temporaries",
+                f"{temporaries}·b·s·h",
+                temporaries * t * x.h,
+            ),
+        ]
 
     def fsdp_between(self) -> tuple[tuple[str, int], ...]:
         """(name, index) of the blocks between the first and the last that ``FSDP_MIDDLE_BLOCK_

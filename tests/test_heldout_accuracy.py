@@ -19,12 +19,6 @@ _KV_CACHE = (
     "(autograd's saved tensors: 9 MiB c_attn output, 3 MiB k, 3 MiB v); measured peak 390.20 MiB, estimated "
     "384.17 (start of backward), -1.55 %"
 )
-_NORM_END = (
-    "peak at the end of the first block's backward (calibrate.peak_probe: its unsharded parameters and "
-    "gradients, block 1's reduce-scatter input, the input embedding unit's prefetched buffer, all modelled) "
-    "inside the input RMSNorm's backward: 1.78 MiB of its fp32 temporaries (5·4·b·s·h + 2·b·s·h, the fp32 "
-    "input and the block input) that the end-of-block moment does not have: -2.37 %"
-)
 _NEOX_RECOMPUTE = (
     "peak inside the first block's backward beside the input embedding unit's prefetched buffer and the MLP "
     "output projection's gradient (modelled); the recomputed block's tensors measured 35.0 MiB, the modelled "
@@ -38,7 +32,6 @@ _COMPILE = (
 KNOWN = {
     "llama-h640-torchtune-fsdp-fp32-acnone-compile-w4-b2s128": _COMPILE,
     "gpt2-h384-s2048-plain-kept-fsdp-fp32-acnone-w4-b1s2048": _KV_CACHE,
-    "mistral-h512-hf-trainer-fsdp-mixed-bf16-acfull-w4-b1s128": _NORM_END,
     "neox-h768-hf-trainer-fsdp-fp32-acfull-w4-b1s512": _NEOX_RECOMPUTE,
 }
 
