@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from . import loss, moe
-from .activations import Saved, model_saved
+from .activations import Saved, model_saved, shapes
 from .breakdown import Component, Estimate, Moment, Term
 from .checkpointing import (
     block_kept_under,
@@ -139,12 +139,16 @@ backward)."""
 WHOLE_HEAD_BACKWARD = MomentSpec(
     phase="backward",
     label="backward of the LM head",
-    groups=("states", "grads.carried", "activations.blocks", "activations.outside", "gathered.head", "loss.head"),
+    groups=("states", "grads.carried", "activations.blocks", "activations.outside_head", "gathered.head", "loss.head"),
 )
 """FSDP2, the head applied once (no chunked output): the head's backward holds the logit
 gradient and the head weight's unsharded gradient (before its unit's reduce-scatter) while the
 head unit is gathered and the last block prefetched (measured: the held-out torchtitan FSDP
-case without AC, llama h768, whose peak is here in MemTracker's head-module snapshot)."""
+case without AC, llama h768, whose peak is here in MemTracker's head-module snapshot). Under
+autocast the largest instant is the weight gradient's cast back to the fp32 parameter's dtype
+(the backward of autocast's weight copy): the compute-dtype gradient and its fp32 cast beside the
+head input's gradient, the weight copy and the logit gradient freed by the matmul's backward
+(measured per module: the held-out neox hf-trainer amp-fp16 case, whose peak is here)."""
 FORWARD_START = MomentSpec(
     phase="forward",
     label="start of forward (first units' all-gathers copied out)",
@@ -177,6 +181,63 @@ ROOT_BACKWARD = MomentSpec(
 post-backward reduce-scatter, after the input embedding's backward, while its parameters are
 still gathered (measured: the held-out matrix's large-vocabulary FSDP cases, whose peak holds
 no activations, the gathered root unit and its gradients)."""
+
+
+def _fsdp_block_moments(which: str, grads: str, kept: str, transient: str) -> tuple[MomentSpec, ...]:
+    """A block's all-gather copy-out, its backward beside the next unit's buffer, its end."""
+    return (
+        MomentSpec(
+            phase="backward",
+            label=f"the {which} block's all-gather copied out (start of its backward)",
+            groups=("states", grads, kept, "logits.block", f"gathered.{which}_copy"),
+        ),
+        MomentSpec(
+            phase="backward",
+            label=f"backward of the {which} block (the next unit prefetched)",
+            groups=("states", grads, kept, "logits.block", f"gathered.{which}_start", transient),
+        ),
+        MomentSpec(
+            phase="backward",
+            label=f"end of the {which} block's backward (before its reduce-scatter)",
+            groups=("states", grads, f"activations.below_{which}", "logits.block", f"gathered.{which}_end"),
+        ),
+    )
+
+
+FSDP_BLOCK_MOMENTS = (
+    *_fsdp_block_moments("last", "grads.last_block", "activations.last_block", "block.backward.last"),
+    *_fsdp_block_moments("first", "grads.first_block", "activations.first_block", "block.backward.first"),
+)
+"""FSDP2 full shard, the first and the last block's backward at three instants each (torch 2.13
+_fsdp_param_group.py): ``pre_backward`` copies the block's all-gather out (``wait_for_unshard``:
+the all-gather buffer and the unsharded parameters both live) with every activation still kept;
+then ``_backward_prefetch`` allocates the next unit's all-gather buffer, beside which the block's
+backward runs (its transient and the first weight gradient it makes); at its end, before
+``post_backward`` reshards it, its unsharded gradients are complete, the next unit's buffer
+waits and its own activations are freed. All three hold the reduce-scatter input of the unit
+reduced before (``reduce_scatter_states``, popped in this block's post-backward). Measured per
+module with MemTracker: the held-out neox plain-freed peak is the first block's copy-out, the
+neox hf-trainer peak its backward beside the input embedding unit's buffer, the mistral
+hf-trainer peak its end."""
+FSDP_MIDDLE_BLOCK_MOMENTS = (
+    *_fsdp_block_moments("upper", "grads.upper_block", "activations.upper_block", "block.backward.upper"),
+    *_fsdp_block_moments("lower", "grads.lower_block", "activations.lower_block", "block.backward.lower"),
+)
+"""With three blocks or more, the blocks between at either end (``Step.fsdp_between``): upper,
+block L−2, with the most activations kept; lower, block 1, with the most gradient shards
+reduced (the same block when L is 3); each with a block before it prefetched and the block
+after's reduce-scatter input retained (measured: the tuned matrix's 4-block llama FSDP full-AC
+case, whose peak is in block 1's MLP backward)."""
+ROOT_REDUCE = MomentSpec(
+    phase="backward",
+    label="reduce-scatter of the input embedding's unit (root post-backward)",
+    groups=("states", "grads.before_root", "logits.block", "grads.root_reduce"),
+)
+"""FSDP2: the unit holding the input embedding reduces in the root's post-backward callback
+(its inputs, token ids, need no gradient), after resharding: its reduce-scatter input, the
+reduce output and its cast to the fp32 shard's dtype live together, and ``foreach_reduce``'s
+loop variable keeps the unit's last parameter's unsharded gradient (measured: the held-out
+llama plain-kept mixed-bf16 case on 2 gloo ranks, whose peak is here)."""
 
 TIED_SUM = MomentSpec(
     phase="backward",
@@ -395,6 +456,13 @@ class Step:
         if self.job.model.num_experts:
             gathered["gathered.block"] = moe.without_block_grads(gathered["gathered.block"])
         gathered["gathered.last_block"] = gathered["gathered.block"]
+        if self.sgo_like_full_shard():
+            # shard-grad-op reshards each block after its backward (reshard_after_backward): at the
+            # first block's the others are sharded again (measured per module with MemTracker: the
+            # tuned matrix's 4-block shard-grad-op case, block 0 alone unsharded in its backward)
+            bp, g = self.block_params, self.gather_bytes
+            one = term(B, "fsdp.all_blocks", "unsharded first block (the others resharded)", f"{g}·{bp:,}", g * bp)
+            gathered["gathered.block"] = [one if t.key == "fsdp.all_blocks" else t for t in gathered["gathered.block"]]
         gathered["gathered.first_block"] = self.framework.first_block_gathered(self, gathered["gathered.block"])
         if self.job.model.arch == "bert":
             # an encoder's FSDP2 peak is at the start of the last block's backward, before any of
@@ -414,6 +482,23 @@ class Step:
             groups.update(self.in_backward_groups())
         if self.holds_root_grads():
             groups.update(self.root_grad_groups())
+        if self.splits_fsdp_blocks() or self.sgo_like_full_shard():
+            groups.update(self.fsdp_block_grad_groups())
+        if self.splits_fsdp_blocks():
+            L = self.job.model.num_layers
+            groups["activations.below_last"] = (self.block_terms(range(L - 1)) if L > 1 else []) + self.block_end_terms(
+                L - 1
+            )
+            groups["activations.below_first"] = self.block_end_terms(0)
+            for name, k in self.fsdp_between():
+                groups[f"activations.{name}_block"] = self.block_terms(range(k + 1))
+                groups[f"activations.below_{name}"] = self.block_terms(range(k)) + self.block_end_terms(k)
+                groups[f"block.backward.{name}"] = self.transient_terms(k)
+            blocks = ("first", *(name for name, _ in self.fsdp_between()), "last")
+            for where in (f"{w}_{at}" for w in blocks for at in ("copy", "start", "end")):
+                groups[f"gathered.{where}"] = self.framework.gathered(self, where)
+        if self.root_reduce():
+            groups.update(self.root_reduce_groups())
         if self.tied_sum():
             vh, gbytes = self.job.model.vocab_size * self.job.model.hidden, self.train_policy.grad_bytes
             # a gradient already allocated (zero-filled) takes the embedding's own in place
@@ -429,6 +514,155 @@ class Step:
         """Whether the loop clears gradients with zeros (``zero_grad(set_to_none=False)``): they
         stay allocated from one step's optimizer step through the next forward."""
         return self.job.train.zero_grad == "zeros"
+
+    def splits_fsdp_blocks(self) -> bool:
+        """Whether the blocks' backward is FSDP2 full shard's three instants per block
+        (``FSDP_BLOCK_MOMENTS``): a full fine-tune of a dense decoder, one micro-batch, its
+        states on the GPU (on any GPU count: the sweep's families share one set of moments)."""
+        model, train = self.job.model, self.job.train
+        return (
+            self.strategy.id == "fsdp-full-shard"
+            and self.P == "P"
+            and not model.num_experts
+            and model.arch not in ("bert", "vit")
+            and train.grad_accum == 1
+            and not train.optimizer_in_backward
+            and not self.params_on_host
+            and not self.grads_on_host
+            # float8's casts are transient and not modelled (loop_notes); measured per module, the
+            # held-out float8 case's peak holds 26 MiB of them in the first block's backward, which
+            # the one-moment-per-block model covers by counting a block's buffers too many
+            and not train.float8
+            and self._whole_model_per_rank()
+        )
+
+    def sgo_like_full_shard(self) -> bool:
+        """FSDP2 shard-grad-op where full shard would split its blocks' moments: the blocks stay
+        gathered from forward to backward (one moment per block), but its units reduce as full
+        shard's do, so the head's gradients beside the blocks are the same
+        (``fsdp_block_grad_groups``)."""
+        return (
+            self.strategy.id == "fsdp-shard-grad-op"
+            and Step(self.job.with_(strategy="fsdp-full-shard")).splits_fsdp_blocks()
+        )
+
+    def _whole_model_per_rank(self) -> bool:
+        """No pipeline stages (pipelining defers FSDP's reshard and reduce-scatter to a stage's last
+        backward, torch pipelining stage.py backward_maybe_with_nosync) and no tensor-parallel
+        slices (the vocabulary-parallel head): the layout's rank step (memplan.parallel.step) keeps
+        one moment per block there."""
+        layout = getattr(self, "layout", self.job.layout)  # RankStep's whole job's layout
+        return layout.pp == 1 and layout.tp == 1
+
+    def block_end_terms(self, index: int) -> list[Term]:
+        """What block ``index`` holds at the end of its backward, inside its input norm's backward
+        (the last op), for Hugging Face's LlamaRMSNorm: what that norm saved (recomputed under AC,
+        with the checkpoint's kept block input), the gradient arriving from the block's output, and
+        the norm backward's own temporaries, measured alone with MemTracker (LlamaRMSNorm on a
+        1×128×512 input, its backward's peak above its start: 18 bytes per element in bf16 and
+        fp16, 16 in fp32; the mistral hf-trainer held-out peak holds all of it: 1.78 MiB)."""
+        model = self.job.model
+        if model.arch != "llama":
+            return []
+        x = shapes(model, self.job.train)
+        t, checkpointed_block = x.tokens, self.kind(index)[0] and self.job.train.activation_checkpointing == "full"
+        kept = self.kept(index) if checkpointed_block else []
+        norm = [
+            Saved("norm 1: fp32 input", "4·b·s·h", 4 * t * x.h),
+            Saved("norm 1: normalised", "r·b·s·h", x.r * t * x.h),
+            Saved("norm 1: rstd", "4·b·s", 4 * t),
+        ]
+        temporaries = 16 + (x.r if x.r < 4 else 0)
+        return _terms(A, kept, "activations.block_end") + [
+            *_terms(A, norm, "block.backward.end"),
+            term(A, "block.backward.end", "gradient of the block's output", "r·b·s·h", x.r * t * x.h),
+            term(
+                A,
+                "block.backward.end",
+                "input norm's backward temporaries",
+                f"{temporaries}·b·s·h",
+                temporaries * t * x.h,
+            ),
+        ]
+
+    def fsdp_between(self) -> tuple[tuple[str, int], ...]:
+        """(name, index) of the blocks between the first and the last that ``FSDP_MIDDLE_BLOCK_
+        MOMENTS`` look at: going down a block adds its reduced gradient shard and drops its kept
+        activations, so the largest such moment is at block L−2 or block 1."""
+        L = self.job.model.num_layers
+        return (("upper", L - 2), ("lower", 1)) if L > 3 else (("upper", 1),) if L == 3 else ()
+
+    def fsdp_block_grad_groups(self) -> dict[str, list[Term]]:
+        """The gradients beside the blocks' backward under ``FSDP_BLOCK_MOMENTS``: a head unit of
+        its own (torchtitan's, accelerate's, untied) has reduced them to its shard after the head's
+        backward; a unit holding the head and the input embedding (fully_shard's root, torchtune's,
+        a tied head unit) keeps the head's unsharded: its post-backward hook hangs on its forward
+        inputs, token ids that need no gradient, so it reduces in the root's post-backward callback,
+        after the input embedding's
+        (measured per module: the held-out neox plain-freed case, the final norm's and head's
+        gradients unsharded through both blocks' backward; the mistral hf-trainer case, the head
+        unit's shard)."""
+        model, L, bp = self.job.model, self.job.model.num_layers, self.block_params
+        vh = model.vocab_size * model.hidden
+        own_head_unit = self.fsdp_units == "blocks" and not model.tied_embeddings
+        sharded = model.head_params() if own_head_unit else 0
+        unsharded = (
+            []
+            if own_head_unit
+            else [
+                term(
+                    G,
+                    "fsdp.head_grads",
+                    "unsharded final norm and head gradients (the root unit reduces last)",
+                    f"{self.gather_bytes}·(norm + V·h)",
+                    self.gather_bytes * (model.norm_params + vh),
+                )
+            ]
+        )
+        return {
+            "grads.last_block": self.grad_share(sharded, "head unit params") + unsharded,
+            **{
+                f"grads.{name}_block": self.grad_share(sharded + (L - 1 - k) * bp, "params of the blocks after it")
+                + unsharded
+                for name, k in self.fsdp_between()
+            },
+            "grads.first_block": self.grad_share(sharded + (L - 1) * bp, "params of the blocks after the first")
+            + unsharded,
+        }
+
+    def root_reduce(self) -> bool:
+        """Whether the step has ``ROOT_REDUCE``: the unit of an untied input embedding or a root
+        holding the embeddings reduces last."""
+        return (self.splits_fsdp_blocks() or self.sgo_like_full_shard()) and not (
+            self.fsdp_units == "blocks" and self.job.model.tied_embeddings
+        )
+
+    def root_reduce_groups(self) -> dict[str, list[Term]]:
+        """``ROOT_REDUCE``'s terms (torch 2.13 _fsdp_collectives.py foreach_reduce): the
+        reduce-scatter input (reduce dtype, the whole unit), the reduce output (its shard) and, when
+        the reduce dtype is not the fp32 shard's, the output's cast; the unit's last parameter's
+        unsharded gradient, which the loop variable of foreach_reduce's Shard(dim) pass keeps after
+        ``unsharded_grads.clear()`` (Hugging Face registers lm_head last; a tied root's last is the
+        final norm; an embedding unit's only parameter is the embedding)."""
+        model, r, g = self.job.model, self.reduce_bytes, self.gather_bytes
+        vh = model.vocab_size * model.hidden
+        unit = vh if self.fsdp_units == "blocks" else self.root_params
+        last = model.norm_params if self.fsdp_units != "blocks" and model.tied_embeddings else vh
+        shard = self.local(unit, True)
+        cast = self.shard_master and r != 4
+        return {
+            "grads.before_root": self.grad_share(self.params - unit, "params of the units reduced before it"),
+            "grads.root_reduce": [
+                term(B, "fsdp.root_reduce", "its reduce-scatter input", f"{r}·{unit:,}", r * unit),
+                term(B, "fsdp.root_reduce", "its reduce output", f"{r}·{unit:,}/{self.n}", r * shard),
+                *(
+                    [term(G, "fsdp.root_reduce", "the reduce output cast to fp32", f"4·{unit:,}/{self.n}", 4 * shard)]
+                    if cast
+                    else []
+                ),
+                term(G, "fsdp.root_reduce", "its last parameter's unsharded gradient", f"{g}·{last:,}", g * last),
+            ],
+        }
 
     def tied_sum(self) -> bool:
         """Whether the step has ``TIED_SUM``: a trained tied embedding outside FSDP's root unit."""
@@ -613,6 +847,10 @@ class Step:
             "activations.last_block": blocks,
             "activations.first_block": self.block_terms(range(1), first=True),
             "activations.outside": [t for t in outside if t.key != "logits"],
+            # WHOLE_HEAD_BACKWARD under autocast: the matmul's backward has freed the weight copy
+            "activations.outside_head": [
+                t for t in outside if t.key != "logits" and t.name != "autocast head weight copy"
+            ],
             **{f"logits.{i}": held[i] for i in loss.INSTANTS},
             "loss.forward": _terms(A, loss_fwd, "loss.forward"),
             "loss.backward": _terms(A, loss_bwd, "loss.backward"),
@@ -764,6 +1002,13 @@ class Step:
         m, c = self.job.model, self.policy.compute_bytes
         tokens, vh = self.job.train.tokens_per_micro_batch, m.vocab_size * m.hidden
         wbytes = self.gather_bytes if self.framework.id == "fsdp" else self.policy.grad_bytes
+        if self.whole_head_backward() and self.policy.autocast:
+            r = shapes(m, self.job.train).r
+            return [
+                term(G, "loss.head", "head weight gradient in the compute dtype", f"{c}·V·h", c * vh),
+                term(G, "loss.head", "head weight gradient cast (unsharded)", f"{wbytes}·V·h", wbytes * vh),
+                term(A, "loss.head", "head input gradient", f"{r}·b·s·h", r * tokens * m.hidden),
+            ]
         if self.whole_head_backward():
             return [
                 term(A, "loss.head", "logit gradient (the head's input)", f"{c}·b·s·V", c * tokens * m.vocab_size),
@@ -784,13 +1029,25 @@ class Step:
 
     def moment_specs(self) -> tuple[MomentSpec, ...]:
         """``MOMENTS``, with the moments only some steps have in their place."""
-        specs = MOMENTS if self.last_checkpointed() is None else (*MOMENTS[:3], LAST_CHECKPOINTED, *MOMENTS[3:])
+        split = self.splits_fsdp_blocks()
+        middle = FSDP_MIDDLE_BLOCK_MOMENTS[: 3 * len(self.fsdp_between())] if split else ()
+        base = (
+            (*MOMENTS[:2], *FSDP_BLOCK_MOMENTS[:3], *middle, *FSDP_BLOCK_MOMENTS[3:], *MOMENTS[4:])
+            if split
+            else MOMENTS
+        )
+        after_last = 5 if split else 3
+        specs = (
+            base if self.last_checkpointed() is None else (*base[:after_last], LAST_CHECKPOINTED, *base[after_last:])
+        )
         if self.chunked_head():
             specs = (*specs[:2], HEAD_BACKWARD, *specs[2:])
         elif self.whole_head_backward():
             specs = (*specs[:2], WHOLE_HEAD_BACKWARD, *specs[2:])
         if self.holds_root_grads():
             specs = (*specs[:-1], ROOT_BACKWARD, specs[-1])
+        if self.root_reduce():
+            specs = (*specs[:-1], ROOT_REDUCE, specs[-1])
         if self.tied_sum():
             specs = (*specs[:-1], TIED_SUM, specs[-1])
         return (FORWARD_START, *specs) if self.framework.id == "fsdp" else specs

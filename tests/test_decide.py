@@ -66,7 +66,7 @@ SCENARIOS = [
     ("70e9", 8, "a100-40gb", ("zero3", "full", "all", 8), {"s003-13-70b-limited-sgo": "does_not_fit"}),
     # 175B on 8 nodes × 8 H100: HYBRID_SHARD shards over 8 GPUs only: 16 B × 175.1e9 / 8 = 326 GiB
     # of states, so it needs params offloaded and is slower than FULL_SHARD over all 64.
-    ("175e9", 64, "h100-sxm", ("fsdp-full-shard", "full", "none", 3), {"s003-100b-multinode-hybrid": "slower"}),
+    ("175e9", 64, "h100-sxm", ("fsdp-full-shard", "full", "none", 4), {"s003-100b-multinode-hybrid": "slower"}),
 ]
 
 

@@ -56,8 +56,11 @@ def job(model, train, *, gpus=8, strategy="fsdp-full-shard", offload="none", per
     )
 
 
+# from 2 GPUs up: on one, FSDP's all-gathers and reduce-scatters allocate no buffers (a group of one,
+# torch's FSDPParamGroup.unshard), so a model small beside its activations can take a few bytes
+# more on 2 than on 1 (found: 256 bytes, a 2-layer h128 llama under SGD)
 @settings(max_examples=150, deadline=None)
-@given(models(), trains(), st.sampled_from(SHARDED), st.integers(0, 6), st.integers(1, 6))
+@given(models(), trains(), st.sampled_from(SHARDED), st.integers(1, 6), st.integers(1, 6))
 def test_more_gpus_never_raise_a_sharded_strategys_memory(model, train, strategy, log_gpus, factor):
     small = 2**log_gpus
     fewer = estimate(job(model, train, gpus=small, strategy=strategy))

@@ -27,19 +27,6 @@ KNOWN: dict[str, str] = {
         "reshard and reduce-scatter to the last backward (stage.py backward_maybe_with_nosync), which the "
         "moments do not yet follow"
     ),
-    "cp2-fsdp-v512": (
-        "measured after the CP fix, held out: the peak is inside ring attention's backward (125.69 MiB; the "
-        "model's ring moment 124.92 MiB, -0.6 %), but the block moment (the MLP's backward with every block "
-        "gradient and the reduce-scatter input at once) gives 128.99 MiB, 2.6 % high on a 1/cp sequence "
-        "beside a 512-token vocabulary"
-    ),
-    "cp2-fsdp-d64x8": (
-        "measured after ModelSpec.head_dim, held out: the peak is the loss gradient's moment (95.60 MiB, "
-        "estimated 95.59), but the last block's backward moment (both unsharded blocks, the block's unsharded "
-        "gradients and the reduce-scatter input, beside its 2·c·b·s·f temporaries) gives 98.98 MiB, 3.5 % high; "
-        "its twin with heads of hidden/heads (cp2-fsdp-kv2) is high at the same moment, +1.6 % "
-        "(docs/headdim_matrix_cpu.md)"
-    ),
 }
 """Records the model does not yet meet within 2 %, each with what is known (strict xfails: a fixed
 one must leave the list)."""

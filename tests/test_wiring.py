@@ -33,7 +33,9 @@ def test_freed_logits_leave_the_moments_after_forward_by_exactly_the_logits():
         freed["end of forward (cross-entropy)"].allocated_bytes
         == kept["end of forward (cross-entropy)"].allocated_bytes
     )
-    for label in ("start of backward (loss gradient)", "backward of the last block", "backward of the first block"):
+    backward = [label for label in kept if "block" in label and kept[label].phase == "backward"]
+    assert len(backward) >= 6  # FSDP2 full shard: three instants of each block looked at
+    for label in ("start of backward (loss gradient)", *backward):
         assert kept[label].allocated_bytes - freed[label].allocated_bytes == logits
 
 

@@ -213,6 +213,64 @@ def _forward_start(step) -> list:
     return [_gathered(step, "fsdp.root_unit", first, "unsharded first unit"), *terms] if kept else terms
 
 
+def _block_backward(step, instant: str) -> list:
+    """FSDP2 full shard's buffers in a block's backward (``memory.FSDP_BLOCK_MOMENTS``; torch 2.13
+    _fsdp_param_group.py); ``instant`` is WHICH_AT, WHICH the first, last, upper or lower block,
+    AT copy, start or end. Copy: ``pre_backward``'s copy-out (``wait_for_unshard``) holds the
+    block's all-gather buffer and its unsharded parameters. Start: the buffer freed, the block's
+    backward beside the all-gather buffer of the unit ``_backward_prefetch`` gathers next (the
+    block before; at the first block a torchtitan / accelerate input embedding unit, nothing where
+    the root holding it is gathered already) and the first weight gradient it makes. End, before
+    ``post_backward``: the unsharded parameters, all the block's unsharded gradients (the
+    parameters' dtype), the next unit's buffer. All three: the reduce-scatter input of the unit
+    reduced before, kept in ``FSDPCommContext.reduce_scatter_states`` until this block's
+    post-backward (the block after; at the last block a torchtitan / accelerate untied head unit,
+    which reduced after the head's backward, while a unit holding the input embedding reduces
+    last)."""
+    model, L, bp = step.job.model, step.job.model.num_layers, step.block_params
+    g, r, own_units = step.gather_bytes, step.reduce_bytes, step.fsdp_units == "blocks"
+    vh = model.vocab_size * model.hidden
+    gathers = step.gather_group > 1  # a group of one copies in place, retains nothing (memory.py)
+    which = instant.split("_")[0]
+    # a tied head unit holds the input embedding: it reduces last, in the root's post-backward
+    own_head = own_units and not model.tied_embeddings
+    if which != "last" and L > 1:
+        before, before_name = bp, "reduce-scatter input of the block after (retained)"
+    else:
+        before, before_name = (model.head_params() if own_head else 0), "head unit's reduce-scatter input (retained)"
+    if which == "first" or L == 1:
+        nxt, nxt_name = (vh if own_head else 0), "input embedding unit's all-gather buffer (prefetched)"
+    else:
+        nxt, nxt_name = bp, "block before's all-gather buffer (prefetched)"
+    if not gathers:
+        before, nxt = 0, 0
+    retained = [term(B, "fsdp.retained_reduce_input", before_name, f"{r}·{before:,}", r * before)] if before else []
+    prefetched = [_gathered(step, "fsdp.prefetched", nxt, nxt_name)] if nxt else []
+    unsharded = _gathered(step, "fsdp.block", bp, "unsharded block")
+    if instant.endswith("copy"):
+        if not gathers:
+            return [unsharded]
+        return [_gathered(step, "fsdp.block", 2 * bp, "block's all-gather buffer and unsharded parameters")] + retained
+    if instant.endswith("start"):
+        # the copy-out freed the block's all-gather buffer; the block's backward runs beside the
+        # next unit's and makes its MLP output projection's weight gradient first (measured: the
+        # held-out neox hf-trainer peak, the input embedding unit's buffer and that gradient in
+        # the first block's backward)
+        first_grad = model.hidden * model.ffn_hidden + (model.hidden if model.linear_bias else 0)
+        return [
+            unsharded,
+            *prefetched,
+            term(B, "fsdp.block_grads", "MLP output projection's unsharded gradient", f"{g}·h·f", g * first_grad),
+            *retained,
+        ]
+    return [
+        unsharded,
+        term(B, "fsdp.block_grads", "unsharded block gradients", f"{g}·block params", g * bp),
+        *prefetched,
+        *retained,
+    ]
+
+
 class FSDP(Framework):
     id = "fsdp"
     label = "FSDP"
@@ -230,6 +288,10 @@ class FSDP(Framework):
         s, L, bp = step.strategy, step.job.model.num_layers, step.block_params
         if instant == "start":
             return _forward_start(step)
+        if instant.split("_")[0] in ("first", "upper", "lower", "last"):
+            return [
+                _gathered(step, key, count, name) for key, count, name in _outside_blocks(step, "block") if count
+            ] + _block_backward(step, instant)
         terms = [_gathered(step, key, count, name) for key, count, name in _outside_blocks(step, instant) if count]
         if instant == "forward" and step.loss_in_model and s.reshard_after_forward and step.gather_group > 1:
             # FSDP2 keeps the last forward all-gather's output (FSDPCommContext.all_gather_state)
