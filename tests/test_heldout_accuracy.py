@@ -30,7 +30,7 @@ _COMPILE = (
     "(= both compiled), the loss compiled alone 501.3; the modelled compiled blocks save 6.2 MB, measured 12.4"
 )
 _ZERO_GRAD = (
-    "-2.58 % (3.6 MiB): zero-filled gradients under torchtitan's FSDP2 units peak at the head unit's "
+    "-3.08 % (4.3 MiB): zero-filled gradients under torchtitan's FSDP2 units peak at the head unit's "
     "post-backward (MemTracker: its unsharded bf16 gradient and the reduce-scatter input, 2 x 23.4 MiB, the "
     "reduce-scatter output and its fp32 cast, 5.9 MiB, added in place into the kept sharded gradient, the last "
     "block prefetched), an instant memplan has no moment for; the LM head's backward is its peak"
