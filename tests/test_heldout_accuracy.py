@@ -35,14 +35,7 @@ _ZERO_GRAD = (
     "reduce-scatter output and its fp32 cast, 5.9 MiB, added in place into the kept sharded gradient, the last "
     "block prefetched), an instant memplan has no moment for; the LM head's backward is its peak"
 )
-_AC_FIRST = (
-    "full AC outside FSDP full shard: the first block's backward moment counts its whole recompute beside all "
-    "of its gradients (memplan issue 12)"
-)
 KNOWN = {
-    "llama-h320-v2k-hf-trainer-single-fp32-acfull-w1-b1s512": _AC_FIRST,
-    "llama-h320-v2k-plain-freed-ddp-fp32-acfull-w2-b2s256": _AC_FIRST,
-    "gpt2-h256-v2k-plain-freed-single-fp32-acfull-w1-b2s256": _AC_FIRST,
     "llama-h768-torchtitan-fsdp-mixed-bf16-acfull-zgzeros-w8-b1s128": _ZERO_GRAD,
     "llama-h640-torchtune-fsdp-fp32-acnone-compile-w4-b2s128": _COMPILE,
     "gpt2-h384-s2048-plain-kept-fsdp-fp32-acnone-w4-b1s2048": _KV_CACHE,
