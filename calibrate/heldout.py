@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from memplan.loop import fsdp_units
@@ -211,7 +211,50 @@ TUNE_A = ModelSpec(
     vocab_size=32000,
     tied_embeddings=True,
 )
+# full AC's first block outside FSDP full shard (one process, DDP): shapes not used above
+LLAMA_E = ModelSpec(
+    name="llama-h320",
+    arch="llama",
+    num_layers=2,
+    hidden=320,
+    num_heads=5,
+    num_kv_heads=1,
+    ffn_hidden=864,
+    vocab_size=6144,
+)
+NEOX_C = ModelSpec(
+    name="neox-h320",
+    arch="neox",
+    num_layers=2,
+    hidden=320,
+    num_heads=5,
+    ffn_hidden=1280,
+    vocab_size=6144,
+    linear_bias=True,
+)
+GPT2_B = ModelSpec(
+    name="gpt2-h256",
+    arch="gpt2",
+    num_layers=2,
+    hidden=256,
+    num_heads=4,
+    ffn_hidden=1024,
+    vocab_size=6144,
+    max_positions=512,
+    tied_embeddings=True,
+    linear_bias=True,
+)
+# their twins with a vocabulary small enough that the first block's backward, not the logits, peaks
+LLAMA_F = replace(LLAMA_E, name="llama-h320-v2k", vocab_size=2048)
+NEOX_D = replace(NEOX_C, name="neox-h320-v2k", vocab_size=2048)
+GPT2_C = replace(GPT2_B, name="gpt2-h256-v2k", vocab_size=2048)
 HF_TYPE = {
+    "llama-h320-v2k": "llama",
+    "neox-h320-v2k": "gpt_neox",
+    "gpt2-h256-v2k": "gpt2",
+    "llama-h320": "llama",
+    "neox-h320": "gpt_neox",
+    "gpt2-h256": "gpt2",
     "llama3_2-h448": "torchtune llama3_2",
     "qwen2-h576-l4": "qwen2",
     "llama-h768": "llama",
@@ -382,6 +425,16 @@ CASES = (
     _case(
         "torchtune-model", TUNE_A, "single", "bf16", gpus=1, b=2, s=256, in_backward=True, optimizer="paged-adamw8bit"
     ),
+    # full AC outside FSDP full shard, the first block's backward (memplan issue 12): measured before
+    # the model of that block's backward changed
+    _case("hf-trainer", LLAMA_E, "single", "fp32", gpus=1, b=2, s=256, ac="full", attention="eager"),
+    _case("plain-freed", LLAMA_E, "ddp", "fp32", gpus=2, b=1, s=512, ac="full"),
+    _case("hf-trainer", NEOX_C, "ddp", "fp32", gpus=4, b=2, s=256, ac="full", attention="eager"),
+    _case("plain-freed", GPT2_B, "single", "fp32", gpus=1, b=2, s=256, ac="full"),
+    _case("hf-trainer", LLAMA_F, "single", "fp32", gpus=1, b=1, s=512, ac="full", attention="eager"),
+    _case("plain-freed", LLAMA_F, "ddp", "fp32", gpus=2, b=2, s=256, ac="full"),
+    _case("hf-trainer", NEOX_D, "ddp", "fp32", gpus=2, b=1, s=512, ac="full", attention="eager"),
+    _case("plain-freed", GPT2_C, "single", "fp32", gpus=1, b=2, s=256, ac="full"),
 )
 BY_ID = {case.id: case for case in CASES}
 

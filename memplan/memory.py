@@ -172,6 +172,18 @@ LAST_CHECKPOINTED = MomentSpec(
 )
 """With ``ac_every`` N > 1 and the last block not checkpointed, the backward of block
 ⌊L/N⌋·N − 1 (the last checkpointed one) recomputes its forward with blocks 0..it still kept."""
+FIRST_BLOCK_END = MomentSpec(
+    phase="backward",
+    label="end of the first block's backward",
+    groups=("states", "grads.first_block_end", "activations.below_first", "logits.block"),
+)
+"""One GPU or DDP, the first block checkpointed under full AC: its recompute runs before any of its
+own gradients, so the instant of the block's backward (``MOMENTS``' first-block moment) holds the
+one weight gradient it makes first beside the recompute (``recompute_first_grads``); all of them
+exist only at its end, inside its input norm's backward (``Step.block_end_terms``), once the
+recomputed tensors are freed (measured per module with MemTracker, calibrate.peak_probe: the
+head-dim matrix's qwen3 single full-AC case and the tuned DDP full-AC eager record, the MLP output
+projection's gradient alone of the block's own at the peak inside its backward)."""
 ROOT_BACKWARD = MomentSpec(
     phase="backward",
     label="backward of the input embedding (root unit gradients)",
@@ -499,6 +511,9 @@ class Step:
                 groups[f"gathered.{where}"] = self.framework.gathered(self, where)
         if self.root_reduce():
             groups.update(self.root_reduce_groups())
+        if self.recompute_first_grads():
+            groups["activations.below_first"] = self.block_end_terms(0)
+            groups["activations.first_block"] = groups["activations.first_block"] + self.first_compute_terms()
         if self.tied_sum():
             vh, gbytes = self.job.model.vocab_size * self.job.model.hidden, self.train_policy.grad_bytes
             # a gradient already allocated (zero-filled) takes the embedding's own in place
@@ -584,6 +599,47 @@ class Step:
                 temporaries * t * x.h,
             ),
         ]
+
+    def recompute_first_grads(self) -> bool:
+        """Whether the first block's backward is ``FIRST_BLOCK_END``'s two instants: one GPU or DDP,
+        a full fine-tune of a dense decoder, the first block checkpointed under full AC, the
+        gradients made in this backward only (no accumulation, none zero-filled, none stepped in
+        backward), on the GPU."""
+        model, train = self.job.model, self.job.train
+        return (
+            self.framework.id in ("none", "ddp")
+            and self.P == "P"
+            and not model.num_experts
+            # GPT-NeoX's parallel attention and MLP peak later, in the attention's backward
+            and model.arch in ("llama", "gpt2")
+            and train.activation_checkpointing == "full"
+            and self.kind(0)[0]
+            and train.grad_accum == 1
+            and not self.zero_filled()
+            and not train.optimizer_in_backward
+            and not self.grads_on_host
+            and not self.framework.grads_held(self)
+        )
+
+    def first_compute_terms(self) -> list[Term]:
+        """Beside the first block's recompute at its first weight gradient (``FIRST_BLOCK_END``):
+        the gradient arriving from the block's output and the rotary cos/sin tables, the blocks'
+        checkpoint inputs until the first block's backward ends (measured per module with
+        MemTracker: the tuned DDP full-AC eager record's peak holds r·b·s·h + 2·4·s·d beyond the
+        recompute and the MLP output projection's gradient, the head-dim qwen3 case's too)."""
+        model, x = self.job.model, shapes(self.job.model, self.job.train)
+        rotary = [s for s in model_saved(model, self.job.train)[0] if s.name.startswith("rotary")]
+        return [
+            term(A, "block.backward", "gradient of the block's output", "r·b·s·h", x.r * x.tokens * x.h),
+            *_terms(A, rotary, "activations.outside"),
+        ]
+
+    def first_weight_grad(self) -> int:
+        """Parameters of the first weight gradient a block's backward makes: its MLP output
+        projection's (and bias), the last linear of its forward (measured: the FSDP2 and the
+        single / DDP full-AC peaks inside the first block's backward hold it alone of the block's)."""
+        model = self.job.model
+        return model.hidden * model.ffn_hidden + (model.hidden if model.linear_bias else 0)
 
     def fsdp_between(self) -> tuple[tuple[str, int], ...]:
         """(name, index) of the blocks between the first and the last that ``FSDP_MIDDLE_BLOCK_
@@ -695,12 +751,22 @@ class Step:
             # block (a tied MLM decoder's V·h has it from the head): the head's alone (measured)
             last -= pending
         what = "params (all but the input embedding" + (" and the first block)" if own else ")")
+        before = (self.params if full else trained.trainable) - pending
         groups = {
             "grads": grads,
             "grads.carried": [],
             "grads.last_block": self.grad_share(last, "embedding/head params"),
-            "grads.first_block": self.grad_share((self.params if full else trained.trainable) - pending - own, what),
+            "grads.first_block": self.grad_share(before - own, what),
         }
+        if self.recompute_first_grads():
+            # FIRST_BLOCK_END: inside the first block's backward its own gradients are the MLP output
+            # projection's alone; at its end all of them
+            first = self.first_weight_grad()
+            groups["grads.first_block"] = self.grad_share(
+                before - self.block_params + first,
+                "params (all but the input embedding and the first block's, its MLP output projection's made)",
+            )
+            groups["grads.first_block_end"] = self.grad_share(before, "params (all but the input embedding)")
         j = self.last_checkpointed()
         if j is not None:
             after = model.num_layers - 1 - j
@@ -1034,6 +1100,8 @@ class Step:
         base = (
             (*MOMENTS[:2], *FSDP_BLOCK_MOMENTS[:3], *middle, *FSDP_BLOCK_MOMENTS[3:], *MOMENTS[4:])
             if split
+            else (*MOMENTS[:4], FIRST_BLOCK_END, *MOMENTS[4:])
+            if self.recompute_first_grads()
             else MOMENTS
         )
         after_last = 5 if split else 3
