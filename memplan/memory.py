@@ -511,8 +511,9 @@ class Step:
                 groups[f"gathered.{where}"] = self.framework.gathered(self, where)
         if self.root_reduce():
             groups.update(self.root_reduce_groups())
-        if self.recompute_first_grads():
+        if self.ends_first_block():
             groups["activations.below_first"] = self.block_end_terms(0)
+        if self.recompute_first_grads():
             groups["activations.first_block"] = groups["activations.first_block"] + self.first_compute_terms()
         if self.tied_sum():
             vh, gbytes = self.job.model.vocab_size * self.job.model.hidden, self.train_policy.grad_bytes
@@ -601,10 +602,17 @@ class Step:
         ]
 
     def recompute_first_grads(self) -> bool:
-        """Whether the first block's backward is ``FIRST_BLOCK_END``'s two instants: one GPU or DDP,
-        a full fine-tune of a dense decoder, the first block checkpointed under full AC, the
-        gradients made in this backward only (no accumulation, none zero-filled, none stepped in
-        backward), on the GPU."""
+        """Whether the first block's backward is ``FIRST_BLOCK_END``'s two instants: the first
+        block checkpointed under full AC where ``ends_first_block``."""
+        return self.ends_first_block() and self.job.train.activation_checkpointing == "full" and self.kind(0)[0]
+
+    def ends_first_block(self) -> bool:
+        """Whether the step has ``FIRST_BLOCK_END``: one GPU or DDP, a full fine-tune of a dense
+        decoder, the gradients made in this backward only (no accumulation, none zero-filled, none
+        stepped in backward), on the GPU. Without AC the instant exists too, below the first
+        block's backward moment but for a block whose saved tensors are smaller than its input
+        norm's backward (an MLP narrower than the hidden size): full AC never estimates above no
+        AC by more than a checkpoint input (tests/test_invariants.py)."""
         model, train = self.job.model, self.job.train
         return (
             self.framework.id in ("none", "ddp")
@@ -612,8 +620,6 @@ class Step:
             and not model.num_experts
             # GPT-NeoX's parallel attention and MLP peak later, in the attention's backward
             and model.arch in ("llama", "gpt2")
-            and train.activation_checkpointing == "full"
-            and self.kind(0)[0]
             and train.grad_accum == 1
             and not self.zero_filled()
             and not train.optimizer_in_backward
@@ -759,13 +765,14 @@ class Step:
             "grads.first_block": self.grad_share(before - own, what),
         }
         if self.recompute_first_grads():
-            # FIRST_BLOCK_END: inside the first block's backward its own gradients are the MLP output
-            # projection's alone; at its end all of them
+            # inside the first block's backward its own gradients are the MLP output projection's
+            # alone; at its end (FIRST_BLOCK_END) all of them
             first = self.first_weight_grad()
             groups["grads.first_block"] = self.grad_share(
                 before - self.block_params + first,
                 "params (all but the input embedding and the first block's, its MLP output projection's made)",
             )
+        if self.ends_first_block():
             groups["grads.first_block_end"] = self.grad_share(before, "params (all but the input embedding)")
         j = self.last_checkpointed()
         if j is not None:
@@ -1101,7 +1108,7 @@ class Step:
             (*MOMENTS[:2], *FSDP_BLOCK_MOMENTS[:3], *middle, *FSDP_BLOCK_MOMENTS[3:], *MOMENTS[4:])
             if split
             else (*MOMENTS[:4], FIRST_BLOCK_END, *MOMENTS[4:])
-            if self.recompute_first_grads()
+            if self.ends_first_block()
             else MOMENTS
         )
         after_last = 5 if split else 3
