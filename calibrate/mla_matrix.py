@@ -8,9 +8,9 @@ and bf16, dense-first and MoE layers, one full-AC case.
     python -m calibrate.mla_matrix --report   # measured, estimated today, error %
 
 Records go to docs/mla_matrix_cpu.jsonl in calibrate.heldout's format (its report reads them).
-A case's MLA shapes are the config.json keys transformers builds the attention from (``MLA``);
-the first records were made before ModelSpec held them: their spec carries them under the
-config's names, their estimate is memplan's refusal of that config.json (``estimate_error``).
+A model's MLA fields are the config.json keys transformers builds the attention from; the first
+records were made before ModelSpec held them: their spec carries them under the same names, their
+estimate is memplan's refusal of that config.json then (``estimate_error``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import json
 import sys
 from dataclasses import dataclass
 
-from memplan.errors import MemplanError
-from memplan.hfconfig import model_from_hf_config
+from memplan.mla import MLA_FIELDS
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
 from . import heldout, records
@@ -42,6 +41,11 @@ DSV3_Q = ModelSpec(
     moe_ffn_hidden=128,
     shared_ffn_hidden=128,
     first_dense_layers=1,
+    q_lora_rank=128,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
 )
 """DeepSeek-V3's layout: a q LoRA rank, one dense layer then an MoE one (8 routed experts top-2,
 one shared expert)."""
@@ -57,6 +61,10 @@ DSV3_NOQ = ModelSpec(
     moe_ffn_hidden=96,
     shared_ffn_hidden=192,
     first_dense_layers=1,
+    kv_lora_rank=48,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=24,
 )
 """DeepSeek-V2-Lite's layout: no q LoRA rank (q_proj), v narrower than the q/k nope part,
 two shared experts, one dense layer then two MoE ones."""
@@ -67,15 +75,13 @@ DSV3_DENSE = ModelSpec(
     num_heads=4,
     ffn_hidden=512,
     vocab_size=4096,
+    q_lora_rank=96,
+    kv_lora_rank=64,
+    qk_nope_head_dim=48,
+    qk_rope_head_dim=16,
+    v_head_dim=48,
 )
 """MLA alone: every layer dense (first_k_dense_replace = num_layers)."""
-MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-MLA = {
-    DSV3_Q.name: dict(zip(MLA_KEYS, (128, 64, 32, 16, 32))),
-    DSV3_NOQ.name: dict(zip(MLA_KEYS, (0, 48, 32, 16, 24))),
-    DSV3_DENSE.name: dict(zip(MLA_KEYS, (96, 64, 48, 16, 48))),
-}
-"""The MLA shapes by model (q_lora_rank 0: q_proj, config.json's null)."""
 STRATEGY = {"single": "single", "ddp": "ddp", "fsdp": "fsdp-full-shard"}
 
 
@@ -89,7 +95,6 @@ class Case:
     ac: str
     mode: str
     hf_type: str
-    mla: dict
 
 
 def _case(loop, model, strategy, *, gpus=1, b=1, s=128, precision="fp32", ac="none") -> Case:
@@ -103,7 +108,7 @@ def _case(loop, model, strategy, *, gpus=1, b=1, s=128, precision="fp32", ac="no
     job = Job(model=model, train=train, cluster=ClusterSpec(gpus=gpus), plan=Plan(strategy=STRATEGY[strategy]))
     extra = f"-ac{ac}" if ac != "none" else ""
     name = f"{model.name}-{loop}-{strategy}-{precision}{extra}-g{gpus}-b{b}s{s}"
-    return Case(name, job, loop, ac, "local", "deepseek_v3", MLA[model.name])
+    return Case(name, job, loop, ac, "local", "deepseek_v3")
 
 
 CASES = (
@@ -115,6 +120,9 @@ CASES = (
     _case("plain-kept", DSV3_Q, "fsdp", gpus=2, b=2, s=128),
     _case("plain-kept", DSV3_NOQ, "fsdp", gpus=2, b=1, s=256),
     _case("hf-trainer", DSV3_Q, "single", b=2, s=128, ac="full"),
+    # measured after the model: FSDP2's mixed precision (bf16 compute over fp32 parameters)
+    _case("plain-kept", DSV3_Q, "fsdp", gpus=2, b=2, s=128, precision="mixed-bf16"),
+    _case("plain-freed", DSV3_DENSE, "fsdp", gpus=2, b=1, s=256, precision="mixed-bf16"),
 )
 BY_ID = {case.id: case for case in CASES}
 
@@ -122,7 +130,8 @@ BY_ID = {case.id: case for case in CASES}
 def hf_overrides(case: Case) -> dict:
     """The transformers DeepseekV3Config keys beyond the spec's shapes: the MLA shapes (q_lora_rank
     0 is None: q_proj) and, for a dense model, every layer dense."""
-    keys: dict = dict(case.mla) | {"q_lora_rank": case.mla["q_lora_rank"] or None}
+    m = case.job.model
+    keys: dict = {f: getattr(m, f) for f in MLA_FIELDS} | {"q_lora_rank": m.q_lora_rank or None}
     if not case.job.model.num_experts:
         keys["first_k_dense_replace"] = case.job.model.num_layers
     return keys
@@ -157,36 +166,18 @@ def config_json(case: Case) -> dict:
     return cfg
 
 
-def _spec(case: Case) -> dict:
-    """The record's spec: the job's, with the MLA shapes where the job does not hold them."""
-    spec = records.spec_dict(case.job)
-    for key, value in case.mla.items():
-        if value and getattr(case.job.model, key, 0) != value:
-            spec["model"][key] = value
-    return spec
-
-
 def _run(case: Case) -> records.Run:
     return records.Run(job=case.job, mode=case.mode, workload="hf", steps=heldout.STEPS, warmup=heldout.WARMUP)
 
 
 def record_id(case: Case) -> str:
-    """calibrate.heldout.record_id over the record's spec (with its MLA shapes)."""
-    run = _run(case)
-    key = records.run_key(_spec(case), run.mode, run.steps, run.workload)
-    return hashlib.sha1(json.dumps([key, case.loop, case.ac, case.hf_type]).encode()).hexdigest()[:10]
+    """calibrate.heldout.record_id: the run's key with the loop, policy and model type."""
+    key = json.dumps([_run(case).key, case.loop, case.ac, case.hf_type])
+    return hashlib.sha1(key.encode()).hexdigest()[:10]
 
 
 def make_record(case: Case, outcome: dict, wall_s: float) -> dict:
     record = records.make_record(_run(case), **outcome, wall_s=wall_s)
-    spec = _spec(case)
-    if spec != record["spec"]:  # the job lacks the MLA shapes: memplan's answer is its config.json's
-        record["spec"] = spec
-        try:
-            model_from_hf_config(config_json(case))
-            raise AssertionError(f"{case.id}: memplan read MLA shapes its ModelSpec cannot hold")
-        except MemplanError as exc:
-            record["estimate"], record["estimate_error"] = None, str(exc)
     return record | {"id": record_id(case)} | heldout.loop_fields(case)  # type: ignore[arg-type]
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .loop import kv_copies, logits_upcast_in_model
+from .mla import attention_math, mla_saved
 from .moe import moe_backward_transient, moe_matrices, moe_saved, routed_rows
 from .precision import POLICIES
 from .specs import ModelSpec, TrainSpec
@@ -68,7 +69,8 @@ def shapes(model: ModelSpec, train: TrainSpec) -> Shapes:
     on_cpu = train.device == "cpu"
     attention = train.attention
     if attention == "sdpa":
-        attention = "math-fp32" if on_cpu and model.dropout > 0 else "flash"
+        math = model.dropout > 0 or (model.mla and attention_math(model, on_cpu))
+        attention = "math-fp32" if on_cpu and math else "flash"
     c = policy.compute_bytes
     # ViTEmbeddings: one token per patch plus the class token, whatever seq-len says
     s = model.max_positions if model.arch == "vit" else train.seq_len
@@ -79,7 +81,7 @@ def shapes(model: ModelSpec, train: TrainSpec) -> Shapes:
         q=model.q_hidden,
         kv=model.kv_hidden,
         a=model.num_heads,
-        d=model.head_size,
+        d=model.qk_rope_head_dim or model.head_size,  # MLA: rotary over the rope part alone
         f=model.ffn_hidden,
         V=model.vocab_size,
         c=c,
@@ -179,13 +181,16 @@ def block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False
             saved.append(Saved("residual after attention (norm input)", "r·b·s·h", x.r * t * x.h))
     saved += _norm(model, x, "norm 1") + _norm(model, x, "norm 2")
     saved += _linear_inputs(model, x)
-    if model.arch in ("llama", "neox") and x.c < 4 and inputs_cast:
+    if model.mla:  # DeepSeek's latent attention in place of q/k/v/o (memplan.mla)
+        saved += mla_saved(model, x)
+    elif model.arch in ("llama", "neox") and x.c < 4 and inputs_cast:
         # FSDP cast cos, sin once on entry; q and k share them (measured: 2·c·s·d per block)
         saved.append(Saved("rotary cos/sin (cast by FSDP)", "2·c·s·d", 2 * x.c * x.s * x.d))
     elif model.arch in ("llama", "neox") and x.c < 4:
         # cos/sin cast to the compute dtype for q and for k: 4 tables of s×d
         saved.append(Saved("rotary cos/sin casts", "4·c·s·d", 4 * x.c * x.s * x.d))
-    saved += _qkv_out(model, x) + _attention_core(model, x)
+    if not model.mla:
+        saved += _qkv_out(model, x) + _attention_core(model, x)
     if model.qk_norm:
         saved += _qk_norm(model, x)
     if model.num_experts:  # every block as a sparse one (memplan.moe)
