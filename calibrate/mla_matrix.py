@@ -123,6 +123,9 @@ CASES = (
     # measured after the model: FSDP2's mixed precision (bf16 compute over fp32 parameters)
     _case("plain-kept", DSV3_Q, "fsdp", gpus=2, b=2, s=128, precision="mixed-bf16"),
     _case("plain-freed", DSV3_DENSE, "fsdp", gpus=2, b=1, s=256, precision="mixed-bf16"),
+    # measured after the model: autocast over fp32 parameters (memplan's default precision)
+    _case("plain-kept", DSV3_NOQ, "single", b=2, s=128, precision="amp-bf16"),
+    _case("hf-trainer", DSV3_Q, "single", b=2, s=128, precision="amp-bf16", ac="full"),
 )
 BY_ID = {case.id: case for case in CASES}
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .loop import kv_copies, logits_upcast_in_model
-from .mla import attention_math, mla_saved
+from .mla import attention_math, mla_matrices, mla_saved
 from .moe import moe_backward_transient, moe_matrices, moe_saved, routed_rows
 from .precision import POLICIES
 from .specs import ModelSpec, TrainSpec
@@ -131,6 +131,8 @@ def _linear_inputs(model: ModelSpec, x: Shapes) -> list[Saved]:
     if x.autocast:
         # autocast casts the fp32 input once per linear, and each cast is saved
         casts = {"llama": 5, "vit": 4}.get(model.arch, 2)  # q,k,v,gate,up | q,k,v,fc1 | fused qkv, up
+        if model.mla:  # q_proj or q_a_proj, kv_a_proj_with_mqa, gate, up (the latents' casts: memplan.mla)
+            casts = 4
         return [Saved("autocast input casts", f"{casts}·c·b·s·h", casts * x.c * t * x.h)]
     return [Saved("norm outputs (linear inputs)", "2·r·b·s·h", 2 * x.r * t * x.h)]
 
@@ -207,9 +209,10 @@ def block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False
     if x.autocast:
         # autocast caches one low-precision copy of every linear weight (not bias) per forward
         # q_proj h×q, k/v_proj h×kv each, o_proj q×h
-        weights = x.h * (2 * x.q + 2 * x.kv) + (3 if model.gated_mlp else 2) * x.h * x.f
+        attention = mla_matrices(model) if model.mla else x.h * (2 * x.q + 2 * x.kv)
+        weights = attention + (3 if model.gated_mlp else 2) * x.h * x.f
         if model.num_experts:  # the router, every expert hit, the shared expert and its gate
-            weights = x.h * (2 * x.q + 2 * x.kv) + moe_matrices(model)
+            weights = attention + moe_matrices(model)
         saved.append(Saved("autocast weight copies", "c·(block weight matrices)", x.c * weights))
     if train.tuning.adapters:
         from .finetune import adapter_block_saved

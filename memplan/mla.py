@@ -26,7 +26,7 @@ MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_d
 """The ModelSpec fields of the latent attention (all 0: not MLA; q_lora_rank 0 alone: q_proj)."""
 
 ACCEPTED = (
-    "MLA is measured for full fine-tunes in fp32, bf16 or mixed-bf16 with sdpa, without AC or with full AC, "
+    "MLA is measured for full fine-tunes in fp32, bf16, mixed-bf16 or amp-bf16 with sdpa, without AC or with full AC, "
     "single GPU, DDP, FSDP and DeepSpeed ZeRO, no TP / CP / PP, compile or op SAC"
 )
 
@@ -69,6 +69,13 @@ def attention_tensors(model: ModelSpec) -> list[tuple[int, ...]]:
     return q + [(R + dr, h), (R,), (a * (dn + dv), R), (h, a * dv)]
 
 
+def mla_matrices(model: ModelSpec) -> int:
+    """The attention's weight matrices (what autocast caches a low-precision copy of)."""
+    import math
+
+    return sum(math.prod(t) for t in attention_tensors(model) if len(t) == 2)
+
+
 def block_param_counts(model: ModelSpec) -> dict[str, int]:
     """The attention's share of ``ModelSpec.block_param_counts``: every projection but o_proj as
     attn_qkv, o_proj as attn_out, the two latent norms with the block's norms."""
@@ -93,7 +100,7 @@ def check_mla_job(job: Job) -> None:
     reason = ""
     if not job.layout.is_data_parallel:
         reason = f"layout tp {job.layout.tp} cp {job.layout.cp} pp {job.layout.pp}"
-    elif train.precision not in ("fp32", "bf16", "mixed-bf16"):
+    elif train.precision not in ("fp32", "bf16", "mixed-bf16", "amp-bf16"):
         reason = f"precision {train.precision}"
     elif train.attention != "sdpa":
         reason = f"attention {train.attention}"
@@ -126,7 +133,7 @@ def mla_saved(model: ModelSpec, x: Shapes) -> list[Saved]:
     saved = []
     if Q:
         # q_a_layernorm (DeepseekV3RMSNorm): its fp32 input, rstd, the normalised input (weight·),
-        # and its output, q_b_proj's input
+        # and its output, q_b_proj's input (under autocast: the output's cast for q_b_proj)
         saved += [
             Saved("q_a_layernorm: fp32 input", "4·b·s·Q", 4 * t * Q),
             Saved("q_a_layernorm: rstd", "4·b·s", 4 * t),

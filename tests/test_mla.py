@@ -100,7 +100,7 @@ def test_bad_mla_fields_are_refused(changes, fragment):
         dict(layout=Layout(cp=2)),
         dict(train=TrainSpec(activation_checkpointing="op")),
         dict(train=TrainSpec(compile=True)),
-        dict(train=TrainSpec(precision="amp-bf16")),
+        dict(train=TrainSpec(precision="amp-fp16")),
         dict(train=TrainSpec(attention="eager")),
         dict(train=TrainSpec(finetune="lora")),
     ],
@@ -110,9 +110,8 @@ def test_unmeasured_mla_settings_are_refused_in_one_line(changes):
     with pytest.raises(MemplanError) as err:
         Job(model=ModelSpec(**SHAPES, **MLA), **{"cluster": ClusterSpec(gpus=2)} | changes)
     message = str(err.value)
-    assert (
-        "\n" not in message and "multi-head latent attention under" in message and "fp32, bf16 or mixed-bf16" in message
-    )
+    assert "\n" not in message and "multi-head latent attention under" in message
+    assert "fp32, bf16, mixed-bf16 or amp-bf16" in message
 
 
 def test_attention_flops_run_over_q_k_and_v_widths():
@@ -172,7 +171,7 @@ def measured_block_saved(spec: ModelSpec, precision: str, b: int, s: int) -> int
     """Bytes of distinct storages autograd saves in one DeepseekV3DecoderLayer's forward (its
     parameters and the model's shared rotary tables excluded)."""
     torch = pytest.importorskip("torch")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "amp-bf16": torch.float32}[precision]
     cfg = hf_config(spec) | {"num_hidden_layers": 1, "first_k_dense_replace": 1}
     model = hf_model(cfg, device="cpu").to(dtype)
     model.config._attn_implementation = "sdpa"
@@ -188,12 +187,13 @@ def measured_block_saved(spec: ModelSpec, precision: str, b: int, s: int) -> int
             seen[st.data_ptr()] = st.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp-bf16")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
         layer(x, attention_mask=None, position_embeddings=(cos, sin))
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "amp-bf16"])
 @pytest.mark.parametrize("q_lora_rank", [96, 0])
 def test_block_saved_bytes_match_autograd(precision, q_lora_rank):
     spec = ModelSpec(**SHAPES | {"num_layers": 1}, **MLA | {"q_lora_rank": q_lora_rank})
@@ -222,7 +222,7 @@ def test_the_matrix_covers_q_lora_dense_first_moe_precisions_fsdp_and_full_ac():
     models = [r["spec"]["model"] for r in recs]
     assert {bool(m.get("q_lora_rank")) for m in models} == {True, False}
     assert {m.get("first_dense_layers", 0) > 0 for m in models if m.get("num_experts")} == {True}
-    assert {r["spec"]["train"]["precision"] for r in recs} == {"fp32", "bf16", "mixed-bf16"}
+    assert {r["spec"]["train"]["precision"] for r in recs} == {"fp32", "bf16", "mixed-bf16", "amp-bf16"}
     assert {r["spec"]["plan"]["strategy"] for r in recs} == {"single", "fsdp-full-shard"}
     assert {r["loop"]["ac"] for r in recs} == {"none", "full"}
 
