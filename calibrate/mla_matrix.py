@@ -1,8 +1,9 @@
 """The multi-head latent attention matrix: transformers' DeepseekV3ForCausalLM (MLA: q_a_proj +
 q_a_layernorm + q_b_proj, or q_proj without a q LoRA rank; kv_a_proj_with_mqa + kv_a_layernorm +
 kv_b_proj; rotary on the qk_rope part; eager experts) built from tiny configs with random
-weights and trained by the held-out loops on CPU: one process and FSDP2 on 2 gloo ranks, fp32
-and bf16, dense-first and MoE layers, one full-AC case.
+weights and trained by the held-out loops on CPU: one process, DDP and FSDP2 on 2 gloo ranks
+(and EP 2 under FSDP2, calibrate.moe_ep), fp32, bf16, mixed-bf16 and autocast, dense-first and
+MoE layers, full AC.
 
     python -m calibrate.mla_matrix            # measure every case not yet recorded
     python -m calibrate.mla_matrix --report   # measured, estimated today, error %
@@ -97,7 +98,7 @@ class Case:
     hf_type: str
 
 
-def _case(loop, model, strategy, *, gpus=1, b=1, s=128, precision="fp32", ac="none") -> Case:
+def _case(loop, model, strategy, *, gpus=1, b=1, s=128, precision="fp32", ac="none", ep=1) -> Case:
     train = TrainSpec(
         seq_len=s,
         micro_batch=b,
@@ -105,8 +106,8 @@ def _case(loop, model, strategy, *, gpus=1, b=1, s=128, precision="fp32", ac="no
         device="cpu",
         activation_checkpointing=heldout.TODAY_AC[ac],
     )
-    job = Job(model=model, train=train, cluster=ClusterSpec(gpus=gpus), plan=Plan(strategy=STRATEGY[strategy]))
-    extra = f"-ac{ac}" if ac != "none" else ""
+    job = Job(model=model, train=train, cluster=ClusterSpec(gpus=gpus), plan=Plan(strategy=STRATEGY[strategy], ep=ep))
+    extra = (f"-ac{ac}" if ac != "none" else "") + (f"-ep{ep}" if ep > 1 else "")
     name = f"{model.name}-{loop}-{strategy}-{precision}{extra}-g{gpus}-b{b}s{s}"
     return Case(name, job, loop, ac, "local", "deepseek_v3")
 
@@ -126,6 +127,9 @@ CASES = (
     # measured after the model: autocast over fp32 parameters (memplan's default precision)
     _case("plain-kept", DSV3_NOQ, "single", b=2, s=128, precision="amp-bf16"),
     _case("hf-trainer", DSV3_Q, "single", b=2, s=128, precision="amp-bf16", ac="full"),
+    # measured after the model: DDP, and expert parallel (EP 2, calibrate.moe_ep) under FSDP2
+    _case("plain-freed", DSV3_NOQ, "ddp", gpus=2, b=2, s=128),
+    _case("plain-kept", DSV3_Q, "fsdp", gpus=2, b=2, s=128, ep=2),
 )
 BY_ID = {case.id: case for case in CASES}
 

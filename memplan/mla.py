@@ -26,8 +26,9 @@ MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_d
 """The ModelSpec fields of the latent attention (all 0: not MLA; q_lora_rank 0 alone: q_proj)."""
 
 ACCEPTED = (
-    "MLA is measured for full fine-tunes in fp32, bf16, mixed-bf16 or amp-bf16 with sdpa, without AC or with full AC, "
-    "single GPU, DDP, FSDP and DeepSpeed ZeRO, no TP / CP / PP, compile or op SAC"
+    "MLA is modelled for full fine-tunes in fp32, bf16, mixed-bf16 or amp-bf16 with sdpa, without AC or with "
+    "full AC, on data-parallel strategies (measured: single, DDP, FSDP2, EP under FSDP2), not under TP / CP / PP, "
+    "compile or op SAC"
 )
 
 

@@ -214,7 +214,7 @@ def _records() -> list[dict]:
     return [r for r in heldout.latest(records.read([path])) if r["status"] == "ok"]
 
 
-def test_the_matrix_covers_q_lora_dense_first_moe_precisions_fsdp_and_full_ac():
+def test_the_matrix_covers_q_lora_dense_first_moe_precisions_strategies_and_full_ac():
     from calibrate import mla_matrix
 
     recs = _records()
@@ -223,7 +223,8 @@ def test_the_matrix_covers_q_lora_dense_first_moe_precisions_fsdp_and_full_ac():
     assert {bool(m.get("q_lora_rank")) for m in models} == {True, False}
     assert {m.get("first_dense_layers", 0) > 0 for m in models if m.get("num_experts")} == {True}
     assert {r["spec"]["train"]["precision"] for r in recs} == {"fp32", "bf16", "mixed-bf16", "amp-bf16"}
-    assert {r["spec"]["plan"]["strategy"] for r in recs} == {"single", "fsdp-full-shard"}
+    assert {r["spec"]["plan"]["strategy"] for r in recs} == {"single", "ddp", "fsdp-full-shard"}
+    assert {r["spec"]["plan"].get("ep", 1) for r in recs} == {1, 2}
     assert {r["loop"]["ac"] for r in recs} == {"none", "full"}
 
 
