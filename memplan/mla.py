@@ -148,13 +148,19 @@ def mla_saved(model: ModelSpec, x: Shapes) -> list[Saved]:
         Saved("kv_a_layernorm: rstd", "4·b·s", 4 * t),
         Saved("kv_a_layernorm: normalised, output (kv_b_proj input)", "2·c·b·s·R", 2 * c * t * R),
     ]
-    qkv = 4 if x.attention == "math-fp32" else c
-    saved += [
-        Saved("q, k (every head), v", "c·b·s·a·(2·dqk + dv)", qkv * t * a * (2 * dqk + dv)),
-        Saved("attention output (o_proj input)", "c·b·s·a·dv", c * t * a * dv),
-    ]
+    saved.append(Saved("attention output (o_proj input)", "c·b·s·a·dv", c * t * a * dv))
     if x.attention == "math-fp32":
-        saved.append(Saved("softmax output (fp32)", "4·b·a·s²", 4 * t * a * x.s))
-    else:
-        saved.append(Saved("sdpa logsumexp", "4·b·a·s", 4 * x.b * a * x.s))
-    return saved
+        # the math path's bmm inputs: q, k per head, a contiguous copy of v; the softmax
+        return saved + [
+            Saved("q, k (every head), v (fp32)", "4·b·s·a·(2·dqk + dv)", 4 * t * a * (2 * dqk + dv)),
+            Saved("softmax output (fp32)", "4·b·a·s²", 4 * t * a * x.s),
+        ]
+    # the fused kernel keeps q, k, its output and logsumexp, and v: a split view of kv_b_proj's
+    # output, which pins all a·(dn + dv) of it (measured on CPU with dqk = dv)
+    dn = model.qk_nope_head_dim
+    return saved + [
+        Saved("q, k (every head)", "c·b·s·a·2·dqk", c * t * a * 2 * dqk),
+        Saved("kv_b_proj output (pinned by v)", "c·b·s·a·(dn + dv)", c * t * a * (dn + dv)),
+        Saved("sdpa output", "c·b·s·a·dv", c * t * a * dv),
+        Saved("sdpa logsumexp", "4·b·a·s", 4 * x.b * a * x.s),
+    ]

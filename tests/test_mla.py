@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from memplan import catalog, throughput
-from memplan.activations import block_saved
+from memplan.activations import block_saved, shapes
 from memplan.errors import MemplanError
 from memplan.finetune import full_tensors
 from memplan.frameworks.deepspeed import tensor_numels
@@ -194,10 +194,12 @@ def measured_block_saved(spec: ModelSpec, precision: str, b: int, s: int) -> int
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "amp-bf16"])
-@pytest.mark.parametrize("q_lora_rank", [96, 0])
-def test_block_saved_bytes_match_autograd(precision, q_lora_rank):
-    spec = ModelSpec(**SHAPES | {"num_layers": 1}, **MLA | {"q_lora_rank": q_lora_rank})
+@pytest.mark.parametrize("q_lora_rank,v_head_dim", [(96, 20), (0, 20), (96, 40)])
+def test_block_saved_bytes_match_autograd(precision, q_lora_rank, v_head_dim):
+    """v_head_dim 20: CPU sdpa's math path (q/k heads 40 wide); 40: its fused kernel."""
+    spec = ModelSpec(**SHAPES | {"num_layers": 1}, **MLA | {"q_lora_rank": q_lora_rank, "v_head_dim": v_head_dim})
     train = TrainSpec(seq_len=64, micro_batch=2, precision=precision, device="cpu")
+    assert shapes(spec, train).attention == ("flash" if v_head_dim == 40 else "math-fp32")
     estimated = sum(saved.bytes for saved in block_saved(spec, train))
     assert estimated == measured_block_saved(spec, precision, 2, 64)
 
