@@ -264,3 +264,11 @@ def test_live_case_matches_its_record_and_the_estimate():
     assert outcome["status"] == "ok", outcome["error"]
     recorded = record["measurement"]["peak_allocated_bytes"]
     assert abs(outcome["measurement"]["peak_allocated_bytes"] - recorded) <= 0.005 * recorded
+
+
+def test_a_transformers_module_reads_as_its_spec():
+    """memplan.module: a DeepseekV3ForCausalLM carries its config, read as a config.json is."""
+    from memplan.module import spec_from_module
+
+    spec = ModelSpec(**SHAPES, **MLA, **MOE)
+    assert spec_from_module(hf_model(hf_config(spec)), name=spec.name) == spec
