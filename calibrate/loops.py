@@ -182,9 +182,13 @@ def _torchtune_loss_class():
     return module.CEWithChunkedOutputLoss
 
 
-def _hf_config(spec: ModelSpec, hf_type: str, *, attention: str):
-    """The transformers config of ``hf_type`` with the spec's shapes (random weights)."""
+def _hf_config(spec: ModelSpec, hf_type: str, *, attention: str, overrides: dict | None = None):
+    """The transformers config of ``hf_type`` with the spec's shapes (random weights);
+    ``overrides``: config keys set beyond them (a shape the spec cannot hold)."""
     from transformers import AutoConfig
+
+    if overrides and (hf_type in ("llama", "gpt2", "gpt_neox") or spec.arch == "bert"):
+        raise ValueError(f"config overrides are set on the generic (mistral, qwen, deepseek) configs, not {hf_type}")
 
     if hf_type in ("llama", "gpt2", "gpt_neox"):
         return hf_config(spec, attention=attention)
@@ -226,7 +230,7 @@ def _hf_config(spec: ModelSpec, hf_type: str, *, attention: str):
         from .moe_ep import hf_moe_kwargs
 
         shapes |= hf_moe_kwargs(spec, hf_type)
-    config = AutoConfig.for_model(hf_type, **shapes)
+    config = AutoConfig.for_model(hf_type, **shapes | (overrides or {}))
     config._attn_implementation = attention
     return config
 
@@ -325,14 +329,14 @@ class TorchtuneLM(nn.Module):
 class LoopLM(nn.Module):
     """A transformers AutoModelForCausalLM (from a config) whose forward serves every loop."""
 
-    def __init__(self, spec: ModelSpec, *, hf_type: str, attention: str, autocast_dtype=None):
+    def __init__(self, spec: ModelSpec, *, hf_type: str, attention: str, autocast_dtype=None, overrides=None):
         super().__init__()
         from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
         auto: Any = AutoModelForCausalLM
         if spec.arch == "bert":
             auto = AutoModelForSequenceClassification if spec.num_labels else AutoModelForMaskedLM
-        self.hf = auto.from_config(_hf_config(spec, hf_type, attention=attention))
+        self.hf = auto.from_config(_hf_config(spec, hf_type, attention=attention, overrides=overrides))
         self.num_labels = spec.num_labels
         """A sequence classifier takes one label per row: the first token id modulo the labels."""
         self.autocast_dtype = autocast_dtype
@@ -644,6 +648,7 @@ def run(
     warmup: int = 1,
     adapt=None,
     zero_grad: str = "none",
+    hf_overrides: dict | None = None,
 ) -> Measurement:
     """Build the HF model, wrap it as the job's strategy, and train ``steps`` steps with the
     loop's step; measure the last (MemTracker's peak of live tensors, by phase; under
@@ -652,7 +657,8 @@ def run(
     float8, compile, optimizer in backward and ac-every, applied in torchtitan's order:
     float8, AC, compile, FSDP. ``zero_grad``: how the gradients are cleared after each step,
     none ``optimizer.zero_grad(set_to_none=True)`` or zeros (``set_to_none=False``: they stay
-    allocated through the next forward)."""
+    allocated through the next forward). ``hf_overrides``: transformers config keys beyond the
+    spec's shapes."""
     from torch.profiler import record_function
 
     if steps <= warmup:
@@ -682,6 +688,7 @@ def run(
                 hf_type=hf_type,
                 attention=train.attention,
                 autocast_dtype=DTYPES[policy.compute_dtype] if policy.autocast else None,
+                overrides=hf_overrides,
             )
             if train.float8:
                 apply_float8(hf)

@@ -22,7 +22,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from memplan.specs import ModelSpec
 
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 
 def hf_moe_kwargs(spec: ModelSpec, hf_type: str) -> dict:
@@ -47,6 +47,19 @@ def hf_moe_kwargs(spec: ModelSpec, hf_type: str) -> dict:
             "decoder_sparse_step": spec.moe_every,
             "mlp_only_layers": [],
             "norm_topk_prob": spec.normalize_top_k,
+        }
+    elif hf_type == "deepseek_v3":  # DeepseekV3MoE: sigmoid router, shared experts as one MLP, dense first layers
+        width = spec.moe_ffn_hidden or spec.ffn_hidden
+        if spec.shared_ffn_hidden % width or spec.moe_every != 1:
+            raise ValueError("deepseek_v3 holds n_shared_experts × moe_intermediate_size and no layer step")
+        keys = {
+            "n_routed_experts": spec.num_experts,
+            "moe_intermediate_size": width,
+            "n_shared_experts": spec.shared_ffn_hidden // width,
+            "first_k_dense_replace": spec.first_dense_layers,
+            "norm_topk_prob": spec.normalize_top_k,
+            "n_group": 1,  # group-limited routing picks among experts: what it keeps is E-wide either way
+            "topk_group": 1,
         }
     else:
         raise ValueError(f"hf type {hf_type!r} is not an MoE type; known: {', '.join(MOE_TYPES)}")

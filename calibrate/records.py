@@ -41,6 +41,7 @@ from typing import Any
 
 from memplan.errors import MemplanError
 from memplan.loop import Loop
+from memplan.mla import MLA_FIELDS
 from memplan.moe import MOE_FIELDS
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
@@ -60,7 +61,7 @@ _LATER_DEFAULTS: dict[str, dict[str, Any]] = {
     "model": {
         f.name: f.default
         for f in fields(ModelSpec)
-        if f.name in (*MOE_FIELDS, "qk_norm", "type_vocab_size", "num_labels", "head_dim")
+        if f.name in (*MOE_FIELDS, *MLA_FIELDS, "qk_norm", "type_vocab_size", "num_labels", "head_dim")
     },
     "plan": {"ep": 1},
 }

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .loop import kv_copies, logits_upcast_in_model
+from .mla import attention_math, mla_matrices, mla_saved
 from .moe import moe_backward_transient, moe_matrices, moe_saved, routed_rows
 from .precision import POLICIES
 from .specs import ModelSpec, TrainSpec
@@ -68,7 +69,8 @@ def shapes(model: ModelSpec, train: TrainSpec) -> Shapes:
     on_cpu = train.device == "cpu"
     attention = train.attention
     if attention == "sdpa":
-        attention = "math-fp32" if on_cpu and model.dropout > 0 else "flash"
+        math = model.dropout > 0 or (model.mla and attention_math(model, on_cpu))
+        attention = "math-fp32" if on_cpu and math else "flash"
     c = policy.compute_bytes
     # ViTEmbeddings: one token per patch plus the class token, whatever seq-len says
     s = model.max_positions if model.arch == "vit" else train.seq_len
@@ -79,7 +81,7 @@ def shapes(model: ModelSpec, train: TrainSpec) -> Shapes:
         q=model.q_hidden,
         kv=model.kv_hidden,
         a=model.num_heads,
-        d=model.head_size,
+        d=model.qk_rope_head_dim or model.head_size,  # MLA: rotary over the rope part alone
         f=model.ffn_hidden,
         V=model.vocab_size,
         c=c,
@@ -129,6 +131,8 @@ def _linear_inputs(model: ModelSpec, x: Shapes) -> list[Saved]:
     if x.autocast:
         # autocast casts the fp32 input once per linear, and each cast is saved
         casts = {"llama": 5, "vit": 4}.get(model.arch, 2)  # q,k,v,gate,up | q,k,v,fc1 | fused qkv, up
+        if model.mla:  # q_proj or q_a_proj, kv_a_proj_with_mqa, gate, up (the latents' casts: memplan.mla)
+            casts = 4
         return [Saved("autocast input casts", f"{casts}·c·b·s·h", casts * x.c * t * x.h)]
     return [Saved("norm outputs (linear inputs)", "2·r·b·s·h", 2 * x.r * t * x.h)]
 
@@ -179,13 +183,16 @@ def block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False
             saved.append(Saved("residual after attention (norm input)", "r·b·s·h", x.r * t * x.h))
     saved += _norm(model, x, "norm 1") + _norm(model, x, "norm 2")
     saved += _linear_inputs(model, x)
-    if model.arch in ("llama", "neox") and x.c < 4 and inputs_cast:
+    if model.mla:  # DeepSeek's latent attention in place of q/k/v/o (memplan.mla)
+        saved += mla_saved(model, x)
+    elif model.arch in ("llama", "neox") and x.c < 4 and inputs_cast:
         # FSDP cast cos, sin once on entry; q and k share them (measured: 2·c·s·d per block)
         saved.append(Saved("rotary cos/sin (cast by FSDP)", "2·c·s·d", 2 * x.c * x.s * x.d))
     elif model.arch in ("llama", "neox") and x.c < 4:
         # cos/sin cast to the compute dtype for q and for k: 4 tables of s×d
         saved.append(Saved("rotary cos/sin casts", "4·c·s·d", 4 * x.c * x.s * x.d))
-    saved += _qkv_out(model, x) + _attention_core(model, x)
+    if not model.mla:
+        saved += _qkv_out(model, x) + _attention_core(model, x)
     if model.qk_norm:
         saved += _qk_norm(model, x)
     if model.num_experts:  # every block as a sparse one (memplan.moe)
@@ -202,9 +209,10 @@ def block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False
     if x.autocast:
         # autocast caches one low-precision copy of every linear weight (not bias) per forward
         # q_proj h×q, k/v_proj h×kv each, o_proj q×h
-        weights = x.h * (2 * x.q + 2 * x.kv) + (3 if model.gated_mlp else 2) * x.h * x.f
+        attention = mla_matrices(model) if model.mla else x.h * (2 * x.q + 2 * x.kv)
+        weights = attention + (3 if model.gated_mlp else 2) * x.h * x.f
         if model.num_experts:  # the router, every expert hit, the shared expert and its gate
-            weights = x.h * (2 * x.q + 2 * x.kv) + moe_matrices(model)
+            weights = attention + moe_matrices(model)
         saved.append(Saved("autocast weight copies", "c·(block weight matrices)", x.c * weights))
     if train.tuning.adapters:
         from .finetune import adapter_block_saved

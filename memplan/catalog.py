@@ -96,6 +96,7 @@ def _model_row(row: dict[str, str]) -> ModelSpec:
         **experts().get(row["name"], {}),
         qk_norm=row["name"] in qk_norms(),
         head_dim=head_dims().get(row["name"], 0),
+        **latent_attention().get(row["name"], {}),
         **encoders().get(row["name"], {}),
     )
 
@@ -110,6 +111,14 @@ def qk_norms() -> frozenset[str]:
 def head_dims() -> dict[str, int]:
     """The presets whose attention heads are apart from hidden / heads (tables/head_dims.csv)."""
     return {row["name"]: int(row["head_dim"]) for row in read_table("head_dims.csv")}
+
+
+@cache
+def latent_attention() -> dict[str, dict[str, Any]]:
+    """The presets with DeepSeek's multi-head latent attention, their MLA shapes (tables/mla.csv)."""
+    from .mla import MLA_FIELDS
+
+    return {row["name"]: {f: int(row[f]) for f in MLA_FIELDS} for row in read_table("mla.csv")}
 
 
 @cache

@@ -164,6 +164,11 @@ class Trained:
 
 def _block_tensors(model) -> list[tuple[int, ...]]:
     shapes: list[tuple[int, ...]] = []
+    if model.mla:  # DeepseekV3Attention's tensors, then the MLP's gate, up, down (memplan.mla)
+        from .mla import attention_tensors
+
+        f, h = model.ffn_hidden, model.hidden
+        return attention_tensors(model) + [(f, h), (f, h), (h, f)] + 2 * [(h,)]
     for name, (n_in, n_out) in _linears(model).items():
         shapes.append((n_out, n_in))
         bias = model.linear_bias or (model.qkv_bias and name in ("q", "k", "v", "qkv"))

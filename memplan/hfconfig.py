@@ -126,6 +126,39 @@ def _qwen2_moe_extra(cfg: dict) -> dict[str, Any]:
     }
 
 
+def _deepseek_v3_extra(cfg: dict) -> dict[str, Any]:
+    """DeepseekV3Config's defaults where a key is absent (configuration_deepseek_v3.py): MLA
+    (q_lora_rank null: q_proj), the routed experts from layer first_k_dense_replace on, the
+    shared experts as one MLP of n_shared_experts × moe_intermediate_size (modeling_deepseek_v3.py)."""
+    q_lora = cfg.get("q_lora_rank", 1536)
+    fields: dict[str, Any] = {
+        "q_lora_rank": 0 if q_lora is None else read(cfg, ("q_lora_rank",), int),
+        "kv_lora_rank": read(cfg, ("kv_lora_rank",), int, 512),
+        "qk_nope_head_dim": read(cfg, ("qk_nope_head_dim",), int, 128),
+        "qk_rope_head_dim": read(cfg, ("qk_rope_head_dim",), int, 64),
+        "v_head_dim": read(cfg, ("v_head_dim",), int, 128),
+    }
+    layers = read(cfg, SHAPE_KEYS["num_layers"], int, 61)
+    first_dense = cfg.get("first_k_dense_replace", 3)
+    if not isinstance(first_dense, int) or isinstance(first_dense, bool) or first_dense < 0:
+        raise MemplanError(f"config.json first_k_dense_replace must be a non-negative integer, got {first_dense!r}")
+    if first_dense >= layers:  # every layer a DeepseekV3MLP
+        return fields
+    width = read(cfg, ("moe_intermediate_size",), int, 2048)
+    shared = cfg.get("n_shared_experts", 1)
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        raise MemplanError(f"config.json n_shared_experts must be a non-negative integer, got {shared!r}")
+    return fields | {
+        "num_experts": read(cfg, ("n_routed_experts",), int, 256),
+        "experts_per_token": read(cfg, ("num_experts_per_tok",), int, 8),
+        "moe_ffn_hidden": width,
+        "shared_ffn_hidden": shared * width,
+        "first_dense_layers": first_dense,
+        "normalize_top_k": _flag(cfg, "norm_topk_prob", True),
+        "top_k_weights_fp32": True,  # DeepseekV3TopkRouter: sigmoid of fp32 logits, gathered
+    }
+
+
 FAMILIES = {
     "llama": Family("llama", False, {"attention_dropout": 0.0}, _llama_biases),
     "mistral": Family("llama", False, {"attention_dropout": 0.0}),
@@ -172,6 +205,15 @@ FAMILIES = {
         lambda cfg: (True, False),
         _qwen2_moe_extra,
     ),
+    # DeepseekV3Attention: multi-head latent attention, o_proj and q_a/kv_a biases with
+    # attention_bias (refused by ModelSpec); DeepseekV3MoE after the first dense layers
+    "deepseek_v3": Family(
+        "llama",
+        False,
+        {"attention_dropout": 0.0},
+        lambda cfg: (_flag(cfg, "attention_bias", False), False),
+        _deepseek_v3_extra,
+    ),
     # GPTNeoXAttention's attention_bias=False (rare) drops the q/k/v/dense biases, which ModelSpec
     # cannot express: they are still counted (4 * hidden per layer). use_parallel_residual=False
     # changes no parameter; ModelSpec's neox family always assumes the parallel residual.
@@ -207,8 +249,6 @@ UNDESCRIBED = {
     "fields; bert and roberta are described",
     "deberta-v2": "its disentangled attention (relative position buckets, c2p/p2c terms, shared key "
     "projections) has no ModelSpec fields; bert and roberta are described",
-    "deepseek_v3": "its multi-head latent attention (q_lora_rank, kv_lora_rank, qk_rope_head_dim) has no "
-    "ModelSpec fields; the preset deepseek-v3-gqa keeps its MoE shapes with standard GQA attention",
     "deepseek_v2": "its multi-head latent attention (q_lora_rank, kv_lora_rank) has no ModelSpec fields",
     "gemma2": "its alternating sliding-window / global attention and its attention and final logit soft-caps "
     "(attn_logit_softcapping, final_logit_softcapping) are not modelled",
@@ -297,6 +337,8 @@ def model_from_hf_config(source: str | Path | dict, *, name: str | None = None) 
     # (Qwen3Config alone defaults it, to 128); Qwen3-0.6B/4B and Mistral-Nemo set it apart from hidden/heads
     default_head_dim = 128 if model_type == "qwen3" else 0
     fields["head_dim"] = read(cfg, ("head_dim",), int, default_head_dim)
+    if fields.get("kv_lora_rank"):  # DeepseekV3Config sets head_dim = qk_rope_head_dim: no head width
+        fields["head_dim"] = 0
     if fields["head_dim"] and fields["head_dim"] * heads != fields["hidden"] and family.arch != "llama":
         raise MemplanError(
             f"config.json head_dim {fields['head_dim']} differs from hidden_size/num_attention_heads "

@@ -111,6 +111,17 @@ class ModelSpec:
     qk_norm: bool = False
     """Qwen3's per-head RMSNorms on q and k before the rotary embedding (q_norm, k_norm of
     head_dim each: modeling_qwen3.py Qwen3Attention)."""
+    # multi-head latent attention (DeepSeek-V2/V3; ``memplan.mla`` holds the formulas)
+    q_lora_rank: int = 0
+    """MLA's q down-projection rank (q_a_proj h → rank, q_a_layernorm, q_b_proj); 0: q_proj."""
+    kv_lora_rank: int = 0
+    """MLA's k/v latent width (kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj); 0: not MLA."""
+    qk_nope_head_dim: int = 0
+    """MLA: a q/k head's width without rotary."""
+    qk_rope_head_dim: int = 0
+    """MLA: a q/k head's rotary width (k's rotary part one head shared by all)."""
+    v_head_dim: int = 0
+    """MLA: a v head's width (o_proj takes heads·v_head_dim)."""
     # mixture of experts (llama family only; ``memplan.moe`` holds the formulas)
     num_experts: int = 0
     """Routed experts per MoE layer; 0: a dense model."""
@@ -177,6 +188,9 @@ class ModelSpec:
             raise MemplanError(
                 lambda n: f"heads {self.num_heads} is not divisible by {n.word('kv_heads')} {self.num_kv_heads}"
             )
+        from .mla import check_mla
+
+        check_mla(self)
         if self.arch == "vit" and not _square_grid_plus_one(self.max_positions):
             raise MemplanError(
                 f"vit max_positions must be its patch count + 1 over a square patch grid "
@@ -218,6 +232,11 @@ class ModelSpec:
         return self.num_kv_heads * self.head_size
 
     @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek): kv_lora_rank set."""
+        return self.kv_lora_rank > 0
+
+    @property
     def gated_mlp(self) -> bool:
         return self.arch == "llama"
 
@@ -239,6 +258,12 @@ class ModelSpec:
             "mlp_out": f * h + h * bias,
             "norms": 2 * self.norm_params + (2 * self.head_size if self.qk_norm else 0),
         }
+        if self.mla:  # DeepseekV3Attention's projections and latent norms (memplan.mla)
+            from .mla import block_param_counts
+
+            mla = block_param_counts(self)
+            counts |= {"attn_qkv": mla["attn_qkv"], "attn_out": mla["attn_out"]}
+            counts["norms"] += mla["norms"]
         return counts
 
     @lru_cache(maxsize=1024)  # noqa: B019 - frozen specs, asked for by every term of every estimate
@@ -289,6 +314,9 @@ class ModelSpec:
     def describe(self) -> str:
         gqa = f", kv-heads {self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
         gqa += f", head-dim {self.head_dim}" if self.head_dim else ""
+        if self.mla:  # DeepSeek's latent attention: q rank (0: q_proj), kv latent, q/k and v head widths
+            gqa = f", MLA q-rank {self.q_lora_rank} kv-rank {self.kv_lora_rank} "
+            gqa += f"qk {self.qk_nope_head_dim}+{self.qk_rope_head_dim} v {self.v_head_dim}"
         moe = f", {self.num_experts} experts top-{self.experts_per_token}" if self.num_experts else ""
         if self.arch == "bert":
             moe = f", {self.num_labels}-label classifier" if self.num_labels else ", MLM head"
@@ -540,6 +568,10 @@ class Job:
                 layers=m.num_layers,
                 seq_len=self.train.seq_len,
             )
+        if self.model.mla:
+            from .mla import check_mla_job
+
+            check_mla_job(self)
         strategy = STRATEGIES[self.plan.strategy]
         if not strategy.allows_gpus(self.dp):
             raise MemplanError(

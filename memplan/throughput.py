@@ -115,6 +115,10 @@ def flops_per_token(job: Job) -> float:
     # an MoE token runs through its top-k experts only: N counts the active parameters
     n = active_params(m)
     attention_fwd = 4 * m.num_layers * m.q_hidden * s  # q·kᵀ and probs·v over a·d, hidden unless set apart
+    if m.mla:  # q·kᵀ over a·(qk_nope + qk_rope), probs·v over a·v_head_dim (memplan.mla)
+        from .mla import attention_flops_per_token
+
+        attention_fwd = m.num_layers * attention_flops_per_token(m, s)
     recompute = {"none": 0.0, "selective": attention_fwd, "op": n, "full": 2 * n + attention_fwd}[
         job.train.activation_checkpointing
     ]

@@ -137,7 +137,7 @@ def test_qwen3_moe_config_reads_its_router():
     ).normalize_top_k
 
 
-@pytest.mark.parametrize("model_type,fragment", [("deepseek_v3", "latent attention")])
+@pytest.mark.parametrize("model_type,fragment", [("deepseek_v2", "latent attention")])
 def test_undescribed_attention_is_refused(model_type, fragment):
     with pytest.raises(MemplanError, match=fragment):
         model_from_hf_config({"model_type": model_type, "hidden_size": 64})

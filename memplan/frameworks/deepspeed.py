@@ -4,6 +4,7 @@ the config that sets the bucket sizes the memory model charges (tables/deepspeed
 from __future__ import annotations
 
 import json
+import math
 from typing import ClassVar
 
 from ..breakdown import Component
@@ -73,7 +74,12 @@ def tensor_numels(model) -> list[int]:
     mlp_bias = ([f, f, h] if model.gated_mlp else [f, h]) if bias else []
     norm = [h] if model.arch == "llama" else [h, h]
     qk_norm = [model.head_size] * 2 if model.qk_norm else []  # Qwen3's q_norm, k_norm
-    block = attn + attn_bias + [q * h] + ([h] if bias else []) + qk_norm + mlp + mlp_bias + 2 * norm
+    attention = attn + attn_bias + [q * h] + ([h] if bias else []) + qk_norm
+    if model.mla:  # DeepseekV3Attention's projections and latent norms (memplan.mla)
+        from ..mla import attention_tensors
+
+        attention = [math.prod(t) for t in attention_tensors(model)]
+    block = attention + mlp + mlp_bias + 2 * norm
     if model.arch == "vit":  # patch conv (+ bias), class token, positions; classifier (+ bias)
         root = [model.image_channels * model.patch_size**2 * h, h, h, model.max_positions * h]
         return block * model.num_layers + root + norm + [h * model.vocab_size, model.vocab_size]
@@ -90,7 +96,7 @@ def tensor_numels(model) -> list[int]:
         from .. import moe
 
         w = moe.expert_width(model)
-        sparse = attn + attn_bias + [q * h] + qk_norm + 2 * norm + [model.num_experts * h]
+        sparse = attention + 2 * norm + [model.num_experts * h]
         sparse += [model.num_experts * 2 * w * h, model.num_experts * h * w]
         if model.shared_ffn_hidden:  # Qwen2-MoE's shared expert (gate, up, down) and its h → 1 gate
             sparse += [h * model.shared_ffn_hidden] * 3 + ([h] if model.shared_expert_gate else [])

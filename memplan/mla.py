@@ -1,0 +1,166 @@
+"""Multi-head latent attention (DeepSeek-V2/V3): parameters, saved activations, FLOPs and what
+is refused.
+
+Source: transformers 5.24 ``models/deepseek_v3/modeling_deepseek_v3.py`` DeepseekV3Attention:
+q is ``q_b_proj(q_a_layernorm(q_a_proj(x)))`` (h → q_lora_rank → heads·(nope + rope)), or
+``q_proj(x)`` (h → heads·(nope + rope)) when q_lora_rank is None; ``kv_a_proj_with_mqa`` (h →
+kv_lora_rank + rope) is split into the latent, normalised by ``kv_a_layernorm`` and expanded by
+``kv_b_proj`` (kv_lora_rank → heads·(nope + v)), and the rope part, one head shared by all;
+rotary on the rope parts of q and k; ``o_proj`` heads·v → h; no biases (attention_bias false).
+
+Symbols: t tokens (b·s), a heads, Q q_lora_rank, R kv_lora_rank, dn qk_nope_head_dim, dr
+qk_rope_head_dim, dv v_head_dim, dqk = dn + dr; c compute bytes, r residual-stream bytes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .errors import MemplanError
+
+if TYPE_CHECKING:
+    from .activations import Saved, Shapes
+    from .specs import Job, ModelSpec
+
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+"""The ModelSpec fields of the latent attention (all 0: not MLA; q_lora_rank 0 alone: q_proj)."""
+
+ACCEPTED = (
+    "MLA is modelled for full fine-tunes in fp32, bf16, mixed-bf16 or amp-bf16 with sdpa, without AC or with "
+    "full AC, on data-parallel strategies (measured: single, DDP, FSDP2, EP under FSDP2), not under TP / CP / PP, "
+    "compile or op SAC"
+)
+
+
+def check_mla(model: ModelSpec) -> None:
+    """The MLA fields of a ModelSpec, checked once (``ModelSpec.__post_init__``)."""
+    for name in MLA_FIELDS:
+        value = getattr(model, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise MemplanError(f"{name} must be a non-negative integer, got {value!r}")
+    if not model.kv_lora_rank:
+        if any(getattr(model, name) for name in MLA_FIELDS):
+            raise MemplanError("MLA shapes need kv_lora_rank (0: not MLA): give kv_lora_rank or none of them")
+        return
+    missing = [n for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if not getattr(model, n)]
+    if missing:
+        raise MemplanError(f"MLA (kv_lora_rank {model.kv_lora_rank}) needs positive {', '.join(missing)}")
+    if model.qk_rope_head_dim % 2:
+        raise MemplanError(f"qk_rope_head_dim must be even (rotary pairs), got {model.qk_rope_head_dim}")
+    if model.arch != "llama" or model.head_dim or model.qk_norm or model.qkv_bias or model.linear_bias:
+        raise MemplanError(
+            "MLA is modelled for arch llama without head_dim, qk_norm or biases (DeepSeek's attention_bias false)"
+        )
+    if model.num_kv_heads != model.num_heads:
+        raise MemplanError(
+            f"MLA expands k and v for every head: num_kv_heads {model.num_kv_heads} must equal heads {model.num_heads}"
+        )
+
+
+def qk_head_dim(model: ModelSpec) -> int:
+    return model.qk_nope_head_dim + model.qk_rope_head_dim
+
+
+def attention_tensors(model: ModelSpec) -> list[tuple[int, ...]]:
+    """The attention's parameter tensors in DeepseekV3Attention's registration order: q_proj, or
+    q_a_proj, q_a_layernorm, q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj; o_proj."""
+    h, a, Q, R = model.hidden, model.num_heads, model.q_lora_rank, model.kv_lora_rank
+    dqk, dr, dn, dv = qk_head_dim(model), model.qk_rope_head_dim, model.qk_nope_head_dim, model.v_head_dim
+    q = [(a * dqk, h)] if not Q else [(Q, h), (Q,), (a * dqk, Q)]
+    return q + [(R + dr, h), (R,), (a * (dn + dv), R), (h, a * dv)]
+
+
+def mla_matrices(model: ModelSpec) -> int:
+    """The attention's weight matrices (what autocast caches a low-precision copy of)."""
+    import math
+
+    return sum(math.prod(t) for t in attention_tensors(model) if len(t) == 2)
+
+
+def block_param_counts(model: ModelSpec) -> dict[str, int]:
+    """The attention's share of ``ModelSpec.block_param_counts``: every projection but o_proj as
+    attn_qkv, o_proj as attn_out, the two latent norms with the block's norms."""
+    import math
+
+    tensors = attention_tensors(model)
+    norms = sum(t[0] for t in tensors if len(t) == 1)
+    o_proj = math.prod(tensors[-1])
+    return {"attn_qkv": sum(math.prod(t) for t in tensors if len(t) == 2) - o_proj, "attn_out": o_proj, "norms": norms}
+
+
+def attention_flops_per_token(model: ModelSpec, seq_len: int) -> int:
+    """Forward FLOPs per token per layer of q·kᵀ (a·dqk wide) and probs·v (a·dv wide)."""
+    return 2 * model.num_heads * (qk_head_dim(model) + model.v_head_dim) * seq_len
+
+
+def check_mla_job(job: Job) -> None:
+    """What an MLA estimate is measured for (docs/mla_matrix_cpu.md); anything else refused."""
+    model, train = job.model, job.train
+    if not model.kv_lora_rank:
+        return
+    reason = ""
+    if not job.layout.is_data_parallel:
+        reason = f"layout tp {job.layout.tp} cp {job.layout.cp} pp {job.layout.pp}"
+    elif train.precision not in ("fp32", "bf16", "mixed-bf16", "amp-bf16"):
+        reason = f"precision {train.precision}"
+    elif train.attention != "sdpa":
+        reason = f"attention {train.attention}"
+    elif train.activation_checkpointing not in ("none", "full"):
+        reason = f"activation checkpointing {train.activation_checkpointing}"
+    elif train.compile:
+        reason = "compile"
+    elif train.tuning.adapters or train.finetune != "full":
+        reason = f"finetune {train.finetune}"
+    elif train.kv_copies:
+        reason = "kv copies (torchtune's attention)"
+    if reason:
+        raise MemplanError(f"{model.name}: multi-head latent attention under {reason} is not modelled; {ACCEPTED}")
+
+
+def attention_math(model: ModelSpec, on_cpu: bool) -> bool:
+    """CPU sdpa runs its math path when v's head dim differs from q/k's (the flash kernel takes one
+    head dim; measured: q, k, v and the softmax kept in fp32 whatever the compute dtype)."""
+    return on_cpu and qk_head_dim(model) != model.v_head_dim
+
+
+def mla_saved(model: ModelSpec, x: Shapes) -> list[Saved]:
+    """What one block's latent attention keeps for backward beyond the norms and the norm output
+    (read off saved-tensor hooks on DeepseekV3DecoderLayer, tests/test_mla.py)."""
+    from .activations import Saved
+
+    t, a, c = x.tokens, x.a, x.c
+    Q, R, dr, dv = model.q_lora_rank, model.kv_lora_rank, model.qk_rope_head_dim, model.v_head_dim
+    dqk = qk_head_dim(model)
+    saved = []
+    if Q:
+        # q_a_layernorm (DeepseekV3RMSNorm): its fp32 input, rstd, the normalised input (weight·),
+        # and its output, q_b_proj's input (under autocast: the output's cast for q_b_proj)
+        saved += [
+            Saved("q_a_layernorm: fp32 input", "4·b·s·Q", 4 * t * Q),
+            Saved("q_a_layernorm: rstd", "4·b·s", 4 * t),
+            Saved("q_a_layernorm: normalised, output (q_b_proj input)", "2·c·b·s·Q", 2 * c * t * Q),
+        ]
+    # kv_a_layernorm over the latent split off kv_a_proj_with_mqa's output: in fp32 its .to(fp32)
+    # is the split view itself, which pins the whole (R + dr)-wide output; else an R-wide fp32 cast
+    latent = R + dr if c == 4 else R
+    saved += [
+        Saved("kv_a_layernorm: fp32 input", "4·b·s·(R + dr)" if c == 4 else "4·b·s·R", 4 * t * latent),
+        Saved("kv_a_layernorm: rstd", "4·b·s", 4 * t),
+        Saved("kv_a_layernorm: normalised, output (kv_b_proj input)", "2·c·b·s·R", 2 * c * t * R),
+    ]
+    saved.append(Saved("attention output (o_proj input)", "c·b·s·a·dv", c * t * a * dv))
+    if x.attention == "math-fp32":
+        # the math path's bmm inputs: q, k per head, a contiguous copy of v; the softmax
+        return saved + [
+            Saved("q, k (every head), v (fp32)", "4·b·s·a·(2·dqk + dv)", 4 * t * a * (2 * dqk + dv)),
+            Saved("softmax output (fp32)", "4·b·a·s²", 4 * t * a * x.s),
+        ]
+    # the fused kernel keeps q, k, its output and logsumexp, and v: a split view of kv_b_proj's
+    # output, which pins all a·(dn + dv) of it (measured on CPU with dqk = dv)
+    dn = model.qk_nope_head_dim
+    return saved + [
+        Saved("q, k (every head)", "c·b·s·a·2·dqk", c * t * a * 2 * dqk),
+        Saved("kv_b_proj output (pinned by v)", "c·b·s·a·(dn + dv)", c * t * a * (dn + dv)),
+        Saved("sdpa output", "c·b·s·a·dv", c * t * a * dv),
+        Saved("sdpa logsumexp", "4·b·a·s", 4 * x.b * a * x.s),
+    ]
