@@ -382,6 +382,15 @@ CASES = (
     _case(
         "torchtune-model", TUNE_A, "single", "bf16", gpus=1, b=2, s=256, in_backward=True, optimizer="paged-adamw8bit"
     ),
+    # cut-cross-entropy's linear_cross_entropy in place of the head and the loss, its torch_compile
+    # implementation (its Triton one needs a GPU); the flag a user types for it: --loss fused-linear-ce
+    # (SGD on one device: AdamW's step would be the peak and hide the loss)
+    _case("cce-compile", LLAMA_A, "single", "fp32", gpus=1, b=2, s=256, optimizer="sgd"),
+    _case("cce-compile", LLAMA_B, "single", "bf16", gpus=1, b=2, s=256, optimizer="sgd"),
+    _case("cce-compile", QWEN_B, "ddp", "fp32", gpus=4, b=2, s=256),
+    _case("cce-compile", LLAMA_B, "fsdp", "fp32", gpus=8, b=2, s=256),
+    _case("cce-compile", QWEN_B, "fsdp", "fp32", gpus=4, b=2, s=256, ac="full"),
+    _case("cce-compile", MISTRAL_B, "fsdp", "mixed-bf16", gpus=4, b=1, s=128),
 )
 BY_ID = {case.id: case for case in CASES}
 
