@@ -380,10 +380,12 @@ class LoopLM(nn.Module):
             return [self.hf.lm_head(chunk) for chunk in hidden.chunk(chunks, dim=1)]
         if self.cce_impl:  # cut-cross-entropy's cce_forward: the hidden states and the head's weight
             from cut_cross_entropy import linear_cross_entropy
+            from transformers.modeling_outputs import CausalLMOutputWithPast
 
             hidden = self.hf.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
             loss = linear_cross_entropy(hidden, self.hf.lm_head.weight, labels, shift=True, impl=self.cce_impl)
-            return SimpleNamespace(loss=loss)
+            # cce_forward's return type: a ModelOutput, whose tensors FSDP2's root pre-backward hook finds
+            return CausalLMOutputWithPast(loss=loss)
         if labels is None:  # torchtitan's and torchtune's models keep no KV cache in training
             return self.hf(input_ids=input_ids, use_cache=False).logits
         if self.num_labels:
