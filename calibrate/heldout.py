@@ -391,6 +391,8 @@ CASES = (
     _case("cce-compile", LLAMA_B, "fsdp", "fp32", gpus=8, b=2, s=256),
     _case("cce-compile", QWEN_B, "fsdp", "fp32", gpus=4, b=2, s=256, ac="full"),
     _case("cce-compile", MISTRAL_B, "fsdp", "mixed-bf16", gpus=4, b=1, s=128),
+    # autocast (its casts inside the compiled graph), measured after the autocast terms were modelled
+    _case("cce-compile", LLAMA_B, "ddp", "amp-bf16", gpus=4, b=2, s=256),
 )
 BY_ID = {case.id: case for case in CASES}
 
@@ -584,6 +586,11 @@ def latest(recs: list[dict]) -> list[dict]:
     return list(by_id.values())
 
 
+LOSS_IMPLS = {"cce-torch-compile": "cce-compile"}
+"""A fused loss's implementation (the record's ``loop_impl``) -> memplan's --loss for it: the
+cases were recorded as a user typed them before it had one (``--loss fused-linear-ce``)."""
+
+
 def loop_job(record: dict) -> Job:
     """The record's Job with the loop that ran it (its ``loop``) as memplan's inputs: the
     conventions and the recipe's FSDP units (calibrate.wrappers lays them out as the framework
@@ -591,7 +598,7 @@ def loop_job(record: dict) -> Job:
     loop = record["loop"]
     return records.job_from_spec(record["spec"]).with_(
         logits=loop["logits"],
-        loss=loop["loss"],
+        loss=LOSS_IMPLS.get(loop.get("loss_impl", ""), loop["loss"]),
         activation_checkpointing=loop["ac"],
         loss_chunks=loop["loss_chunks"] if loop["loss"] == "chunked-ce" else TrainSpec.loss_chunks,
         ac_every=max(1, loop["ac_every"]),

@@ -44,7 +44,7 @@ from .finetune import (
 )
 from .frameworks.base import term
 from .loop import fsdp_units, loss_in_model
-from .loss import FUSED_DROPS
+from .loss import CCE_AUTOCAST_DROPS, FUSED_DROPS
 from .overheads import overhead_terms
 from .precision import ADAM8BIT_BYTES_PER_PARAM, DTYPE_BYTES, OPTIMIZER_STATES, POLICIES, Policy
 from .specs import Job
@@ -145,6 +145,15 @@ WHOLE_HEAD_BACKWARD = MomentSpec(
 gradient and the head weight's unsharded gradient (before its unit's reduce-scatter) while the
 head unit is gathered and the last block prefetched (measured: the held-out torchtitan FSDP
 case without AC, llama h768, whose peak is here in MemTracker's head-module snapshot)."""
+COMPILED_HEAD_BACKWARD = MomentSpec(
+    phase="backward",
+    label="backward of the compiled head and loss",
+    groups=("states", "grads.carried", "activations.blocks", "activations.outside", "gathered.head", "loss.head"),
+)
+"""cut-cross-entropy's torch_compile graph (--loss cce-compile): its backward writes the logit
+gradient into the saved logits' buffer (inductor's buffer reuse), then makes the head weight's
+gradient (unsharded under FSDP) and the head input's beside it (measured: the allocator's
+timeline of the loss alone, and the held-out cce-compile cases)."""
 FORWARD_START = MomentSpec(
     phase="forward",
     label="start of forward (first units' all-gathers copied out)",
@@ -601,6 +610,8 @@ class Step:
         pre, post = outside_saved(self, *model_saved(model, train))
         if loop.loss == "fused-linear-ce":
             post = [t for t in post if t.name not in FUSED_DROPS and t.key != "logits"]
+        if loop.loss == "cce-compile" and self.policy.autocast:
+            post = [t for t in post if t.name not in CCE_AUTOCAST_DROPS]
         outside = _terms(A, pre + post, "activations.outside")
         loss_fwd, loss_bwd = loss.loss_saved(model, train, loop)
         logits = [t for t in outside if t.key == "logits"]
@@ -752,7 +763,7 @@ class Step:
         return (
             self.framework.id == "fsdp"
             and not self.chunked_head()
-            and loop.loss != "fused-linear-ce"
+            and loop.loss not in ("fused-linear-ce", "cce-compile")
             and self.job.model.arch != "vit"
             and not self.job.model.num_labels  # a classifier's head has no V·h weight nor b·s·V logits
         )
@@ -764,6 +775,19 @@ class Step:
         m, c = self.job.model, self.policy.compute_bytes
         tokens, vh = self.job.train.tokens_per_micro_batch, m.vocab_size * m.hidden
         wbytes = self.gather_bytes if self.framework.id == "fsdp" else self.policy.grad_bytes
+        if self.job.train.loop.loss == "cce-compile":
+            # the b·(s−1) shifted rows' logit gradient in the logits' buffer; the head input's
+            # gradient comes once the gathered head input is freed, in its place
+            rows = tokens - self.job.train.micro_batch
+            unsharded = " (unsharded)" if self.framework.id == "fsdp" else ""
+            if self.policy.autocast:  # the graph's cast: the weight gradient in c first, upcast after
+                wbytes, unsharded = c, f"{unsharded} in the compute dtype"
+            return [
+                term(
+                    A, "loss.head", "logit gradient (in the logits' buffer)", f"{c}·b·(s−1)·V", c * rows * m.vocab_size
+                ),
+                term(G, "loss.head", f"head weight gradient{unsharded}", f"{wbytes}·V·h", wbytes * vh),
+            ]
         if self.whole_head_backward():
             return [
                 term(A, "loss.head", "logit gradient (the head's input)", f"{c}·b·s·V", c * tokens * m.vocab_size),
@@ -789,6 +813,8 @@ class Step:
             specs = (*specs[:2], HEAD_BACKWARD, *specs[2:])
         elif self.whole_head_backward():
             specs = (*specs[:2], WHOLE_HEAD_BACKWARD, *specs[2:])
+        elif self.job.train.loop.loss == "cce-compile":
+            specs = (*specs[:2], COMPILED_HEAD_BACKWARD, *specs[2:])
         if self.holds_root_grads():
             specs = (*specs[:-1], ROOT_BACKWARD, specs[-1])
         if self.tied_sum():
@@ -839,6 +865,11 @@ _UNMEASURED = (
     (
         lambda t: t.loss == "fused-linear-ce",
         "fused-linear-ce (Liger's) is modelled from its source, not measured (its Triton kernels do not run on CPU)",
+    ),
+    (
+        lambda t: t.loss == "cce-compile",
+        "cce-compile is cut-cross-entropy's torch_compile implementation, measured on CPU (inductor); "
+        "its default Triton one (impl='cce', GPU only; no logits tensor) is not modelled",
     ),
     (
         lambda t: t.offload_activations,
