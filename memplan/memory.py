@@ -154,6 +154,15 @@ COMPILED_HEAD_BACKWARD = MomentSpec(
 gradient into the saved logits' buffer (inductor's buffer reuse), then makes the head weight's
 gradient (unsharded under FSDP) and the head input's beside it (measured: the allocator's
 timeline of the loss alone, and the held-out cce-compile cases)."""
+COMPILED_HEAD_UPCAST = MomentSpec(
+    phase="backward",
+    label="backward of the compiled head and loss: fp32 gradients (autocast)",
+    groups=("states", "grads.carried", "activations.blocks", "activations.outside", "gathered.head", "loss.upcast"),
+)
+"""cce-compile under autocast: once the logits' buffer and the head weight's cast are freed, the
+graph's fp32 gradients come beside the compute-dtype ones (which take the casts' places): the
+head input's and two fp32 V·h (measured, whole step and the loss alone: a second fp32 copy of
+the weight's gradient follows the first while the compute-dtype one is still live)."""
 FORWARD_START = MomentSpec(
     phase="forward",
     label="start of forward (first units' all-gathers copied out)",
@@ -418,6 +427,7 @@ class Step:
             **gathered,
             "optimizer.step": self.step_transient(),
             "loss.head": self.head_backward_terms(),
+            "loss.upcast": self.head_upcast_terms(),
         }
         if self.job.train.optimizer_in_backward:
             groups.update(self.in_backward_groups())
@@ -806,6 +816,17 @@ class Step:
             term(G, "loss.head", "head weight gradient: two chunks' and their sum", f"3·{wbytes}·V·h", 3 * wbytes * vh),
         ]
 
+    def head_upcast_terms(self) -> list[Term]:
+        """``COMPILED_HEAD_UPCAST``: cce-compile's fp32 gradients under autocast (the compute-dtype
+        ones sit where the casts in ``activations.outside`` were)."""
+        if self.job.train.loop.loss != "cce-compile" or not self.policy.autocast:
+            return []
+        m, rows = self.job.model, self.job.train.tokens_per_micro_batch - self.job.train.micro_batch
+        return [
+            term(A, "loss.upcast", "head input gradient (fp32)", "4·b·(s−1)·h", 4 * rows * m.hidden),
+            term(G, "loss.upcast", "head weight gradient (fp32) and its copy", "2·4·V·h", 8 * m.vocab_size * m.hidden),
+        ]
+
     def moment_specs(self) -> tuple[MomentSpec, ...]:
         """``MOMENTS``, with the moments only some steps have in their place."""
         specs = MOMENTS if self.last_checkpointed() is None else (*MOMENTS[:3], LAST_CHECKPOINTED, *MOMENTS[3:])
@@ -814,7 +835,8 @@ class Step:
         elif self.whole_head_backward():
             specs = (*specs[:2], WHOLE_HEAD_BACKWARD, *specs[2:])
         elif self.job.train.loop.loss == "cce-compile":
-            specs = (*specs[:2], COMPILED_HEAD_BACKWARD, *specs[2:])
+            upcast = (COMPILED_HEAD_UPCAST,) if self.policy.autocast else ()
+            specs = (*specs[:2], COMPILED_HEAD_BACKWARD, *upcast, *specs[2:])
         if self.holds_root_grads():
             specs = (*specs[:-1], ROOT_BACKWARD, specs[-1])
         if self.tied_sum():

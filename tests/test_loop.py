@@ -286,6 +286,24 @@ def test_cce_compile_backward_writes_the_logit_gradient_in_place(precision, stra
     assert not any(t.key == "logits" for t in moment.terms)
 
 
+def test_cce_compile_under_autocast_upcasts_its_gradients_after_freeing_the_logits():
+    """Under autocast the graph's fp32 gradients come once the logits' buffer and the head
+    weight's cast are freed: the head input's (4·b·(s−1)·h) and two fp32 V·h, with no logits;
+    its first backward moment holds the weight's gradient in the compute dtype."""
+    from memplan.memory import estimate
+    from memplan.specs import ClusterSpec, Job, Plan
+
+    model = _model(vocab=32000)
+    train = TrainSpec(seq_len=256, micro_batch=2, precision="amp-bf16", device="cpu", loss="cce-compile")
+    job = Job(model=model, train=train, cluster=ClusterSpec(gpus=4), plan=Plan(strategy="ddp"))
+    moments = {m.label: m for m in estimate(job).moments}
+    first = moments["backward of the compiled head and loss"]
+    upcast = moments["backward of the compiled head and loss: fp32 gradients (autocast)"]
+    assert [t.bytes for t in first.terms if t.key == "loss.head"] == [2 * 2 * 255 * 32000, 2 * 32000 * 128]
+    assert [t.bytes for t in upcast.terms if t.key == "loss.upcast"] == [4 * 2 * 255 * 128, 8 * 32000 * 128]
+    assert not any(t.key in ("logits", "loss.head") for t in upcast.terms)
+
+
 @pytest.mark.slow
 def test_cce_torch_compile_holds_what_the_model_says():
     """cut-cross-entropy's own linear_cross_entropy(impl="torch_compile"), fp32 on CPU, measured
