@@ -35,9 +35,9 @@ _FIRST_BLOCK = (
     "first block's own saved tensors and backward temporaries, which memplan's first-block moment holds"
 )
 _CCE_BF16 = (
-    "-1.19 % (0.63 MB): in bf16 the compiled head-and-loss backward holds about 1.2 KB per token more than "
-    "its logit gradient (in the logits' buffer) and the head weight's gradient; the loss alone on CPU shows "
-    "the same (1.18 MB at 1022 tokens), fp32 none; not identified"
+    "-1.19 % (0.63 MB): the allocator's timeline puts the peak on an 820,992 B buffer allocated and freed "
+    "right after the bf16 head weight gradient, inside the compiled backward (about 4·b·(s−1)·h: the CPU bf16 "
+    "matmul's fp32 scratch, by its size; fp32 cases have none); a transient of CPU's matmul, not modelled"
 )
 _CCE_LAST_BLOCK = (
     "peak in the last block's backward under the plain recipe's FSDP2 units, after the loss has freed all it "
