@@ -435,6 +435,17 @@ CASES = (
     _case("plain-freed", LLAMA_F, "ddp", "fp32", gpus=2, b=2, s=256, ac="full"),
     _case("hf-trainer", NEOX_D, "ddp", "fp32", gpus=2, b=1, s=512, ac="full", attention="eager"),
     _case("plain-freed", GPT2_C, "single", "fp32", gpus=1, b=2, s=256, ac="full"),
+    # cut-cross-entropy's linear_cross_entropy in place of the head and the loss, its torch_compile
+    # implementation (its Triton one needs a GPU); the flag a user types for it: --loss fused-linear-ce
+    # (SGD on one device: AdamW's step would be the peak and hide the loss)
+    _case("cce-compile", LLAMA_A, "single", "fp32", gpus=1, b=2, s=256, optimizer="sgd"),
+    _case("cce-compile", LLAMA_B, "single", "bf16", gpus=1, b=2, s=256, optimizer="sgd"),
+    _case("cce-compile", QWEN_B, "ddp", "fp32", gpus=4, b=2, s=256),
+    _case("cce-compile", LLAMA_B, "fsdp", "fp32", gpus=8, b=2, s=256),
+    _case("cce-compile", QWEN_B, "fsdp", "fp32", gpus=4, b=2, s=256, ac="full"),
+    _case("cce-compile", MISTRAL_B, "fsdp", "mixed-bf16", gpus=4, b=1, s=128),
+    # autocast (its casts inside the compiled graph), measured after the autocast terms were modelled
+    _case("cce-compile", LLAMA_B, "ddp", "amp-bf16", gpus=4, b=2, s=256),
 )
 BY_ID = {case.id: case for case in CASES}
 
@@ -633,6 +644,11 @@ def latest_ok(path: str | Path) -> list[dict]:
     return [r for r in latest(records.read([path])) if r["status"] == "ok"]
 
 
+LOSS_IMPLS = {"cce-torch-compile": "cce-compile"}
+"""A fused loss's implementation (the record's ``loop_impl``) -> memplan's --loss for it: the
+cases were recorded as a user typed them before it had one (``--loss fused-linear-ce``)."""
+
+
 def loop_job(record: dict) -> Job:
     """The record's Job with the loop that ran it (its ``loop``) as memplan's inputs: the
     conventions and the recipe's FSDP units (calibrate.wrappers lays them out as the framework
@@ -640,7 +656,7 @@ def loop_job(record: dict) -> Job:
     loop = record["loop"]
     return records.job_from_spec(record["spec"]).with_(
         logits=loop["logits"],
-        loss=loop["loss"],
+        loss=LOSS_IMPLS.get(loop.get("loss_impl", ""), loop["loss"]),
         activation_checkpointing=loop["ac"],
         loss_chunks=loop["loss_chunks"] if loop["loss"] == "chunked-ce" else TrainSpec.loss_chunks,
         ac_every=max(1, loop["ac_every"]),

@@ -19,6 +19,12 @@ does it, calling the framework's own function where it runs here:
                    torchtune's ``training.compile_model`` and ``compile_loss``
     torchtitan     ``pred = model(x); loss = cross_entropy_loss(pred, labels); del pred``
                    (torchtitan's Trainer._forward_backward_body and components/loss.py)
+    cce-compile    cut-cross-entropy's ``linear_cross_entropy(hidden, lm_head.weight, labels,
+                   shift=True, impl="torch_compile")`` in place of the head and the loss, as its
+                   transformers patch (the repository's cce_forward / apply_lce) calls it; the
+                   PyPI wheel (25.1.1) ships no patch module, so the model's forward does it.
+                   Its default ``cce`` implementation is Triton (GPU only); torch_compile is
+                   its inductor path (logits inside one compiled graph), which runs on CPU
 
 Activation checkpointing ``op`` is torchtitan's own per-op ``SelectiveAC`` applied to
 the Hugging Face blocks; ``full`` is transformers' gradient checkpointing (torchtitan's
@@ -59,6 +65,7 @@ LOOP_KEYS = (
     "optimizer_in_backward",
     "zero_grad",
     "recipe",
+    "loss_impl",
 )
 AC_POLICIES = ("none", "full", "op")
 HF_TYPES = ("llama", "qwen2", "mistral", "gpt2", "gpt_neox")
@@ -81,6 +88,8 @@ class Loop:
     package: str
     loss: str = "ce"
     loss_chunks: int = 1
+    loss_impl: str = ""
+    """Which library's fused loss ran (``cce-torch-compile``); empty for the others."""
 
     def conventions(self, ac: str, train=None) -> dict:
         """The record's ``loop`` object for this loop under activation checkpointing ``ac``,
@@ -100,7 +109,7 @@ class Loop:
             "optimizer_in_backward": flags.optimizer_in_backward,
             "zero_grad": flags.zero_grad,
             "recipe": self.recipe,
-        }
+        } | ({"loss_impl": self.loss_impl} if self.loss_impl else {})
 
     def loop_source(self) -> str:
         return f"{self.package} {_version(self.package)} {self.source}"
@@ -165,6 +174,17 @@ LOOPS = {
             package="torchtitan",
             source="components/loss.py cross_entropy_loss, Trainer._forward_backward_body (del pred); "
             "AC distributed/activation_checkpoint.py SelectiveAC / FullAC",
+        ),
+        Loop(
+            name="cce-compile",
+            recipe="plain",
+            logits="freed",
+            loss="fused-linear-ce",
+            loss_impl="cce-torch-compile",
+            package="cut-cross-entropy",
+            source="linear_cross_entropy(hidden, lm_head.weight, labels, shift=True, impl='torch_compile') "
+            "(torch_compile.py) in place of the head, as the repository's transformers cce_forward calls it; "
+            "model(input_ids, labels).loss.backward()",
         ),
     )
 }
@@ -342,6 +362,8 @@ class LoopLM(nn.Module):
         self.autocast_dtype = autocast_dtype
         """amp: the forward runs under autocast, as accelerate's prepared forward and the
         Trainer's compute_loss context run it; backward runs outside."""
+        self.cce_impl = ""
+        """cut-cross-entropy's implementation that replaces the head and loss (the cce-compile loop)."""
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -360,6 +382,14 @@ class LoopLM(nn.Module):
         if chunks:  # torchtune TransformerDecoder.chunked_output: the output projection per chunk
             hidden = self.hf.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
             return [self.hf.lm_head(chunk) for chunk in hidden.chunk(chunks, dim=1)]
+        if self.cce_impl:  # cut-cross-entropy's cce_forward: the hidden states and the head's weight
+            from cut_cross_entropy import linear_cross_entropy
+            from transformers.modeling_outputs import CausalLMOutputWithPast
+
+            hidden = self.hf.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+            loss = linear_cross_entropy(hidden, self.hf.lm_head.weight, labels, shift=True, impl=self.cce_impl)
+            # cce_forward's return type: a ModelOutput, whose tensors FSDP2's root pre-backward hook finds
+            return CausalLMOutputWithPast(loss=loss)
         if labels is None:  # torchtitan's and torchtune's models keep no KV cache in training
             return self.hf(input_ids=input_ids, use_cache=False).logits
         if self.num_labels:
@@ -429,7 +459,7 @@ def make_step(loop: Loop, model: nn.Module, hf_model: nn.Module, micro_batch: in
             loss.backward()
 
         return kept
-    if loop.name == "plain-freed":
+    if loop.name in ("plain-freed", "cce-compile"):
         return lambda ids: model(input_ids=ids, labels=ids).loss.backward()
     if loop.name == "accelerate":
         from accelerate import Accelerator
@@ -669,8 +699,9 @@ def run(
     # dynamo runs a compiled function eagerly while a TorchDispatchMode (MemTracker) is active,
     # so a compiled case is measured by the allocator alone (measured: with MemTracker on, the
     # compiled case's peak was the eager one's and dynamo's counters were empty)
-    meter = _NoMeter() if train.compile else _CpuMeter()
-    allocator = _AllocatorPeak() if train.compile else None
+    compiled = train.compile or loop.loss_impl == "cce-torch-compile"  # its loss is compiled code
+    meter = _NoMeter() if compiled else _CpuMeter()
+    allocator = _AllocatorPeak() if compiled else None
     ids = torch.randint(0, job.model.vocab_size, (train.micro_batch, train.seq_len))
     phase_peaks: dict[str, int] = {}
     times = []
@@ -695,6 +726,8 @@ def run(
             apply_ac(hf, ac, loop, train.ac_every)
             if train.compile:
                 apply_compile(hf)
+            if loop.loss_impl == "cce-torch-compile":
+                hf.cce_impl = "torch_compile"
             model = hf
         if adapt is not None:
             adapt(model)

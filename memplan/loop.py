@@ -17,7 +17,7 @@ from .errors import InputError, MemplanError
 from .specs import TrainSpec, _check_choice, _check_positive
 
 LOGITS = ("kept", "freed")
-LOSSES = ("ce", "chunked-ce", "fused-linear-ce")
+LOSSES = ("ce", "chunked-ce", "fused-linear-ce", "cce-compile")
 AC_POLICIES = ("none", "selective", "op", "full")
 ZERO_GRADS = ("none", "zeros")
 RECIPES = ("plain", "hf-trainer", "torchtitan", "torchtune", "lightning", "accelerate")
@@ -35,7 +35,9 @@ class Loop:
     loss: str = "ce"
     """ce: cross-entropy on logits upcast to fp32; chunked-ce: torchtune's
     CEWithChunkedOutputLoss (logits in chunks, each upcast inside the loss);
-    fused-linear-ce: Liger's fused linear + cross-entropy (no logits tensor)."""
+    fused-linear-ce: Liger's fused linear + cross-entropy (no logits tensor); cce-compile:
+    cut-cross-entropy's ``linear_cross_entropy(..., impl="torch_compile")`` (one inductor
+    graph of the head and the loss, which saves the logits)."""
     loss_chunks: int = 8
     """Chunks of chunked-ce (torchtune's num_output_chunks default)."""
     ac: str = "none"

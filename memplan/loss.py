@@ -6,10 +6,12 @@ backward); ``loss_saved`` is what the loss adds on top of it. The step's moments
 
 Known limitations: ``fused-linear-ce`` is Liger's ``LigerFusedLinearCrossEntropyFunction``
 modelled from its source (liger_kernel/ops/fused_linear_cross_entropy.py, 0.8.5); its
-Triton kernels do not run on CPU, so it is modelled, not measured. cut-cross-entropy
-(which keeps the head input and an fp32 log-sum-exp, and computes both gradients in
-backward) is not modelled. ``chunked-ce`` and ``ce`` are modelled eager, and compiled
-when the loop compiles (the compiled loss's backward is modelled, its saved list measured).
+Triton kernels do not run on CPU (``RuntimeError: 0 active drivers``), so it is modelled,
+not measured. ``cce-compile`` is cut-cross-entropy 25.1.1's ``torch_compile`` implementation,
+measured on CPU (the held-out cce-compile cases); its default Triton implementation (``cce``:
+the head input and an fp32 log-sum-exp kept, both gradients computed in backward, no logits)
+is not modelled. ``chunked-ce`` and ``ce`` are modelled eager, and compiled when the loop
+compiles (the compiled loss's backward is modelled, its saved list measured).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from .specs import ModelSpec, TrainSpec
 
 # model_saved terms the fused loss does not keep: it saves gradients, not the head input
 FUSED_DROPS = ("final norm output (head input)", "head input cast")
+# cce-compile under autocast saves the head input's cast, not the gathered rows it was cast from
+CCE_AUTOCAST_DROPS = ("final norm output (head input)",)
 
 
 INSTANTS = ("forward", "loss", "block")
@@ -33,10 +37,12 @@ def logits_live(model: ModelSpec, train: TrainSpec, loop: Loop, *, instant: str)
     while the blocks run their backward (``block``). A freed one is gone once backward
     starts: nothing eager autograd saves refers to it (``.float()`` saves nothing,
     log_softmax saves its output); a compiled loss saves its input, the logits, until its
-    own backward has run (measured)."""
+    own backward has run (measured); cut-cross-entropy's compiled graph likewise (cce-compile)."""
     assert instant in INSTANTS, instant
     x = shapes(model, train)
     held = instant == "forward" or loop.logits == "kept" or (instant == "loss" and loop.compile)
+    if loop.loss == "cce-compile":  # inside its compiled graph, which saves them; no caller sees them
+        held = instant != "block"
     if loop.loss == "fused-linear-ce" or not held:
         return []
     chunks = f", {loop.loss_chunks} chunks" if loop.loss == "chunked-ce" else ""
@@ -147,11 +153,35 @@ def _fused_linear_ce(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], l
     return forward, grads
 
 
+def _cce_compile(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[Saved]]:
+    """cut-cross-entropy 25.1.1 torch_compile.py, called with shift=True as its transformers
+    patch calls it: ``e[valids]`` gathers the b·(s−1) shifted rows of the head input, then one
+    inductor graph computes ``F.cross_entropy((e @ c.T).float(), targets)``. It saves the
+    gathered rows (kept as the head input, ``model_saved``), the logits in the compute dtype
+    (``logits_live``: held until its backward), each row's max and log-sum-exp in fp32, and
+    the targets and row indices (int64). No gradient is computed in forward; its backward
+    writes the logits' gradient into the logits' buffer, then makes the head's two gradients
+    (``memory.Step.head_backward_terms``). Measured: saved-tensor hooks on the compiled graph,
+    its allocator timeline (e 2×512×256, c 32000×256: backward adds V·h + b·(s−1)·h, fp32),
+    and the held-out cce-compile cases."""
+    x = shapes(model, train)
+    rows = x.b * (x.s - 1)
+    saved = [
+        Saved("per-row max and log-sum-exp (fp32)", "2·4·b·(s−1)", 8 * rows),
+        Saved("targets and row indices (int64)", "2·8·b·(s−1)", 16 * rows),
+    ]
+    # under autocast, e @ c.T inside the graph saves both casts, model_saved's "head input cast"
+    # and "autocast head weight copy", in place of the gathered rows (measured at the loss alone)
+    return saved, saved
+
+
 def loss_saved(model: ModelSpec, train: TrainSpec, loop: Loop) -> tuple[list[Saved], list[Saved]]:
     """What the loss keeps beyond the logits: at its forward's peak (end of forward) and at
     its backward's peak (start of backward)."""
     if loop.loss == "fused-linear-ce":
         return _fused_linear_ce(model, train)
+    if loop.loss == "cce-compile":
+        return _cce_compile(model, train)
     if loop.compile:
         return _compiled_ce(model, train, loop)
     if loop.loss == "chunked-ce":

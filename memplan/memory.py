@@ -44,7 +44,7 @@ from .finetune import (
 )
 from .frameworks.base import term
 from .loop import fsdp_units, loss_in_model
-from .loss import FUSED_DROPS
+from .loss import CCE_AUTOCAST_DROPS, FUSED_DROPS
 from .overheads import overhead_terms
 from .precision import ADAM8BIT_BYTES_PER_PARAM, DTYPE_BYTES, OPTIMIZER_STATES, POLICIES, Policy
 from .specs import Job
@@ -149,6 +149,24 @@ autocast the largest instant is the weight gradient's cast back to the fp32 para
 (the backward of autocast's weight copy): the compute-dtype gradient and its fp32 cast beside the
 head input's gradient, the weight copy and the logit gradient freed by the matmul's backward
 (measured per module: the held-out neox hf-trainer amp-fp16 case, whose peak is here)."""
+COMPILED_HEAD_BACKWARD = MomentSpec(
+    phase="backward",
+    label="backward of the compiled head and loss",
+    groups=("states", "grads.carried", "activations.blocks", "activations.outside", "gathered.head", "loss.head"),
+)
+"""cut-cross-entropy's torch_compile graph (--loss cce-compile): its backward writes the logit
+gradient into the saved logits' buffer (inductor's buffer reuse), then makes the head weight's
+gradient (unsharded under FSDP) and the head input's beside it (measured: the allocator's
+timeline of the loss alone, and the held-out cce-compile cases)."""
+COMPILED_HEAD_UPCAST = MomentSpec(
+    phase="backward",
+    label="backward of the compiled head and loss: fp32 gradients (autocast)",
+    groups=("states", "grads.carried", "activations.blocks", "activations.outside", "gathered.head", "loss.upcast"),
+)
+"""cce-compile under autocast: once the logits' buffer and the head weight's cast are freed, the
+graph's fp32 gradients come beside the compute-dtype ones (which take the casts' places): the
+head input's and two fp32 V·h (measured, whole step and the loss alone: a second fp32 copy of
+the weight's gradient follows the first while the compute-dtype one is still live)."""
 FORWARD_START = MomentSpec(
     phase="forward",
     label="start of forward (first units' all-gathers copied out)",
@@ -489,6 +507,7 @@ class Step:
             **gathered,
             "optimizer.step": self.step_transient(),
             "loss.head": self.head_backward_terms(),
+            "loss.upcast": self.head_upcast_terms(),
         }
         if self.job.train.optimizer_in_backward:
             groups.update(self.in_backward_groups())
@@ -908,6 +927,8 @@ class Step:
         pre, post = outside_saved(self, *model_saved(model, train))
         if loop.loss == "fused-linear-ce":
             post = [t for t in post if t.name not in FUSED_DROPS and t.key != "logits"]
+        if loop.loss == "cce-compile" and self.policy.autocast:
+            post = [t for t in post if t.name not in CCE_AUTOCAST_DROPS]
         outside = _terms(A, pre + post, "activations.outside")
         loss_fwd, loss_bwd = loss.loss_saved(model, train, loop)
         logits = [t for t in outside if t.key == "logits"]
@@ -1063,7 +1084,7 @@ class Step:
         return (
             self.framework.id == "fsdp"
             and not self.chunked_head()
-            and loop.loss != "fused-linear-ce"
+            and loop.loss not in ("fused-linear-ce", "cce-compile")
             and self.job.model.arch != "vit"
             and not self.job.model.num_labels  # a classifier's head has no V·h weight nor b·s·V logits
         )
@@ -1075,6 +1096,19 @@ class Step:
         m, c = self.job.model, self.policy.compute_bytes
         tokens, vh = self.job.train.tokens_per_micro_batch, m.vocab_size * m.hidden
         wbytes = self.gather_bytes if self.framework.id == "fsdp" else self.policy.grad_bytes
+        if self.job.train.loop.loss == "cce-compile":
+            # the b·(s−1) shifted rows' logit gradient in the logits' buffer; the head input's
+            # gradient comes once the gathered head input is freed, in its place
+            rows = tokens - self.job.train.micro_batch
+            unsharded = " (unsharded)" if self.framework.id == "fsdp" else ""
+            if self.policy.autocast:  # the graph's cast: the weight gradient in c first, upcast after
+                wbytes, unsharded = c, f"{unsharded} in the compute dtype"
+            return [
+                term(
+                    A, "loss.head", "logit gradient (in the logits' buffer)", f"{c}·b·(s−1)·V", c * rows * m.vocab_size
+                ),
+                term(G, "loss.head", f"head weight gradient{unsharded}", f"{wbytes}·V·h", wbytes * vh),
+            ]
         if self.whole_head_backward() and self.policy.autocast:
             r = shapes(m, self.job.train).r
             return [
@@ -1100,6 +1134,17 @@ class Step:
             term(G, "loss.head", "head weight gradient: two chunks' and their sum", f"3·{wbytes}·V·h", 3 * wbytes * vh),
         ]
 
+    def head_upcast_terms(self) -> list[Term]:
+        """``COMPILED_HEAD_UPCAST``: cce-compile's fp32 gradients under autocast (the compute-dtype
+        ones sit where the casts in ``activations.outside`` were)."""
+        if self.job.train.loop.loss != "cce-compile" or not self.policy.autocast:
+            return []
+        m, rows = self.job.model, self.job.train.tokens_per_micro_batch - self.job.train.micro_batch
+        return [
+            term(A, "loss.upcast", "head input gradient (fp32)", "4·b·(s−1)·h", 4 * rows * m.hidden),
+            term(G, "loss.upcast", "head weight gradient (fp32) and its copy", "2·4·V·h", 8 * m.vocab_size * m.hidden),
+        ]
+
     def moment_specs(self) -> tuple[MomentSpec, ...]:
         """``MOMENTS``, with the moments only some steps have in their place."""
         split = self.splits_fsdp_blocks()
@@ -1119,6 +1164,9 @@ class Step:
             specs = (*specs[:2], HEAD_BACKWARD, *specs[2:])
         elif self.whole_head_backward():
             specs = (*specs[:2], WHOLE_HEAD_BACKWARD, *specs[2:])
+        elif self.job.train.loop.loss == "cce-compile":
+            upcast = (COMPILED_HEAD_UPCAST,) if self.policy.autocast else ()
+            specs = (*specs[:2], COMPILED_HEAD_BACKWARD, *upcast, *specs[2:])
         if self.holds_root_grads():
             specs = (*specs[:-1], ROOT_BACKWARD, specs[-1])
         if self.root_reduce():
@@ -1171,6 +1219,11 @@ _UNMEASURED = (
     (
         lambda t: t.loss == "fused-linear-ce",
         "fused-linear-ce (Liger's) is modelled from its source, not measured (its Triton kernels do not run on CPU)",
+    ),
+    (
+        lambda t: t.loss == "cce-compile",
+        "cce-compile is cut-cross-entropy's torch_compile implementation, measured on CPU (inductor); "
+        "its default Triton one (impl='cce', GPU only; no logits tensor) is not modelled",
     ),
     (
         lambda t: t.offload_activations,

@@ -74,6 +74,20 @@ def test_live_measurement_matches_the_record(case, recs):
     assert abs(measured - recorded) <= RELATIVE_TOLERANCE * recorded, (measured, recorded)
 
 
+@pytest.mark.slow
+def test_live_cce_compile_measurement_matches_the_record(recs):
+    """One cut-cross-entropy case re-measured (its torch_compile loss: the CPU allocator's peak)."""
+    pytest.importorskip("triton", reason="cut-cross-entropy imports triton when it loads; not in CI")
+    pytest.importorskip("cut_cross_entropy", reason="cut-cross-entropy is not installed (not in CI)")
+    case = heldout.BY_ID["qwen2-h448-cce-compile-ddp-fp32-acnone-w4-b2s256"]
+    record = next(r for r in recs if r["case"] == case.id)
+    outcome = heldout.measure_case(case)
+    assert outcome["status"] == "ok", outcome["error"]
+    recorded = record["measurement"]["peak_allocated_bytes"]
+    measured = outcome["measurement"]["peak_allocated_bytes"]
+    assert abs(measured - recorded) <= RELATIVE_TOLERANCE * recorded, (measured, recorded)
+
+
 def test_torchtune_model_is_the_cases_spec():
     """The torchtune-model cases run torchtune's own llama3_2 (imported with stand-ins for what a
     step never calls): the spec's parameter count, one tied embedding and head weight, bf16

@@ -251,6 +251,112 @@ def test_fused_linear_ce_has_no_logits_tensor():
     assert at_backward[0] < at_backward[1]
 
 
+def test_cce_compile_keeps_its_logits_and_its_row_statistics():
+    """cut-cross-entropy's torch_compile graph over the b·(s−1) shifted rows: the logits (the
+    model's logits term, compute dtype) at the end of forward and the start of backward, gone by
+    the blocks' backward; fp32 max and log-sum-exp and int64 targets and indices per row."""
+    model, train = _model(vocab=32000), TrainSpec(seq_len=512, micro_batch=2, precision="bf16", device="cpu")
+    loop, rows = Loop(loss="cce-compile"), 2 * 511
+    assert [bool(logits_live(model, train, loop, instant=i)) for i in ("forward", "loss", "block")] == [
+        True,
+        True,
+        False,
+    ]
+    forward, backward = loss_saved(model, train, loop)
+    assert sum(s.bytes for s in forward) == sum(s.bytes for s in backward) == (2 * 4 + 2 * 8) * rows
+
+
+@pytest.mark.parametrize("precision,strategy", [("fp32", "single"), ("bf16", "ddp"), ("fp32", "fsdp-full-shard")])
+def test_cce_compile_backward_writes_the_logit_gradient_in_place(precision, strategy):
+    """The compiled head-and-loss backward: the logit gradient (c·b·(s−1)·V) where the logits
+    were, and the head weight's gradient (its grad dtype; FSDP: the unsharded one)."""
+    from memplan.memory import estimate
+    from memplan.precision import POLICIES
+    from memplan.specs import ClusterSpec, Job, Plan
+
+    model = _model(vocab=32000)
+    train = TrainSpec(seq_len=256, micro_batch=2, precision=precision, device="cpu", loss="cce-compile")
+    gpus = 1 if strategy == "single" else 4
+    job = Job(model=model, train=train, cluster=ClusterSpec(gpus=gpus), plan=Plan(strategy=strategy))
+    moment = next(m for m in estimate(job).moments if m.label == "backward of the compiled head and loss")
+    head = [t for t in moment.terms if t.key == "loss.head"]
+    c = POLICIES[precision].compute_bytes
+    wbytes = 4 if strategy == "fsdp-full-shard" else POLICIES[precision].grad_bytes  # fp32 params gathered
+    assert [t.bytes for t in head] == [c * 2 * 255 * 32000, wbytes * 32000 * 128]
+    assert not any(t.key == "logits" for t in moment.terms)
+
+
+def test_cce_compile_under_autocast_upcasts_its_gradients_after_freeing_the_logits():
+    """Under autocast the graph's fp32 gradients come once the logits' buffer and the head
+    weight's cast are freed: the head input's (4·b·(s−1)·h) and two fp32 V·h, with no logits;
+    its first backward moment holds the weight's gradient in the compute dtype."""
+    from memplan.memory import estimate
+    from memplan.specs import ClusterSpec, Job, Plan
+
+    model = _model(vocab=32000)
+    train = TrainSpec(seq_len=256, micro_batch=2, precision="amp-bf16", device="cpu", loss="cce-compile")
+    job = Job(model=model, train=train, cluster=ClusterSpec(gpus=4), plan=Plan(strategy="ddp"))
+    moments = {m.label: m for m in estimate(job).moments}
+    first = moments["backward of the compiled head and loss"]
+    upcast = moments["backward of the compiled head and loss: fp32 gradients (autocast)"]
+    assert [t.bytes for t in first.terms if t.key == "loss.head"] == [2 * 2 * 255 * 32000, 2 * 32000 * 128]
+    assert [t.bytes for t in upcast.terms if t.key == "loss.upcast"] == [4 * 2 * 255 * 128, 8 * 32000 * 128]
+    assert not any(t.key in ("logits", "loss.head") for t in upcast.terms)
+
+
+@pytest.mark.slow
+def test_cce_torch_compile_holds_what_the_model_says():
+    """cut-cross-entropy's own linear_cross_entropy(impl="torch_compile"), fp32 on CPU, measured
+    with the CPU allocator (compiled code): its forward keeps the gathered head input, the logits
+    and the row statistics; its backward adds the head weight's and the head input's gradients."""
+    pytest.importorskip("triton", reason="cut-cross-entropy imports triton when it loads; not in CI")
+    cce = pytest.importorskip("cut_cross_entropy", reason="cut-cross-entropy is not installed (not in CI)")
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    model = _model(vocab=32000)
+    train = TrainSpec(seq_len=256, micro_batch=2, precision="fp32", device="cpu")
+    loop, rows, h, V = Loop(loss="cce-compile"), 2 * 255, model.hidden, model.vocab_size
+    e = torch.randn(2, 256, h, requires_grad=True)
+    c = torch.randn(V, h, requires_grad=True)
+    targets = torch.randint(0, V, (2, 256))
+
+    def step():
+        with record_function("forward"):
+            loss = cce.linear_cross_entropy(e, c, targets, shift=True, impl="torch_compile")
+        with record_function("backward"):
+            loss.backward()
+        e.grad = c.grad = None
+
+    step()  # compiles
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted(prof.profiler.kineto_results.events(), key=lambda ev: ev.start_ns())
+    spans = {
+        ev.name(): (ev.start_ns(), ev.start_ns() + ev.duration_ns())
+        for ev in events
+        if ev.name() in ("forward", "backward")
+    }
+    live, peak, start = 0, dict.fromkeys(spans, 0), dict.fromkeys(spans, None)
+    for ev in events:
+        if ev.name() != "[memory]":
+            continue
+        for name, (a, _z) in spans.items():
+            if start[name] is None and ev.start_ns() >= a:
+                start[name] = live
+        live += ev.nbytes()
+        for name, (a, z) in spans.items():
+            if a <= ev.start_ns() <= z:
+                peak[name] = max(peak[name], live - start[name])
+    forward = sum(s.bytes for s in loss_saved(model, train, loop)[0])
+    logits, gathered = 4 * rows * V, 4 * rows * h  # logits_live's term; model_saved's head input
+    assert 0 <= peak["forward"] - (logits + gathered + forward) <= SCALAR_SLACK_BYTES
+    # backward over the forward's start: what forward kept less the int64 targets and indices
+    # (freed first), the weight's gradient (V·h) and the head input rows' gradient beside them
+    kept = logits + gathered + forward - 16 * rows
+    measured = peak["backward"] + start["backward"] - start["forward"]
+    assert 0 <= measured - (kept + 4 * V * h + 4 * rows * h) <= SCALAR_SLACK_BYTES
+
+
 def _titan_selective_ac():
     ac = pytest.importorskip("torchtitan.distributed.activation_checkpoint")
     return ac.SelectiveAC(ac.SelectiveAC.Config())
