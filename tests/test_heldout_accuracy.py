@@ -1,7 +1,7 @@
 """memplan against the held-out matrix (docs/heldout_matrix_cpu.jsonl), each record estimated
 with the loop that ran it (calibrate.heldout.loop_job): within 1 % of the measured peak. The
 cases memplan does not yet meet are listed with what the measured categories show; each is
-a strict xfail, so a fixed one must leave the list."""
+a strict xfail, so a fixed one must leave the list, and holds to its documented error."""
 
 from pathlib import Path
 
@@ -46,13 +46,16 @@ _CCE_FIRST_BLOCK = (
     "mixed-bf16 twin without AC, +7.18 % then, is -0.14 %"
 )
 KNOWN = {
-    "llama-h384-cce-compile-single-bf16-acnone-sgd-w1-b2s256": _CCE_BF16,
-    "qwen2-h448-cce-compile-fsdp-fp32-acfull-w4-b2s256": _CCE_FIRST_BLOCK,
-    "llama-h768-torchtitan-fsdp-mixed-bf16-acfull-zgzeros-w8-b1s128": _ZERO_GRAD,
-    "llama-h640-torchtune-fsdp-fp32-acnone-compile-w4-b2s128": _COMPILE,
-    "gpt2-h384-s2048-plain-kept-fsdp-fp32-acnone-w4-b1s2048": _KV_CACHE,
-    "neox-h768-hf-trainer-fsdp-fp32-acfull-w4-b1s512": _NEOX_RECOMPUTE,
+    "llama-h384-cce-compile-single-bf16-acnone-sgd-w1-b2s256": (-1.19, _CCE_BF16),
+    "qwen2-h448-cce-compile-fsdp-fp32-acfull-w4-b2s256": (-1.08, _CCE_FIRST_BLOCK),
+    "llama-h768-torchtitan-fsdp-mixed-bf16-acfull-zgzeros-w8-b1s128": (-3.08, _ZERO_GRAD),
+    "llama-h640-torchtune-fsdp-fp32-acnone-compile-w4-b2s128": (+1.27, _COMPILE),
+    "gpt2-h384-s2048-plain-kept-fsdp-fp32-acnone-w4-b1s2048": (-1.55, _KV_CACHE),
+    "neox-h768-hf-trainer-fsdp-fp32-acfull-w4-b1s512": (+1.02, _NEOX_RECOMPUTE),
 }
+"""case -> (its error in %, what is known of it)."""
+DOCUMENTED_PCT = 0.05
+"""How far a known case may move from its documented error before the reason is stale."""
 
 
 def _records() -> list[dict]:
@@ -64,7 +67,7 @@ def _params():
         pytest.param(
             r,
             id=r["case"],
-            marks=[pytest.mark.xfail(strict=True, reason=KNOWN[r["case"]])] if r["case"] in KNOWN else [],
+            marks=[pytest.mark.xfail(strict=True, reason=KNOWN[r["case"]][1])] if r["case"] in KNOWN else [],
         )
         for r in _records()
     ]
@@ -82,3 +85,12 @@ def test_estimate_with_the_loop_within_1_percent(record):
     assert abs(error) <= TOLERANCE, (
         f"{record['case']}: estimated {est.allocated_bytes:,} B, measured {measured:,} B: {error:+.2%}"
     )
+
+
+@pytest.mark.parametrize("case", sorted(KNOWN))
+def test_known_cases_keep_their_documented_error(case):
+    """A known miss stays what its reason says: a change of size or sign is a stale reason."""
+    [record] = [r for r in _records() if r["case"] == case]
+    measured = record["measurement"]["peak_allocated_bytes"]
+    error_pct = (estimate(heldout.loop_job(record)).allocated_bytes - measured) / measured * 100
+    assert error_pct == pytest.approx(KNOWN[case][0], abs=DOCUMENTED_PCT)
