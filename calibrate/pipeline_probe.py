@@ -1,7 +1,8 @@
 """Where a pipeline rank peaks: a case of the parallel matrix (``calibrate.parallel``) re-run on
 gloo ranks with each pipeline action of the last step metered (torch 2.13
 torch/distributed/pipelining/stage.py ``forward_one_chunk``, ``backward_one_chunk``,
-``perform_reduce_grad``): the live bytes when it starts, its peak, the live bytes when it ends.
+``perform_reduce_grad``): the live bytes when it starts, its peak, the live bytes when it ends,
+and what FSDP2 holds at its start and end (``fsdp_held``).
 ``calibrate.peak_probe`` names FSDP's state at a peak on the fake process group, whose single
 rank cannot run a pipeline's sends and receives; this probe places the peak among the schedule's
 actions instead (the FSDP × PP moments of ``memplan/parallel/step.py`` are read from it).
@@ -17,6 +18,32 @@ import traceback
 
 MiB = 2**20
 ACTIONS = ("forward_one_chunk", "backward_one_chunk", "perform_reduce_grad")
+
+
+def fsdp_held(module) -> dict[str, int]:
+    """Bytes FSDP2 holds for ``module``'s units (torch 2.13 _fsdp_param.py): gradients unsharded
+    (on the unsharded parameter or accumulated in the reduce dtype), parameters gathered (the
+    unit's state UNSHARDED), gradients sharded (on the sharded DTensor parameter)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    held = {"unsharded_grads": 0, "gathered_params": 0, "sharded_grads": 0}
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        group = fully_shard.state(sub)._fsdp_param_group  # type: ignore[attr-defined]
+        if group is None:
+            continue
+        for p in group.fsdp_params:
+            unsharded = getattr(p, "_unsharded_param", None)
+            grad = p.unsharded_accumulated_grad
+            if grad is None and unsharded is not None:
+                grad = unsharded.grad
+            held["unsharded_grads"] += grad.numel() * grad.element_size() if grad is not None else 0
+            if group.is_unsharded and unsharded is not None:
+                held["gathered_params"] += unsharded.numel() * unsharded.element_size()
+            shard = p.sharded_param.grad
+            held["sharded_grads"] += shard._local_tensor.nbytes if shard is not None else 0
+    return held
 
 
 def install(log: list[dict]) -> None:
@@ -44,6 +71,7 @@ def install(log: list[dict]) -> None:
             before = tracker._peak_mem.get(cpu, 0)
             start = tracker.get_tracker_snapshot("current").get(cpu, {}).get("Total", 0)
             tracker._peak_mem = {cpu: start}
+            held = fsdp_held(self.submod)
             out = original(self, *args, **kwargs)
             peak = tracker._peak_mem.get(cpu, 0)
             end = tracker.get_tracker_snapshot("current").get(cpu, {}).get("Total", 0)
@@ -57,6 +85,8 @@ def install(log: list[dict]) -> None:
                     "start": start,
                     "peak": peak,
                     "end": end,
+                    "fsdp_start": held,
+                    "fsdp_end": fsdp_held(self.submod),
                 }
             )
             return out
@@ -105,9 +135,12 @@ def render(ranks: list[dict]) -> list[str]:
         lines.append(f"rank {r['rank']} (pipeline rank {r['pp_rank']}), peak {r['peak_allocated_bytes'] / MiB:.2f} MiB")
         for a in r["actions"]:
             mb = "" if a["micro_batch"] is None else f" micro-batch {a['micro_batch']}"
+            held = a["fsdp_end"]
             lines.append(
                 f"  {a['action']:<20} stage {a['stage']}{mb:<15} start {a['start'] / MiB:7.2f}  "
-                f"peak {a['peak'] / MiB:7.2f}  end {a['end'] / MiB:7.2f}"
+                f"peak {a['peak'] / MiB:7.2f}  end {a['end'] / MiB:7.2f}  FSDP after: unsharded grads "
+                f"{held['unsharded_grads'] / MiB:.2f}, gathered {held['gathered_params'] / MiB:.2f}, "
+                f"sharded grads {held['sharded_grads'] / MiB:.2f}"
             )
     return lines
 

@@ -400,9 +400,10 @@ def test_fsdp_under_a_pipeline_accumulates_in_the_reduce_dtype():
 
 @pytest.mark.slow
 def test_fsdp_under_a_pipeline_reduces_only_after_the_last_backward():
-    """Measured per pipeline action (calibrate.pipeline_probe): perform_reduce_grad frees each
-    stage's unsharded gradients and parameters and makes the sharded gradients, 4·P·(1 + 1 − 1/2)
-    for a stage of P parameters on dp 2 (fp32), so both were held whole until the last backward."""
+    """Measured per pipeline action (calibrate.pipeline_probe, FSDP2's own state): from the
+    first backward to perform_reduce_grad a stage of P parameters holds 4·P of unsharded
+    gradients and no sharded ones, and after the last backward every unit is gathered (4·P);
+    the reduce leaves the 4·P/2 sharded gradients alone (fp32, dp 2)."""
     from calibrate import pipeline_probe
 
     job = parallel_cases.CASES["dp2-pp2-fsdp-m4"]
@@ -410,6 +411,11 @@ def test_fsdp_under_a_pipeline_reduces_only_after_the_last_backward():
     block = tensor.block_params(m, 1)
     params = {0: m.vocab_size * m.hidden + 2 * block, 1: 2 * block + m.hidden + m.vocab_size * m.hidden}
     for rank in pipeline_probe.measure("dp2-pp2-fsdp-m4"):
+        p = params[rank["pp_rank"]]
+        backwards = [a for a in rank["actions"] if a["action"] == "backward_one_chunk"]
         (reduce,) = [a for a in rank["actions"] if a["action"] == "perform_reduce_grad"]
-        freed = reduce["start"] - reduce["end"]
-        assert freed == pytest.approx(4 * params[rank["pp_rank"]] * 1.5, rel=0.002)
+        for a in backwards:
+            assert a["fsdp_end"]["unsharded_grads"] == 4 * p
+            assert a["fsdp_end"]["sharded_grads"] == 0
+        assert reduce["fsdp_start"]["gathered_params"] == 4 * p
+        assert reduce["fsdp_end"] == {"unsharded_grads": 0, "gathered_params": 0, "sharded_grads": 4 * p // 2}

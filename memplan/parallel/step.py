@@ -258,11 +258,11 @@ class RankStep(Step):
         reduce-scatter input) and a unit stays gathered after its backward until the next forward
         reshards it (``post_forward``); only ``perform_reduce_grad``, after the last backward,
         reduce-scatters them. After a stage's first backward its whole unsharded gradients are
-        live through every later forward and backward (measured per pipeline action on
-        dp2-pp2-fsdp-m4's rank 0: its second backward peaks 7.4 MiB above its first, the stage's
-        4·P unsharded gradients less the reduce-scatter input and the sharded gradients the
-        moments held; after the last backward every unit is gathered with its gradients, 11.45 MiB
-        above the step's state after the reduce)."""
+        live through every later forward and backward (measured per pipeline action with
+        calibrate.pipeline_probe, FSDP's own state, docs/parallel_fsdp_pp_probe.md: on
+        dp2-pp2-fsdp-m4 both stages hold 4·P of unsharded gradients and no sharded ones after
+        every backward, every unit gathered after a backward and only the root after a forward;
+        rank 0's second backward peaks 7.4 MiB above its first)."""
         g, r, bp, stage = self.gather_bytes, self.reduce_bytes, self.block_params, self.stage
         pending = self.pending_params()
 
