@@ -337,13 +337,14 @@ def _worker(rank: int, world: int, port: int, job: Job, results) -> None:
         dist.destroy_process_group()
 
 
-def measure(job: Job) -> list[dict]:
-    """One dict per rank (its peak live bytes), from ``job.cluster.gpus`` gloo processes."""
+def measure(job: Job, worker=_worker) -> list[dict]:
+    """One dict per rank (its peak live bytes), from ``job.cluster.gpus`` gloo processes
+    (``worker``: another module's, e.g. ``calibrate.pipeline_probe``'s, to meter more)."""
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     port, world = _free_port(), job.cluster.gpus
-    procs = [ctx.Process(target=_worker, args=(r, world, port, job, results)) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, job, results)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:

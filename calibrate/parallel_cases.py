@@ -88,6 +88,18 @@ CASES = dict(
         _case("tp2-sp-d64x8", MODEL_D64X8, gpus=2, tp=2),
         _case("cp2-fsdp-d64x8", MODEL_D64X8, gpus=2, strategy="fsdp-full-shard", cp=2, seq=512),
         _case("cp2-fsdp-kv2", gpus=2, strategy="fsdp-full-shard", cp=2, seq=512),  # its twin, heads of h/a
+        # held out from the model of FSDP2 under pipelining (every backward but the reduce keeps the
+        # stage's parameters unsharded and its gradients unsharded, stage.py backward_maybe_with_nosync)
+        _case("dp2-pp2-fsdp-m8", gpus=4, strategy="fsdp-full-shard", pp=2, pp_microbatches=8, micro_batch=1),
+        _case(
+            "dp2-pp2-int-v2-fsdp-m4",
+            gpus=4,
+            strategy="fsdp-full-shard",
+            pp=2,
+            pp_schedule="interleaved-1f1b",
+            pp_virtual=2,
+            pp_microbatches=4,
+        ),
     )
 )
 

@@ -70,6 +70,13 @@ def write_report(path: Path) -> None:
             f"The context-parallel cases' first table, measured before the CP model changed, is `{cp_first.name}`; "
             "cp4-fsdp-s1024-b1 and cp2-fsdp-v512 were measured after that change, held out from it.",
         ]
+    pp_first = path.with_suffix(".ppfsdp-first.md")
+    if pp_first.exists():
+        lines += [
+            "",
+            f"FSDP2 under pipelining's first table, measured before its model changed, is `{pp_first.name}`; "
+            "dp2-pp2-fsdp-m8 and dp2-pp2-int-v2-fsdp-m4 were measured then, held out from that change.",
+        ]
     lines += [
         "",
         "tp2-sp-d64x8, cp2-fsdp-d64x8 (8 heads of 64 over hidden 256: `ModelSpec.head_dim`) and cp2-fsdp-kv2 "

@@ -237,12 +237,92 @@ class RankStep(Step):
         # dp2-tp2-fsdp holds none at its peak, the start of backward; so does cp2-fsdp's rank 1, byte
         # for byte the FSDP job on its 1/cp sequence without CP)
         groups["gathered.loss"] = [t for t in groups["gathered.loss"] if t.key != "fsdp.prefetched_block"]
+        if self.pipelined_fsdp():
+            groups.update(self.pipelined_fsdp_groups(groups))
         if self.layout.cp > 1:
             groups["cp.ring"] = context.ring_buffers(self.job.model, self.job.train, self.layout)
             groups["activations.ring"] = self.ring_activations()
             groups["grads.ring"] = self.ring_grads()
             groups["gathered.ring"] = [self._ring_grads(t) for t in groups["gathered.block"]]
         return groups
+
+    def pipelined_fsdp(self) -> bool:
+        """FSDP2 sharding over data parallel under a pipeline schedule."""
+        return self.layout.pp > 1 and self.framework.id == "fsdp" and self.gather_group > 1
+
+    def pipelined_fsdp_groups(self, groups: dict[str, list[Term]]) -> dict[str, list[Term]]:
+        """What FSDP2 holds under pipelining (torch 2.13 stage.py ``backward_maybe_with_nosync``):
+        every micro-batch's backward runs with ``set_requires_gradient_sync(False)`` and
+        ``set_reshard_after_backward(False)``, so each unit's gradients accumulate unsharded on
+        its unsharded parameter (_fsdp_param_group.py ``post_backward``: no reduce-scatter, no
+        reduce-scatter input) and a unit stays gathered after its backward until the next forward
+        reshards it (``post_forward``); only ``perform_reduce_grad``, after the last backward,
+        reduce-scatters them. After a stage's first backward its whole unsharded gradients are
+        live through every later forward and backward (measured per pipeline action with
+        calibrate.pipeline_probe, FSDP's own state, docs/parallel_fsdp_pp_probe.md: on
+        dp2-pp2-fsdp-m4 both stages hold 4·P of unsharded gradients and no sharded ones after
+        every backward, every unit gathered after a backward and only the root after a forward;
+        rank 0's second backward peaks 7.4 MiB above its first)."""
+        g, r, bp, stage = self.gather_bytes, self.reduce_bytes, self.block_params, self.stage
+        pending = self.pending_params()
+
+        def unsharded(count: int, what: str) -> Term:
+            # accumulated in the reduce dtype when it is not the parameters' (_fsdp_param.py
+            # to_accumulated_grad_if_needed), else on the unsharded parameter's own .grad
+            return term(
+                Component.GRADIENTS,
+                "fsdp.pipeline_grads",
+                f"unsharded gradients of {what}",
+                f"{r}·{count:,}",
+                r * count,
+            )
+
+        whole = unsharded(self.params, "the stage (reduced after its last backward)")
+
+        def made(count: int, what: str) -> list[Term]:
+            # in the stage's first backward only those made so far; after it, all of them
+            return [whole] if stage.carries_grads else [unsharded(count, what)]
+
+        out = {
+            "grads.carried": [whole] if stage.carries_grads else [],
+            "grads.last_block": made(self.root_params - pending, "the head"),
+            "grads.first_block": made(self.params - pending - bp, "all but the input embedding and the first block"),
+            # the end of a backward, at the input embedding: every block's (the root unit's apart)
+            "grads.blocks": [unsharded(self.params - self.root_params, "the blocks")],
+        }
+        # the block's own gradients as autograd makes them: apart from the accumulated ones in
+        # the first backward, or when those are accumulated in another dtype (added into them)
+        own = (
+            [term(B, "fsdp.block_grads", "unsharded block gradients (no reduce-scatter)", f"{g}·block params", g * bp)]
+            if not stage.carries_grads or r != g
+            else []
+        )
+        # units stay gathered after their backward (no reshard after backward) until their next
+        # forward: every block of the stage at the first block's backward and at the input embedding's
+        every = term(
+            B,
+            "fsdp.block",
+            f"unsharded {stage.layers} blocks (no reshard after backward)",
+            f"{g}·{stage.layers}·block params",
+            g * stage.layers * bp,
+        )
+        for key in ("gathered.block", "gathered.last_block", "gathered.first_block", "gathered.root"):
+            if key not in groups:
+                continue
+            kept = [t for t in groups[key] if t.key not in ("fsdp.block_grads", "fsdp.retained_reduce_input")]
+            if key == "gathered.first_block":
+                kept = [every if t.key == "fsdp.block" else t for t in kept]
+            if key == "gathered.root":
+                kept = [*kept, every]
+            out[key] = kept + (own if key != "gathered.root" else [])
+        if stage.carries_grads:
+            # a forward after a backward starts with the stage's blocks still gathered
+            out["gathered.start"] = [*groups["gathered.start"], every]
+        if "grads.root_unsharded" in groups:
+            out["grads.root_unsharded"] = [
+                t for t in groups["grads.root_unsharded"] if t.key != "fsdp.retained_reduce_input"
+            ]
+        return out
 
     def ring_grads(self) -> list[Term]:
         """The gradients held while the last block's ring runs: under FSDP2 with the root unit
