@@ -515,12 +515,12 @@ class Step:
             groups.update(self.root_grad_groups())
         if self.splits_fsdp_blocks() or self.sgo_like_full_shard():
             groups.update(self.fsdp_block_grad_groups())
-        if self.splits_fsdp_blocks():
-            L = self.job.model.num_layers
+        L = self.job.model.num_layers
+        if self.splits_fsdp_blocks() or self.sgo_like_full_shard():
             groups["activations.below_last"] = (self.block_terms(range(L - 1)) if L > 1 else []) + self.block_end_terms(
                 L - 1
             )
-            groups["activations.below_first"] = self.block_end_terms(0)
+        if self.splits_fsdp_blocks():
             for name, k in self.fsdp_between():
                 groups[f"activations.{name}_block"] = self.block_terms(range(k + 1))
                 groups[f"activations.below_{name}"] = self.block_terms(range(k)) + self.block_end_terms(k)
@@ -528,9 +528,25 @@ class Step:
             blocks = ("first", *(name for name, _ in self.fsdp_between()), "last")
             for where in (f"{w}_{at}" for w in blocks for at in ("copy", "start", "end")):
                 groups[f"gathered.{where}"] = self.framework.gathered(self, where)
+        elif self.sgo_like_full_shard():
+            # the ends of the first and the last block's backward as full shard's
+            # (FSDP_BLOCK_MOMENTS), the same instants: at the first the blocks after it resharded
+            # after their backward, at the last the blocks before it still gathered from forward
+            # (no prefetch), so full shard never estimates above shard-grad-op (tests/test_invariants.py)
+            bp, g = self.block_params, self.gather_bytes
+            before = term(
+                B,
+                "fsdp.all_blocks",
+                f"unsharded {L - 1} blocks before it (forward→backward)",
+                f"{g}·{L - 1}·{bp:,}",
+                g * (L - 1) * bp,
+            )
+            last_end = self.framework.gathered(self, "last_end")
+            groups["gathered.last_end"] = [before if t.key == "fsdp.prefetched" else t for t in last_end]
+            groups["gathered.first_end"] = self.framework.gathered(self, "first_end")
         if self.root_reduce():
             groups.update(self.root_reduce_groups())
-        if self.ends_first_block():
+        if self.splits_fsdp_blocks() or self.sgo_like_full_shard() or self.ends_first_block():
             groups["activations.below_first"] = self.block_end_terms(0)
         if self.recompute_first_grads():
             groups["activations.first_block"] = groups["activations.first_block"] + self.first_compute_terms()
@@ -1154,6 +1170,8 @@ class Step:
             if split
             else (*MOMENTS[:4], FIRST_BLOCK_END, *MOMENTS[4:])
             if self.ends_first_block()
+            else (*MOMENTS[:4], FSDP_BLOCK_MOMENTS[2], FSDP_BLOCK_MOMENTS[5], *MOMENTS[4:])
+            if self.sgo_like_full_shard()
             else MOMENTS
         )
         after_last = 5 if split else 3
