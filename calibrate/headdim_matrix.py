@@ -15,18 +15,17 @@ their estimate is memplan's refusal of the config.json then (``estimate_error``)
 
 from __future__ import annotations
 
-import hashlib
-import json
 import sys
 from dataclasses import dataclass
 
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
-from . import heldout, records
+from . import heldout
 
 OUT = "docs/headdim_matrix_cpu.jsonl"
 TIMEOUT_S = 300
-render_report = heldout.render_report
+# the held-out matrix's record, report and command line serve this one (heldout.main's matrix)
+record_id, make_record, render_report = heldout.record_id, heldout.make_record, heldout.render_report
 
 QWEN3_WIDE = ModelSpec(
     name="qwen3-h256-d64x8",
@@ -134,15 +133,8 @@ STRATEGY = {"single": "single", "ddp": "ddp", "fsdp": "fsdp-full-shard"}
 
 
 @dataclass(frozen=True)
-class Case:
-    """A held-out case (calibrate.heldout.Case's fields)."""
-
-    id: str
-    job: Job
-    loop: str
-    ac: str
-    mode: str
-    hf_type: str
+class Case(heldout.TypedCase):
+    """A held-out case, a LoRA one with peft's adapters."""
 
     def adapt(self, model) -> None:
         """peft's adapters on a LoRA case's model (calibrate.finetune.adapt); a full one trains as built."""
@@ -232,39 +224,8 @@ def config_json(case: Case) -> dict:
     return cfg
 
 
-def _run(case: Case) -> records.Run:
-    return records.Run(job=case.job, mode=case.mode, workload="hf", steps=heldout.STEPS, warmup=heldout.WARMUP)
-
-
-def record_id(case: Case) -> str:
-    """calibrate.heldout.record_id: the run's key with the loop, policy and model type."""
-    key = json.dumps([_run(case).key, case.loop, case.ac, case.hf_type])
-    return hashlib.sha1(key.encode()).hexdigest()[:10]
-
-
-def make_record(case: Case, outcome: dict, wall_s: float) -> dict:
-    record = records.make_record(_run(case), **outcome, wall_s=wall_s)
-    return record | {"id": record_id(case)} | heldout.loop_fields(case)  # type: ignore[arg-type]
-
-
 def measure_case(case: Case) -> dict:
-    """The case's outcome in this process: one rank (single) or 2 gloo ranks (spawned), the
-    largest rank's peak."""
-    import dataclasses
-
-    from . import measure
-
-    def run() -> dict:
-        if case.job.cluster.gpus == 1:
-            return {"measurement": _rank_measurement(case.id)}
-        worst = heldout.run_ranks(case.job.cluster.gpus, _rank_measurement, case.id, worst=_peak)
-        return {"measurement": dataclasses.asdict(measure.Measurement(**worst))}
-
-    return heldout.outcome(run)
-
-
-def _peak(measurement: dict) -> int:
-    return measurement["peak_allocated_bytes"]
+    return heldout.measure_on_ranks(case, _rank_measurement)
 
 
 def _rank_measurement(case_id: str) -> dict:

@@ -312,6 +312,22 @@ class Case:
         return {}
 
 
+@dataclass(frozen=True)
+class TypedCase:
+    """A case of a matrix beside this one (MoE, head dims, MLA): ``Case``'s fields with the
+    model type given; ``record_id``, ``make_record`` and ``measure_on_ranks`` serve it."""
+
+    id: str
+    job: Job
+    loop: str
+    ac: str
+    mode: str
+    hf_type: str
+
+    def record_fields(self) -> dict:
+        return {}
+
+
 def _case(
     loop: str,
     model: ModelSpec,
@@ -600,6 +616,22 @@ def execute_child(case, timeout_s: float, *, module: str = "calibrate.heldout") 
 def make_record(case: Case, outcome: dict, wall_s: float) -> dict:
     record = records.make_record(_run(case), **outcome, wall_s=wall_s)
     return record | {"id": record_id(case)} | loop_fields(case) | case.record_fields()
+
+
+def measure_on_ranks(case, rank_measurement) -> dict:
+    """A matrix case's outcome here: ``rank_measurement(case.id)`` (a module-level function) in
+    this process for one rank, else on the case's spawned gloo ranks, the largest rank's peak."""
+    import dataclasses
+
+    from . import measure
+
+    def run() -> dict:
+        if case.job.cluster.gpus == 1:
+            return {"measurement": rank_measurement(case.id)}
+        worst = run_ranks(case.job.cluster.gpus, rank_measurement, case.id, worst=lambda m: m["peak_allocated_bytes"])
+        return {"measurement": dataclasses.asdict(measure.Measurement(**worst))}
+
+    return outcome(run)
 
 
 def _module_name(module) -> str:

@@ -16,19 +16,17 @@ estimate is memplan's refusal of that config.json then (``estimate_error``).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import sys
-from dataclasses import dataclass
 
 from memplan.mla import MLA_FIELDS
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
-from . import heldout, records
+from . import heldout
 
 OUT = "docs/mla_matrix_cpu.jsonl"
 TIMEOUT_S = 300
-render_report = heldout.render_report
+# the held-out matrix's record, report and command line serve this one (heldout.main's matrix)
+record_id, make_record, render_report = heldout.record_id, heldout.make_record, heldout.render_report
 
 DSV3_Q = ModelSpec(
     name="dsv3-h256-q128-kv64-e8",
@@ -86,16 +84,7 @@ DSV3_DENSE = ModelSpec(
 STRATEGY = {"single": "single", "ddp": "ddp", "fsdp": "fsdp-full-shard"}
 
 
-@dataclass(frozen=True)
-class Case:
-    """A held-out case (calibrate.heldout.Case's fields) with its model's MLA shapes."""
-
-    id: str
-    job: Job
-    loop: str
-    ac: str
-    mode: str
-    hf_type: str
+Case = heldout.TypedCase
 
 
 def _case(loop, model, strategy, *, gpus=1, b=1, s=128, precision="fp32", ac="none", ep=1) -> Case:
@@ -173,39 +162,8 @@ def config_json(case: Case) -> dict:
     return cfg
 
 
-def _run(case: Case) -> records.Run:
-    return records.Run(job=case.job, mode=case.mode, workload="hf", steps=heldout.STEPS, warmup=heldout.WARMUP)
-
-
-def record_id(case: Case) -> str:
-    """calibrate.heldout.record_id: the run's key with the loop, policy and model type."""
-    key = json.dumps([_run(case).key, case.loop, case.ac, case.hf_type])
-    return hashlib.sha1(key.encode()).hexdigest()[:10]
-
-
-def make_record(case: Case, outcome: dict, wall_s: float) -> dict:
-    record = records.make_record(_run(case), **outcome, wall_s=wall_s)
-    return record | {"id": record_id(case)} | heldout.loop_fields(case)  # type: ignore[arg-type]
-
-
 def measure_case(case: Case) -> dict:
-    """The case's outcome in this process: one rank (single) or 2 gloo ranks (spawned), the
-    largest rank's peak."""
-    import dataclasses
-
-    from . import measure
-
-    def run() -> dict:
-        if case.job.cluster.gpus == 1:
-            return {"measurement": _rank_measurement(case.id)}
-        worst = heldout.run_ranks(case.job.cluster.gpus, _rank_measurement, case.id, worst=_peak)
-        return {"measurement": dataclasses.asdict(measure.Measurement(**worst))}
-
-    return heldout.outcome(run)
-
-
-def _peak(measurement: dict) -> int:
-    return measurement["peak_allocated_bytes"]
+    return heldout.measure_on_ranks(case, _rank_measurement)
 
 
 def _rank_measurement(case_id: str) -> dict:

@@ -11,7 +11,7 @@ Records go to docs/moe_matrix_cpu.jsonl in calibrate.heldout's format (its repor
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
@@ -20,7 +20,7 @@ from . import heldout
 OUT = "docs/moe_matrix_cpu.jsonl"
 TIMEOUT_S = 300
 # the held-out matrix's record, report and command line serve this one (heldout.main's matrix)
-make_record, render_report = heldout.make_record, heldout.render_report
+record_id, make_record, render_report = heldout.record_id, heldout.make_record, heldout.render_report
 
 MIXTRAL_A = ModelSpec(
     name="mixtral-h256-e4",
@@ -81,16 +81,7 @@ HF_TYPE = {m.name: t for m, t in ((MIXTRAL_A, "mixtral"), (MIXTRAL_B, "mixtral")
 STRATEGY = {"single": "single", "ddp": "ddp", "fsdp": "fsdp-full-shard"}
 
 
-@dataclass(frozen=True)
-class Case:
-    """A held-out case (calibrate.heldout.Case's fields) of an MoE model."""
-
-    id: str
-    job: Job
-    loop: str
-    ac: str
-    mode: str
-    hf_type: str
+Case = heldout.TypedCase
 
 
 def _case(loop, model, strategy, *, gpus=1, b=1, s=128, ep=1, ac="none", precision="fp32", mode="local") -> Case:
@@ -133,26 +124,7 @@ BY_ID = {case.id: case for case in CASES}
 
 
 def measure_case(case: Case) -> dict:
-    """The case's outcome in this process: one rank (single) or 2 gloo ranks (spawned), the
-    largest rank's peak."""
-    import dataclasses
-
-    from . import measure
-
-    def run() -> dict:
-        if case.job.cluster.gpus == 1:
-            from . import loops
-
-            m = loops.run(case.job, loops.LOOPS[case.loop], hf_type=case.hf_type, ac=case.ac, emulated=False)
-            return {"measurement": dataclasses.asdict(m)}
-        worst = heldout.run_ranks(case.job.cluster.gpus, _rank_measurement, case.id, worst=_peak)
-        return {"measurement": dataclasses.asdict(measure.Measurement(**worst))}
-
-    return heldout.outcome(run)
-
-
-def _peak(measurement: dict) -> int:
-    return measurement["peak_allocated_bytes"]
+    return heldout.measure_on_ranks(case, _rank_measurement)
 
 
 def _rank_measurement(case_id: str) -> dict:
