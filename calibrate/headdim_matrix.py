@@ -136,6 +136,9 @@ STRATEGY = {"single": "single", "ddp": "ddp", "fsdp": "fsdp-full-shard"}
 class Case(heldout.TypedCase):
     """A held-out case, a LoRA one with peft's adapters."""
 
+    def run_options(self) -> dict:
+        return {"adapt": self.adapt}
+
     def adapt(self, model) -> None:
         """peft's adapters on a LoRA case's model (calibrate.finetune.adapt); a full one trains as built."""
         if self.job.train.finetune != "full":
@@ -224,28 +227,7 @@ def config_json(case: Case) -> dict:
     return cfg
 
 
-def measure_case(case: Case) -> dict:
-    return heldout.measure_on_ranks(case, _rank_measurement)
-
-
-def _rank_measurement(case_id: str) -> dict:
-    """This rank's measurement of the case's loop (a rank of ``heldout.run_ranks``)."""
-    import dataclasses
-
-    from . import loops
-
-    case = BY_ID[case_id]
-    m = loops.run(
-        case.job,
-        loops.LOOPS[case.loop],
-        hf_type=case.hf_type,
-        ac=case.ac,
-        emulated=False,
-        steps=heldout.STEPS,
-        warmup=heldout.WARMUP,
-        adapt=case.adapt,
-    )
-    return dataclasses.asdict(m)
+measure_case = heldout.measure_on_ranks
 
 
 def main(argv=None) -> None:

@@ -327,6 +327,11 @@ class TypedCase:
     def record_fields(self) -> dict:
         return {}
 
+    def run_options(self) -> dict:
+        """What calibrate.loops.run takes beyond the case's own fields (a LoRA case's adapters,
+        a model's config overrides)."""
+        return {}
+
 
 def _case(
     loop: str,
@@ -618,17 +623,38 @@ def make_record(case: Case, outcome: dict, wall_s: float) -> dict:
     return record | {"id": record_id(case)} | loop_fields(case) | case.record_fields()
 
 
-def measure_on_ranks(case, rank_measurement) -> dict:
-    """A matrix case's outcome here: ``rank_measurement(case.id)`` (a module-level function) in
-    this process for one rank, else on the case's spawned gloo ranks, the largest rank's peak."""
+def _typed_rank_measurement(case: TypedCase) -> dict:
+    """This rank's measurement of a typed case's loop (in this process, or a rank of ``run_ranks``)."""
+    import dataclasses
+
+    from . import loops
+
+    m = loops.run(
+        case.job,
+        loops.LOOPS[case.loop],
+        hf_type=case.hf_type,
+        ac=case.ac,
+        emulated=False,
+        steps=STEPS,
+        warmup=WARMUP,
+        **case.run_options(),
+    )
+    return dataclasses.asdict(m)
+
+
+def measure_on_ranks(case: TypedCase) -> dict:
+    """A typed case's outcome here: one rank in this process, else the case's spawned gloo ranks,
+    the largest rank's peak."""
     import dataclasses
 
     from . import measure
 
     def run() -> dict:
         if case.job.cluster.gpus == 1:
-            return {"measurement": rank_measurement(case.id)}
-        worst = run_ranks(case.job.cluster.gpus, rank_measurement, case.id, worst=lambda m: m["peak_allocated_bytes"])
+            return {"measurement": _typed_rank_measurement(case)}
+        worst = run_ranks(
+            case.job.cluster.gpus, _typed_rank_measurement, case, worst=lambda m: m["peak_allocated_bytes"]
+        )
         return {"measurement": dataclasses.asdict(measure.Measurement(**worst))}
 
     return outcome(run)

@@ -17,6 +17,7 @@ estimate is memplan's refusal of that config.json then (``estimate_error``).
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 from memplan.mla import MLA_FIELDS
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
@@ -84,7 +85,12 @@ DSV3_DENSE = ModelSpec(
 STRATEGY = {"single": "single", "ddp": "ddp", "fsdp": "fsdp-full-shard"}
 
 
-Case = heldout.TypedCase
+@dataclass(frozen=True)
+class Case(heldout.TypedCase):
+    """A case of a DeepSeek-V3 model: its config overrides given to calibrate.loops.run."""
+
+    def run_options(self) -> dict:
+        return {"hf_overrides": hf_overrides(self)}
 
 
 def _case(loop, model, strategy, *, gpus=1, b=1, s=128, precision="fp32", ac="none", ep=1) -> Case:
@@ -162,28 +168,7 @@ def config_json(case: Case) -> dict:
     return cfg
 
 
-def measure_case(case: Case) -> dict:
-    return heldout.measure_on_ranks(case, _rank_measurement)
-
-
-def _rank_measurement(case_id: str) -> dict:
-    """This rank's measurement of the case's loop (a rank of ``heldout.run_ranks``)."""
-    import dataclasses
-
-    from . import loops
-
-    case = BY_ID[case_id]
-    m = loops.run(
-        case.job,
-        loops.LOOPS[case.loop],
-        hf_type=case.hf_type,
-        ac=case.ac,
-        emulated=False,
-        steps=heldout.STEPS,
-        warmup=heldout.WARMUP,
-        hf_overrides=hf_overrides(case),
-    )
-    return dataclasses.asdict(m)
+measure_case = heldout.measure_on_ranks
 
 
 def main(argv=None) -> None:

@@ -123,19 +123,7 @@ CASES = (
 BY_ID = {case.id: case for case in CASES}
 
 
-def measure_case(case: Case) -> dict:
-    return heldout.measure_on_ranks(case, _rank_measurement)
-
-
-def _rank_measurement(case_id: str) -> dict:
-    """This gloo rank's measurement of the case's loop (a rank of ``heldout.run_ranks``)."""
-    import dataclasses
-
-    from . import loops
-
-    case = BY_ID[case_id]
-    m = loops.run(case.job, loops.LOOPS[case.loop], hf_type=case.hf_type, ac=case.ac, emulated=False)
-    return dataclasses.asdict(m)
+measure_case = heldout.measure_on_ranks
 
 
 def main(argv=None) -> None:
