@@ -962,10 +962,10 @@ class Step:
     def offload_groups(self) -> dict[str, list[Term]]:
         """torchtune's activation offloading: at the end of forward and the start of backward
         only the stash's blocks are on the GPU, while a block runs its backward its own kept
-        activations (modelled from torchtune 0.6.1 training/_activation_offloading.py; it needs
-        CUDA streams, so not measured)."""
-        L, kept = self.job.model.num_layers, self.kept(0)
-        stash = offload_stash_blocks(L)
+        activations (torchtune 0.6.1 training/_activation_offloading.py; measured on CPU through
+        calibrate.offload, a replica of its memory decisions: its class needs CUDA streams)."""
+        kept = self.kept(0)
+        stash = offload_stash_blocks(self.job.model, self.job.train.tokens_per_micro_batch)
         formula = " + ".join(s.formula for s in kept)
         on_gpu = [
             term(
@@ -1227,7 +1227,8 @@ _UNMEASURED = (
     ),
     (
         lambda t: t.offload_activations,
-        "activation offloading is modelled from torchtune's source, not measured (it needs CUDA streams)",
+        "activation offloading is measured on CPU through a replica of torchtune's pack/unpack decisions "
+        "(its class needs CUDA); its streams' overlap and pinned host buffers are not measured",
     ),
     (
         lambda t: t.activation_checkpointing == "op" and t.attention == "sdpa" and t.device == "cuda",
