@@ -173,6 +173,29 @@ def offloaded(saved: list[Saved]) -> tuple[list[Saved], list[Saved]]:
     return [s for s in saved if s.bytes < OFFLOAD_MIN_BYTES], [s for s in saved if s.bytes >= OFFLOAD_MIN_BYTES]
 
 
+def offloaded_outside(model: ModelSpec, train: TrainSpec) -> list[Saved]:
+    """Host copies of what the offloading context packs outside the blocks: the input ids
+    (the embedding's saved indices) and the final norm's packs, one copy per pack
+    (pack_tensor copies each packed tensor, l.169-190, the same tensor packed twice twice);
+    measured on CPU with calibrate.offload (a llama's 15.03 MiB host total, exact)."""
+    x = shapes(model, train)
+    t = x.tokens
+    if model.arch == "llama":  # pow and the mul pack the fp32 input, rsqrt and the mul rstd, weight * x the output
+        packs = [
+            Saved("final norm: fp32 input, twice", "2·4·b·s·h", 2 * 4 * t * x.h),
+            Saved("final norm: normalised", "r·b·s·h", x.r * t * x.h),
+            Saved("final norm: rstd, twice", "2·4·b·s", 2 * 4 * t),
+        ]
+    else:  # native_layer_norm packs its input, mean and rstd
+        stat = x.r if x.m == x.c else 4
+        packs = [
+            Saved("final norm: input", "r·b·s·h", x.r * t * x.h),
+            Saved("final norm: mean, rstd", "2·4·b·s", 2 * stat * t),
+        ]
+    packs.append(Saved("input ids (embedding)", "8·b·s", 8 * t))
+    return offloaded(packs)[1]
+
+
 def offload_stash_blocks(model: ModelSpec, tokens: int) -> int:
     """Blocks whose (full-AC) checkpoint input is still on the GPU at the end of forward and
     the start of backward: those among the stash's last 5 ids once the final norm's last

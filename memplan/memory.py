@@ -26,6 +26,7 @@ from .checkpointing import (
     num_checkpointed,
     offload_stash_blocks,
     offloaded,
+    offloaded_outside,
 )
 from .errors import MemplanError
 from .finetune import (
@@ -988,7 +989,7 @@ class Step:
         return {"activations.blocks": on_gpu, "activations.last_block": one}
 
     def offloaded_activation_terms(self) -> list[Term]:
-        """Host RAM per GPU of the blocks' offloaded activations."""
+        """Host RAM per GPU of the offloaded activations: the blocks' and those packed outside them."""
         if not self.job.train.offload_activations:
             return []
         L, moved = self.job.model.num_layers, offloaded(self.kept(0))[1]
@@ -999,7 +1000,8 @@ class Step:
                 f"offloaded activations of {L} blocks (host RAM)",
                 f"{L} × ({' + '.join(s.formula for s in moved)})",
                 L * sum(s.bytes for s in moved),
-            )
+            ),
+            *_terms(A, offloaded_outside(self.job.model, self.job.train), "activations.offloaded.outside"),
         ]
 
     def kind(self, index: int) -> tuple[bool, bool, str]:

@@ -2,6 +2,7 @@
 CPU under MemTracker: what it moves to the host leaves the measured device, the step's
 gradients are the ones without it, and its stash rule keeps the last ids on the device."""
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -57,3 +58,25 @@ def test_stash_drops_ids_at_least_max_fwd_stash_size_old_and_keeps_small_tensors
     assert ctx.tracker[ids[2]] == (small, False)
     assert list(ctx.fwd_stash) == [ids[3]]  # ids 1 and 2 are at least 2 below id 4
     assert ctx.offloaded_bytes == 3 * 1024
+
+
+@pytest.mark.slow
+def test_host_bytes_are_what_the_replica_copied(monkeypatch):
+    """The held-out one-GPU offloading case run again: the bytes the replica copied to the host
+    in the measured step are memplan's host RAM for it (the blocks' inputs, the final norm's
+    packs, the input ids)."""
+    from calibrate import heldout, offload
+    from memplan.memory import estimate
+
+    made, original = [], offload.offloading_context
+
+    def capture(head):  # calibrate.loops.run imports it when the case's loop starts
+        made.append(original(head))
+        return made[-1]
+
+    monkeypatch.setattr(offload, "offloading_context", capture)
+    case = next(c for c in heldout.CASES if c.job.train.offload_activations and c.job.cluster.gpus == 1)
+    outcome = heldout.measure_case(case)
+    assert outcome["status"] == "ok", outcome["error"]
+    record = {"spec": heldout.make_record(case, outcome, 0.0)["spec"]} | heldout.loop_fields(case)
+    assert made[-1].offloaded_bytes == estimate(heldout.loop_job(record)).host_bytes
