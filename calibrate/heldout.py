@@ -248,7 +248,21 @@ GPT2_B = ModelSpec(
 LLAMA_F = replace(LLAMA_E, name="llama-h320-v2k", vocab_size=2048)
 NEOX_D = replace(NEOX_C, name="neox-h320-v2k", vocab_size=2048)
 GPT2_C = replace(GPT2_B, name="gpt2-h256-v2k", vocab_size=2048)
+# torchtune's activation offloading (calibrate.offload's replica of its memory decisions): shapes not used above
+LLAMA_G = ModelSpec(
+    name="llama-h384-l2",
+    arch="llama",
+    num_layers=2,
+    hidden=384,
+    num_heads=6,
+    num_kv_heads=2,
+    ffn_hidden=1024,
+    vocab_size=4096,
+)
+LLAMA_G4 = replace(LLAMA_G, name="llama-h384-l4", num_layers=4)
 HF_TYPE = {
+    "llama-h384-l2": "llama",
+    "llama-h384-l4": "llama",
     "llama-h320-v2k": "llama",
     "neox-h320-v2k": "gpt_neox",
     "gpt2-h256-v2k": "gpt2",
@@ -351,6 +365,7 @@ def _case(
     in_backward: bool = False,
     zero_grad: str = "none",
     optimizer: str = "adamw",
+    offload: bool = False,
 ) -> Case:
     """A case; the flags (ac_every, compile, float8, optimizer in backward) are in its spec,
     as a user types them, and the loop applies them (calibrate.loops.run)."""
@@ -369,13 +384,15 @@ def _case(
             optimizer_in_backward=in_backward,
             zero_grad=zero_grad,
             optimizer=optimizer,
+            offload_activations=offload,
         ),
         cluster=ClusterSpec(gpus=gpus),
         plan=Plan(strategy=STRATEGY[strategy]),
     )
     where = "g" if mode == "local" else "w"
     flags = (f"-every{ac_every}" if ac_every > 1 else "") + (f"-zg{zero_grad}" if zero_grad != "none" else "")
-    flags += "".join(f"-{flag}" for flag, on in (("compile", compile), ("float8", float8), ("oib", in_backward)) if on)
+    named = (("compile", compile), ("float8", float8), ("oib", in_backward), ("offload", offload))
+    flags += "".join(f"-{flag}" for flag, on in named if on)
     flags += f"-{optimizer}" if optimizer != "adamw" else ""
     name = f"{model.name}-{loop}-{strategy}-{precision}-ac{ac}{flags}-{where}{gpus}-b{b}s{s}"
     return Case(name, job, loop, ac, mode)
@@ -467,6 +484,11 @@ CASES = (
     _case("cce-compile", MISTRAL_B, "fsdp", "mixed-bf16", gpus=4, b=1, s=128),
     # autocast (its casts inside the compiled graph), measured after the autocast terms were modelled
     _case("cce-compile", LLAMA_B, "ddp", "amp-bf16", gpus=4, b=2, s=256),
+    # torchtune's activation offloading (its recipes require full AC): the replica of its pack and
+    # unpack hooks (calibrate.offload), measured before the model of it changed
+    _case("torchtune", LLAMA_G, "single", "fp32", gpus=1, b=4, s=512, ac="full", offload=True, optimizer="sgd"),
+    _case("torchtune", LLAMA_G4, "fsdp", "fp32", gpus=4, b=2, s=256, ac="full", offload=True),
+    _case("torchtune", LLAMA_G4, "ddp", "fp32", gpus=2, b=1, s=512, ac="full", offload=True),
 )
 BY_ID = {case.id: case for case in CASES}
 

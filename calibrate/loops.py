@@ -95,7 +95,12 @@ class Loop:
         """The record's ``loop`` object for this loop under activation checkpointing ``ac``,
         with the flags ``train`` (the case's TrainSpec) turns on (none without it)."""
         flags = train or SimpleNamespace(
-            ac_every=1, compile=False, float8=False, optimizer_in_backward=False, zero_grad="none"
+            ac_every=1,
+            compile=False,
+            float8=False,
+            offload_activations=False,
+            optimizer_in_backward=False,
+            zero_grad="none",
         )
         return {
             "logits": self.logits,
@@ -105,7 +110,7 @@ class Loop:
             "ac_every": flags.ac_every if ac != "none" else 0,
             "compile": flags.compile,
             "float8": flags.float8,
-            "offload_activations": False,
+            "offload_activations": flags.offload_activations,
             "optimizer_in_backward": flags.optimizer_in_backward,
             "zero_grad": flags.zero_grad,
             "recipe": self.recipe,
@@ -432,10 +437,20 @@ def _shifted(ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
 
 
-def make_step(loop: Loop, model: nn.Module, hf_model: nn.Module, micro_batch: int, *, compile_loss: bool = False):
+def make_step(
+    loop: Loop,
+    model: nn.Module,
+    hf_model: nn.Module,
+    micro_batch: int,
+    *,
+    compile_loss: bool = False,
+    offload=None,
+):
     """The loop's forward + backward of one micro-batch, as a function of the input ids;
     ``compile_loss``: the loss compiled as torchtune's compile_loss (training/_compile.py, its
-    compute_cross_entropy) and torchtitan's build_loss_fn (torch.compile of the loss) do."""
+    compute_cross_entropy) and torchtitan's build_loss_fn (torch.compile of the loss) do;
+    ``offload``: the torchtune loop's activation offloading context (calibrate.offload's
+    replica), around the model's forward only, as the recipes' ``_loss_step`` enters it."""
     if loop.name == "hf-trainer":
         import tempfile
 
@@ -479,7 +494,8 @@ def make_step(loop: Loop, model: nn.Module, hf_model: nn.Module, micro_batch: in
 
         def torchtune_step(ids):
             labels = _shifted(ids)
-            logits = model(input_ids=ids, chunks=loop.loss_chunks)
+            with offload or contextlib.nullcontext():
+                logits = model(input_ids=ids, chunks=loop.loss_chunks)
             loss = loss_fn(logits, labels)
             del logits
             loss.backward()
@@ -738,7 +754,15 @@ def run(
             optimizer = None
         else:
             optimizer = _optimizer(wrapped, job)
-        step = make_step(loop, wrapped, hf_model, train.micro_batch, compile_loss=train.compile)
+        offload = None
+        if train.offload_activations:
+            if loop.name != "torchtune" or ac != "full":
+                raise ValueError("offloading runs in the torchtune loop with ac full (its recipes require AC)")
+            from .offload import offloading_context
+
+            head: nn.Module = getattr(hf_model, "lm_head")  # noqa: B009  the recipe's NoOpManager is around it
+            offload = offloading_context(head)
+        step = make_step(loop, wrapped, hf_model, train.micro_batch, compile_loss=train.compile, offload=offload)
         for index in range(steps):
             measured = index == steps - 1
             if measured:

@@ -154,10 +154,16 @@ def block_transient_under(
 # (fwd_stash) until the first backward node's hook
 OFFLOAD_MIN_BYTES = 1024
 OFFLOAD_STASH_TENSORS = 5
-# the final norm's saved tensors are the last ones offloaded (the output head runs under
-# NoOpManager, and the loss outside the offloading context): RMSNorm's fp32 input,
-# rstd and normalised output; LayerNorm's input, mean and rstd
-_FINAL_NORM_TENSORS = 3
+# The saved tensors packed after the last block's checkpoint input: the final norm's (the
+# output head runs under NoOpManager, the loss outside the offloading context). pack_tensor
+# numbers every packed tensor, parameters and small ones included, and at each offload drops
+# from the stash the ids at least max_fwd_stash_size below the current one (l.155-165).
+# LlamaRMSNorm (transformers modeling_llama.py; torchtune's RMSNorm saves the same): pow saves
+# its input, rsqrt its result, the mul both operands, weight * x both: the last offloaded is
+# the 5th or 6th pack. LayerNorm (native_layer_norm): input, weight, bias, mean, rstd; its
+# mean and rstd (4·b·s bytes each) are offloaded only from min_offload_size up.
+_RMS_NORM_LAST_OFFLOADED = 5
+_LAYER_NORM_LAST_OFFLOADED = (1, 5)  # (its stats under min_offload_size, from it up)
 
 
 def offloaded(saved: list[Saved]) -> tuple[list[Saved], list[Saved]]:
@@ -167,11 +173,39 @@ def offloaded(saved: list[Saved]) -> tuple[list[Saved], list[Saved]]:
     return [s for s in saved if s.bytes < OFFLOAD_MIN_BYTES], [s for s in saved if s.bytes >= OFFLOAD_MIN_BYTES]
 
 
-def offload_stash_blocks(num_layers: int) -> int:
+def offloaded_outside(model: ModelSpec, train: TrainSpec) -> list[Saved]:
+    """Host copies of what the offloading context packs outside the blocks: the input ids
+    (the embedding's saved indices) and the final norm's packs, one copy per pack
+    (pack_tensor copies each packed tensor, l.169-190, the same tensor packed twice twice);
+    measured on CPU with calibrate.offload (a llama's 15.03 MiB host total, exact)."""
+    x = shapes(model, train)
+    t = x.tokens
+    if model.arch == "llama":  # pow and the mul pack the fp32 input, rsqrt and the mul rstd, weight * x the output
+        packs = [
+            Saved("final norm: fp32 input, twice", "2·4·b·s·h", 2 * 4 * t * x.h),
+            Saved("final norm: normalised", "r·b·s·h", x.r * t * x.h),
+            Saved("final norm: rstd, twice", "2·4·b·s", 2 * 4 * t),
+        ]
+    else:  # native_layer_norm packs its input, mean and rstd
+        stat = x.r if x.m == x.c else 4
+        packs = [
+            Saved("final norm: input", "r·b·s·h", x.r * t * x.h),
+            Saved("final norm: mean, rstd", "2·4·b·s", 2 * stat * t),
+        ]
+    packs.append(Saved("input ids (embedding)", "8·b·s", 8 * t))
+    return offloaded(packs)[1]
+
+
+def offload_stash_blocks(model: ModelSpec, tokens: int) -> int:
     """Blocks whose (full-AC) checkpoint input is still on the GPU at the end of forward and
-    the start of backward: the stash holds the last 5 offloaded tensors, the final norm's
-    3 among them. torchtune requires AC with offloading: one offloaded tensor per block."""
-    return min(num_layers, OFFLOAD_STASH_TENSORS - _FINAL_NORM_TENSORS)
+    the start of backward: those among the stash's last 5 ids once the final norm's last
+    offloaded tensor is packed. torchtune requires AC with offloading: one packed tensor per
+    block (its input). For a llama none (measured on CPU with calibrate.offload's replica)."""
+    if model.arch == "llama":
+        last = _RMS_NORM_LAST_OFFLOADED
+    else:  # from the source, not measured
+        last = _LAYER_NORM_LAST_OFFLOADED[4 * tokens >= OFFLOAD_MIN_BYTES]
+    return min(model.num_layers, max(0, OFFLOAD_STASH_TENSORS - last))
 
 
 def compiled_block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False) -> list[Saved]:

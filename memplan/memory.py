@@ -26,6 +26,7 @@ from .checkpointing import (
     num_checkpointed,
     offload_stash_blocks,
     offloaded,
+    offloaded_outside,
 )
 from .errors import MemplanError
 from .finetune import (
@@ -978,10 +979,10 @@ class Step:
     def offload_groups(self) -> dict[str, list[Term]]:
         """torchtune's activation offloading: at the end of forward and the start of backward
         only the stash's blocks are on the GPU, while a block runs its backward its own kept
-        activations (modelled from torchtune 0.6.1 training/_activation_offloading.py; it needs
-        CUDA streams, so not measured)."""
-        L, kept = self.job.model.num_layers, self.kept(0)
-        stash = offload_stash_blocks(L)
+        activations (torchtune 0.6.1 training/_activation_offloading.py; measured on CPU through
+        calibrate.offload, a replica of its memory decisions: its class needs CUDA streams)."""
+        kept = self.kept(0)
+        stash = offload_stash_blocks(self.job.model, self.job.train.tokens_per_micro_batch)
         formula = " + ".join(s.formula for s in kept)
         on_gpu = [
             term(
@@ -1004,7 +1005,7 @@ class Step:
         return {"activations.blocks": on_gpu, "activations.last_block": one}
 
     def offloaded_activation_terms(self) -> list[Term]:
-        """Host RAM per GPU of the blocks' offloaded activations."""
+        """Host RAM per GPU of the offloaded activations: the blocks' and those packed outside them."""
         if not self.job.train.offload_activations:
             return []
         L, moved = self.job.model.num_layers, offloaded(self.kept(0))[1]
@@ -1015,7 +1016,8 @@ class Step:
                 f"offloaded activations of {L} blocks (host RAM)",
                 f"{L} × ({' + '.join(s.formula for s in moved)})",
                 L * sum(s.bytes for s in moved),
-            )
+            ),
+            *_terms(A, offloaded_outside(self.job.model, self.job.train), "activations.offloaded.outside"),
         ]
 
     def kind(self, index: int) -> tuple[bool, bool, str]:
@@ -1245,7 +1247,8 @@ _UNMEASURED = (
     ),
     (
         lambda t: t.offload_activations,
-        "activation offloading is modelled from torchtune's source, not measured (it needs CUDA streams)",
+        "activation offloading is measured on CPU through a replica of torchtune's pack/unpack decisions "
+        "(its class needs CUDA); its streams' overlap and pinned host buffers are not measured",
     ),
     (
         lambda t: t.activation_checkpointing == "op" and t.attention == "sdpa" and t.device == "cuda",
