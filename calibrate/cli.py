@@ -82,7 +82,7 @@ def _sweep_options(f):
         click.option(
             "--layers-scaled",
             is_flag=True,
-            help="For a model too big for this device: run it at full width with 1, 2 and 4 blocks and "
+            help="For a model too big for this device: run it at full width with 2, 3 and 4 blocks and "
             "record the peak extrapolated to its real depth, with the fit's uncertainty.",
         ),
     ]

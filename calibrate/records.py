@@ -107,7 +107,7 @@ class Run:
     """Steps before the measured one; the measured step must have optimizer states."""
     workload: str = "native"
     layers_scaled: bool = False
-    """Measure 1-, 2- and 4-block copies at full width and extrapolate to the real depth
+    """Measure 2-, 3- and 4-block copies at full width and extrapolate to the real depth
     (calibrate.layerscale), for a model too big for the calibration device."""
 
     def __post_init__(self):

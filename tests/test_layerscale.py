@@ -1,4 +1,4 @@
-"""Layer-scaled calibration: a deep model's peak from its 1-, 2- and 4-block copies."""
+"""Layer-scaled calibration: a deep model's peak from its 2-, 3- and 4-block copies."""
 
 from dataclasses import replace
 
@@ -28,7 +28,7 @@ def test_sixteen_blocks_predicted_from_one_two_four_within_3_percent():
 
     scaled = measure_layer_scaled(job, measure=measure)
     real = measure(job)
-    assert [p[0] for p in scaled.points] == [1, 2, 4]
+    assert [p[0] for p in scaled.points] == [2, 3, 4]
     assert scaled.peak_allocated_bytes == pytest.approx(real.peak_allocated_bytes, rel=0.03)
     assert scaled.phase == real.phase
 
@@ -86,7 +86,7 @@ def test_calibrate_run_layers_scaled_records_the_full_model(tmp_path):
     [record] = records.read([out])
     assert record["status"] == "ok" and record["layers_scaled"] is True
     fit = record["measurement"]["layer_scaled"]
-    assert [p[0] for p in fit["points"]] == [1, 2, 4]
+    assert [p[0] for p in fit["points"]] == [2, 3, 4]
     assert record["spec"]["model"]["num_layers"] == 12
     # the extrapolated peak is the full model's, which memplan estimates to within its usual error
     assert record["measurement"]["peak_allocated_bytes"] == pytest.approx(
