@@ -200,31 +200,7 @@ CASES = (
 BY_ID = {case.id: case for case in CASES}
 
 
-def config_json(case: Case) -> dict:
-    """The config.json of the case's model, as a user would hand it to memplan."""
-    m = case.job.model
-    cfg = {
-        "model_type": case.hf_type,
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.hidden,
-        "intermediate_size": m.ffn_hidden,
-        "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_heads,
-        "num_key_value_heads": m.num_kv_heads,
-        "head_dim": m.head_size,
-        "hidden_act": "silu",
-        "tie_word_embeddings": m.tied_embeddings,
-    }
-    if m.num_experts:
-        cfg |= {
-            "num_experts": m.num_experts,
-            "num_experts_per_tok": m.experts_per_token,
-            "moe_intermediate_size": m.moe_ffn_hidden,
-            "norm_topk_prob": m.normalize_top_k,
-            "decoder_sparse_step": m.moe_every,
-            "mlp_only_layers": [],
-        }
-    return cfg
+config_json = heldout.config_json
 
 
 measure_case = heldout.measure_on_ranks

@@ -347,6 +347,29 @@ class TypedCase:
         return {}
 
 
+def config_json(case: TypedCase, **overrides) -> dict:
+    """The config.json of a typed case's llama-family model, as a user would hand it to memplan:
+    its experts' keys those calibrate.moe_ep builds the model with, ``overrides`` last."""
+    from .moe_ep import hf_moe_kwargs
+
+    m = case.job.model
+    cfg = {
+        "model_type": case.hf_type,
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden,
+        "intermediate_size": m.ffn_hidden,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_kv_heads,
+        "head_dim": m.head_size,
+        "hidden_act": "silu",
+        "tie_word_embeddings": m.tied_embeddings,
+    }
+    if m.num_experts:
+        cfg |= {k: v for k, v in hf_moe_kwargs(m, case.hf_type).items() if k != "experts_implementation"}
+    return cfg | overrides
+
+
 def _case(
     loop: str,
     model: ModelSpec,

@@ -141,31 +141,7 @@ def hf_overrides(case: Case) -> dict:
 
 def config_json(case: Case) -> dict:
     """The config.json of the case's model, as a user would hand it to memplan."""
-    m = case.job.model
-    cfg = {
-        "model_type": case.hf_type,
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.hidden,
-        "intermediate_size": m.ffn_hidden,
-        "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_heads,
-        "num_key_value_heads": m.num_kv_heads,
-        "hidden_act": "silu",
-        "tie_word_embeddings": m.tied_embeddings,
-        **hf_overrides(case),
-    }
-    if m.num_experts:
-        cfg |= {
-            "n_routed_experts": m.num_experts,
-            "num_experts_per_tok": m.experts_per_token,
-            "moe_intermediate_size": m.moe_ffn_hidden,
-            "n_shared_experts": m.shared_ffn_hidden // m.moe_ffn_hidden,
-            "first_k_dense_replace": m.first_dense_layers,
-            "norm_topk_prob": m.normalize_top_k,
-            "n_group": 1,
-            "topk_group": 1,
-        }
-    return cfg
+    return heldout.config_json(case, **hf_overrides(case))
 
 
 measure_case = heldout.measure_on_ranks
