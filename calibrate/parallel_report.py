@@ -36,6 +36,25 @@ def rows(path: Path) -> list[dict]:
     return out
 
 
+FIRST_TABLES = (
+    (
+        ".first.md",
+        "The first table, measured before any model change, is `{}` (the model as it was then, on the same records).",
+    ),
+    (
+        ".cp-first.md",
+        "The context-parallel cases' first table, measured before the CP model changed, is `{}`; "
+        "cp4-fsdp-s1024-b1 and cp2-fsdp-v512 were measured after that change, held out from it.",
+    ),
+    (
+        ".ppfsdp-first.md",
+        "FSDP2 under pipelining's first table, measured before its model changed, is `{}`; "
+        "dp2-pp2-fsdp-m8 and dp2-pp2-int-v2-fsdp-m4 were measured then, held out from that change.",
+    ),
+)
+"""The first tables kept beside the report (suffix of its path), each said where it stands."""
+
+
 def write_report(path: Path) -> None:
     table = rows(path)
     lines = [
@@ -56,27 +75,10 @@ def write_report(path: Path) -> None:
     worst = max(abs(r["error_pct"]) for r in table)
     within = sum(abs(r["error_pct"]) <= 2 for r in table)
     lines += ["", f"{len(table)} cases, {within} within 2 %; largest error {worst:.1f} %."]
-    first = path.with_suffix(".first.md")
-    if first.exists():
-        lines += [
-            "",
-            f"The first table, measured before any model change, is `{first.name}` (the model as it was "
-            "then, on the same records).",
-        ]
-    cp_first = path.with_suffix(".cp-first.md")
-    if cp_first.exists():
-        lines += [
-            "",
-            f"The context-parallel cases' first table, measured before the CP model changed, is `{cp_first.name}`; "
-            "cp4-fsdp-s1024-b1 and cp2-fsdp-v512 were measured after that change, held out from it.",
-        ]
-    pp_first = path.with_suffix(".ppfsdp-first.md")
-    if pp_first.exists():
-        lines += [
-            "",
-            f"FSDP2 under pipelining's first table, measured before its model changed, is `{pp_first.name}`; "
-            "dp2-pp2-fsdp-m8 and dp2-pp2-int-v2-fsdp-m4 were measured then, held out from that change.",
-        ]
+    for suffix, sentence in FIRST_TABLES:
+        first = path.with_suffix(suffix)
+        if first.exists():
+            lines += ["", sentence.format(first.name)]
     lines += [
         "",
         "tp2-sp-d64x8, cp2-fsdp-d64x8 (8 heads of 64 over hidden 256: `ModelSpec.head_dim`) and cp2-fsdp-kv2 "
