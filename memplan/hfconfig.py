@@ -159,6 +159,14 @@ def _deepseek_v3_extra(cfg: dict) -> dict[str, Any]:
     }
 
 
+# BertLayer / RobertaLayer: post-LayerNorm blocks, every linear with a bias (modeling_bert.py)
+_BERT = Family(
+    "bert",
+    True,
+    {"attention_probs_dropout_prob": 0.1, "hidden_dropout_prob": 0.1},
+    lambda cfg: (False, True),
+    _bert_extra,
+)
 FAMILIES = {
     "llama": Family("llama", False, {"attention_dropout": 0.0}, _llama_biases),
     "mistral": Family("llama", False, {"attention_dropout": 0.0}),
@@ -226,21 +234,8 @@ FAMILIES = {
         lambda cfg: (False, True),
         _vit_extra,
     ),
-    # BertLayer / RobertaLayer: post-LayerNorm blocks, every linear with a bias (modeling_bert.py)
-    "bert": Family(
-        "bert",
-        True,
-        {"attention_probs_dropout_prob": 0.1, "hidden_dropout_prob": 0.1},
-        lambda cfg: (False, True),
-        _bert_extra,
-    ),
-    "roberta": Family(
-        "bert",
-        True,
-        {"attention_probs_dropout_prob": 0.1, "hidden_dropout_prob": 0.1},
-        lambda cfg: (False, True),
-        _bert_extra,
-    ),
+    "bert": _BERT,
+    "roberta": _BERT,
 }
 
 
