@@ -532,19 +532,10 @@ class Step:
         elif self.sgo_like_full_shard():
             # the ends of the first and the last block's backward as full shard's
             # (FSDP_BLOCK_MOMENTS), the same instants: at the first the blocks after it resharded
-            # after their backward, at the last the blocks before it still gathered from forward
-            # (no prefetch), so full shard never estimates above shard-grad-op (tests/test_invariants.py)
-            bp, g = self.block_params, self.gather_bytes
-            before = term(
-                B,
-                "fsdp.all_blocks",
-                f"unsharded {L - 1} blocks before it (forward→backward)",
-                f"{g}·{L - 1}·{bp:,}",
-                g * (L - 1) * bp,
-            )
-            last_end = self.framework.gathered(self, "last_end")
-            groups["gathered.last_end"] = [before if t.key == "fsdp.prefetched" else t for t in last_end]
-            groups["gathered.first_end"] = self.framework.gathered(self, "first_end")
+            # after their backward, at the last the blocks before it still gathered from forward, so
+            # full shard never estimates above shard-grad-op (tests/test_invariants.py)
+            for where in ("first_end", "last_end"):
+                groups[f"gathered.{where}"] = self.framework.gathered(self, where)
         if self.root_reduce():
             groups.update(self.root_reduce_groups())
         if self.splits_fsdp_blocks() or self.sgo_like_full_shard() or self.ends_first_block():

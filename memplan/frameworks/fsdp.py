@@ -246,6 +246,10 @@ def _block_backward(step, instant: str) -> list:
         before, nxt = 0, 0
     retained = [term(B, "fsdp.retained_reduce_input", before_name, f"{r}·{before:,}", r * before)] if before else []
     prefetched = [_gathered(step, "fsdp.prefetched", nxt, nxt_name)] if nxt else []
+    if prefetched and which == "last" and not step.strategy.reshard_after_forward:
+        # shard-grad-op prefetches nothing: the blocks before the last are still gathered from forward
+        g, name = step.gather_bytes, f"unsharded {L - 1} blocks before it (forward→backward)"
+        prefetched = [term(B, "fsdp.all_blocks", name, f"{g}·{L - 1}·{bp:,}", g * (L - 1) * bp)]
     unsharded = _gathered(step, "fsdp.block", bp, "unsharded block")
     if instant.endswith("copy"):
         if not gathers:
