@@ -560,12 +560,23 @@ class Step:
 
     def splits_fsdp_blocks(self) -> bool:
         """Whether the blocks' backward is FSDP2 full shard's three instants per block
-        (``FSDP_BLOCK_MOMENTS``): a full fine-tune of a dense decoder, one micro-batch, its
-        states on the GPU (on any GPU count: the sweep's families share one set of moments)."""
+        (``FSDP_BLOCK_MOMENTS``)."""
+        return self.strategy.id == "fsdp-full-shard" and self._fsdp_blocks_measured()
+
+    def sgo_like_full_shard(self) -> bool:
+        """FSDP2 shard-grad-op where full shard would split its blocks' moments: the blocks stay
+        gathered from forward to backward (one moment per block), but its units reduce as full
+        shard's do, so the head's gradients beside the blocks are the same
+        (``fsdp_block_grad_groups``)."""
+        return self.strategy.id == "fsdp-shard-grad-op" and self._fsdp_blocks_measured()
+
+    def _fsdp_blocks_measured(self) -> bool:
+        """Where FSDP2's block instants were measured: a full fine-tune of a dense decoder, one
+        micro-batch, its states on the GPU (on any GPU count: the sweep's families share one set
+        of moments)."""
         model, train = self.job.model, self.job.train
         return (
-            self.strategy.id == "fsdp-full-shard"
-            and self.P == "P"
+            self.P == "P"
             and not model.num_experts
             and model.arch not in ("bert", "vit")
             and train.grad_accum == 1
@@ -577,16 +588,6 @@ class Step:
             # the one-moment-per-block model covers by counting a block's buffers too many
             and not train.float8
             and self._whole_model_per_rank()
-        )
-
-    def sgo_like_full_shard(self) -> bool:
-        """FSDP2 shard-grad-op where full shard would split its blocks' moments: the blocks stay
-        gathered from forward to backward (one moment per block), but its units reduce as full
-        shard's do, so the head's gradients beside the blocks are the same
-        (``fsdp_block_grad_groups``)."""
-        return (
-            self.strategy.id == "fsdp-shard-grad-op"
-            and Step(self.job.with_(strategy="fsdp-full-shard")).splits_fsdp_blocks()
         )
 
     def _whole_model_per_rank(self) -> bool:
