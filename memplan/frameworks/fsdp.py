@@ -260,11 +260,16 @@ def _block_backward(step, instant: str) -> list:
         # next unit's and makes its MLP output projection's weight gradient first (measured: the
         # held-out neox hf-trainer peak, the input embedding unit's buffer and that gradient in
         # the first block's backward)
-        first_grad = model.hidden * model.ffn_hidden + (model.hidden if model.linear_bias else 0)
         return [
             unsharded,
             *prefetched,
-            term(B, "fsdp.block_grads", "MLP output projection's unsharded gradient", f"{g}·h·f", g * first_grad),
+            term(
+                B,
+                "fsdp.block_grads",
+                "MLP output projection's unsharded gradient",
+                f"{g}·h·f",
+                g * step.first_weight_grad(),
+            ),
             *retained,
         ]
     return [
