@@ -210,10 +210,9 @@ TOLERANCE = 0.02
 
 
 def _records() -> list[dict]:
-    from calibrate import heldout, mla_matrix, records
+    from calibrate import heldout, mla_matrix
 
-    path = Path(__file__).resolve().parent.parent / mla_matrix.OUT
-    return [r for r in heldout.latest(records.read([path])) if r["status"] == "ok"]
+    return heldout.latest_ok(Path(__file__).resolve().parent.parent / mla_matrix.OUT)
 
 
 def test_the_matrix_covers_q_lora_dense_first_moe_precisions_strategies_and_full_ac():
