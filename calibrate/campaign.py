@@ -37,6 +37,10 @@ from .records import Run
 
 BUDGET_S = 25 * 60
 """The campaign's whole wall-clock budget on one device (issue 16)."""
+SLICE_S = 480.0
+"""Seconds of runs in one device call (``--budget-s``): a lent device gives 15 minutes in all,
+its start and idle waits included (issue 25), so the first call's 8 minutes must answer the
+questions FIRST asks."""
 STARTUP_S = 10.0
 """Planning allowance per child process: Python, torch (0.9 s to import on the CPU machine),
 memplan, the CUDA context, the fake process group. Not a measurement of the GPU machine:
@@ -52,6 +56,9 @@ COMPILE_S = 90.0
 """Planning allowance for inductor compiling a block's forward and backward, cold cache."""
 SNAPSHOT_S = 10.0
 """Planning allowance for recording the allocator's history and writing it out."""
+START_FACTOR = 2.0
+"""Under a call's budget, a run starts only while twice its planned time is left; the rest of
+the call is its timeout at most."""
 MIN_TIMEOUT_S, MAX_TIMEOUT_S, TIMEOUT_FACTOR = 90.0, 420.0, 4.0
 """A run is killed after TIMEOUT_FACTOR × its estimate, within these bounds (seconds); the
 upper bound keeps every run inside one 10-minute device command."""
@@ -151,6 +158,8 @@ BASE = dict(
     micro_batch=2,
     seq_len=2048,
     sdpa_backend="default",
+    finetune="full",
+    workload="native",
 )
 
 
@@ -170,6 +179,8 @@ def _name(axis: str, c: dict, snapshot: bool, seq_len: int) -> str:
         ("optimizer_impl", ""),
         ("logits", "logits-"),
         ("loss", ""),
+        ("finetune", ""),
+        ("workload", ""),
     ):
         if c[key] != BASE[key]:
             parts.append(f"{label}{c[key]}")
@@ -187,7 +198,7 @@ def make_case(axis: str, *, gpu: str, device: str = "cuda", snapshot: bool = Fal
     c = {**BASE, **changes}
     model = _model(c["model"])
     spec = catalog.gpu(gpu)
-    workload = "hf" if model.arch == "vit" else "native"
+    workload = "hf" if model.arch == "vit" else c["workload"]
     train = TrainSpec(
         seq_len=model.max_positions if model.arch == "vit" else c["seq_len"],
         micro_batch=c["micro_batch"],
@@ -199,6 +210,7 @@ def make_case(axis: str, *, gpu: str, device: str = "cuda", snapshot: bool = Fal
         logits=c["logits"],
         loss=c["loss"],
         compile=c["compile"],
+        finetune=c["finetune"],
     )
     job = Job(
         model=model,
@@ -219,9 +231,37 @@ def make_case(axis: str, *, gpu: str, device: str = "cuda", snapshot: bool = Fal
     )
 
 
+LORA = {"model": "llama-3.1-8b", "strategy": "single", "world": 1, "precision": "bf16", "finetune": "lora"}
+"""peft's LoRA (rank 8 on the attention projections, memplan's default) on transformers' Llama-3.1-8B
+shapes, one GPU, the model cast to bf16 before the adapters are added (calibrate.finetune.adapt)."""
+FIRST: tuple[tuple[str, dict], ...] = (
+    # 1. reserved against allocated on the base FSDP2 run: the allocator's history, then the run timed
+    ("snapshot", {"snapshot": True}),
+    ("model", {}),
+    # (2. the probes run here: the CUDA context and cuBLAS workspace, PROBES_AFTER)
+    # 3. DDP's buckets and a single GPU's foreach temporaries on CUDA, each with its history
+    ("strategy", {"strategy": "ddp", "world": 8}),
+    ("snapshot", {"strategy": "ddp", "precision": "amp-bf16", "snapshot": True}),
+    ("strategy", {"strategy": "single", "world": 1}),
+    ("snapshot", {"model": "qwen2.5-0.5b", "strategy": "single", "world": 1, "precision": "bf16", "snapshot": True}),
+    # 4. flash against memory-efficient SDPA
+    ("attention", {"sdpa_backend": "flash"}),
+    ("attention", {"sdpa_backend": "efficient"}),
+    # 5. torch.compile of the blocks, where the CPU and the published rows disagree
+    ("loop", {"compile": True}),
+    # 6. one full-AC run and one LoRA run
+    ("ac", {"ac": "full"}),
+    ("finetune", {**LORA, "workload": "hf"}),
+)
+"""What the first minutes of a lent device must answer (issue 25), in this order; the rest follows."""
+PROBES_AFTER = 2
+"""The probes run after the first two cases of FIRST (the base run with its history and timed)."""
+
+
 def _design_points() -> list[tuple[str, dict]]:
-    """(axis, changes from BASE) of every run, in the order they run: cheap and informative first."""
-    points: list[tuple[str, dict]] = [("model", {})]
+    """(axis, changes from BASE) of every run, in the order they run: FIRST, then the rest
+    (a run FIRST already holds keeps its place there)."""
+    points: list[tuple[str, dict]] = [*FIRST, ("model", {})]
     # strategy × emulated world size at the base model, and at 8B where DDP and single are layer-scaled
     for strategy, world in (
         ("single", 1),
@@ -443,20 +483,54 @@ def detect_gpu() -> str:
     return (pcie if "pcie" in name.lower() else [g for g in found if g not in pcie] or found)[0]
 
 
-def dry_run(cases: list[Case], *, budget_s: float = BUDGET_S, probes=PROBES) -> tuple[list[str], float]:
-    """The listing of every run with its configuration and estimated time, and the total."""
-    lines = [f"{'#':>3}  {'est s':>6}  {'timeout':>7}  name  [memplan's description]"]
-    total = 0.0
-    for i, probe in enumerate(probes):
-        s = probe_estimated_s(probe)
+def ordered(cases: list[Case], probes=PROBES) -> list[Case | str]:
+    """The order the sweep runs in: the first PROBES_AFTER cases, the probes, the other cases."""
+    return [*cases[:PROBES_AFTER], *probes, *cases[PROBES_AFTER:]]
+
+
+def _planned(item: Case | str) -> tuple[str, float, float]:
+    """(name, estimated seconds, timeout) of a case or a probe."""
+    if isinstance(item, str):
+        return f"probe/{item}", probe_estimated_s(item), probe_timeout_s(item)
+    return item.name, estimated_s(item), timeout_s(item)
+
+
+def slices(items: list[Case | str], slice_s: float) -> list[int]:
+    """The slice (0, 1, ...) each item runs in when every device call has ``slice_s`` seconds
+    and runs take their estimated time, by the sweep's own rule (START_FACTOR)."""
+    out, index, elapsed = [], 0, 0.0
+    for item in items:
+        _, s, _ = _planned(item)
+        if elapsed > 0 and elapsed + START_FACTOR * s > slice_s:
+            index, elapsed = index + 1, 0.0
+        out.append(index)
+        elapsed += s
+    return out
+
+
+def dry_run(
+    cases: list[Case], *, budget_s: float = BUDGET_S, probes=PROBES, slice_s: float = SLICE_S
+) -> tuple[list[str], float]:
+    """The listing of every run in the order it runs, with its configuration, estimated time
+    and the device call (slice of ``slice_s`` seconds) it falls in, the planned minutes of each
+    slice, and the total."""
+    items = ordered(cases, probes)
+    where = slices(items, slice_s)
+    lines = [f"{'#':>3}  {'slice':>5}  {'est s':>6}  {'timeout':>7}  name  [memplan's description]"]
+    total, per_slice = 0.0, [0.0] * (max(where, default=0) + 1)
+    for i, (item, k) in enumerate(zip(items, where)):
+        name, s, timeout = _planned(item)
         total += s
-        lines.append(f"{i:>3}  {s:>6.1f}  {probe_timeout_s(probe):>7.0f}  probe/{probe}")
-    for i, case in enumerate(cases, start=len(probes)):
-        s = estimated_s(case)
-        total += s
-        extra = f" sdpa-{case.sdpa_backend}" if case.sdpa_backend != "default" else ""
-        flags = " snapshot" if case.snapshot else ""
-        lines.append(f"{i:>3}  {s:>6.1f}  {timeout_s(case):>7.0f}  {case.name}  [{case.run.describe()}{extra}{flags}]")
+        per_slice[k] += s
+        if isinstance(item, str):
+            lines.append(f"{i:>3}  {k + 1:>5}  {s:>6.1f}  {timeout:>7.0f}  {name}")
+            continue
+        extra = f" sdpa-{item.sdpa_backend}" if item.sdpa_backend != "default" else ""
+        flags = " snapshot" if item.snapshot else ""
+        lines.append(f"{i:>3}  {k + 1:>5}  {s:>6.1f}  {timeout:>7.0f}  {name}  [{item.run.describe()}{extra}{flags}]")
+    for k, s in enumerate(per_slice):
+        count = where.count(k)
+        lines.append(f"slice {k + 1}: {count} runs, {s / 60:.1f} min planned (calls of {slice_s:.0f} s)")
     verdict = "within" if total <= budget_s else "OVER"
     lines.append(
         f"{len(cases)} runs + {len(probes)} probes: {total:.0f} s estimated ({total / 60:.1f} min), "
@@ -546,46 +620,48 @@ def sweep(
     run_probe: Callable[[str, float], dict] = child_probe,
     say: Callable[[str], None] = print,
 ) -> Progress:
-    """Run the probes, then every case, appending each record as it ends. With ``budget_s``
-    (seconds for this call), a run starts only if its timeout would still end inside it: the
-    call ends in time whatever the runs do (a device command has a hard limit)."""
+    """Run the cases and probes in their order (``ordered``), appending each record as it ends. With ``budget_s``
+    (seconds for this call), a run starts only while START_FACTOR × its planned time is left,
+    and is killed at the call's end if it runs past it (recorded as ``timeout``): the call
+    ends in time whatever the runs do (a device command has a hard limit)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     done = recorded_names(out_dir) if resume else set()
     progress = Progress(done=[], skipped=[], left=[])
     start = time.perf_counter()
-    work: list[tuple[str, float, Callable[[], None]]] = []
-    for probe in probes:
 
-        def do_probe(probe=probe) -> None:
-            t0 = time.perf_counter()
-            outcome = run_probe(probe, probe_timeout_s(probe))
-            record = {"probe": probe, **outcome, "wall_s": round(time.perf_counter() - t0, 3)}
-            records.append(out_dir / PROBE_RECORDS, record)
-            say(f"probe/{probe}: {outcome['status']}")
+    def do_probe(probe: str, timeout: float) -> None:
+        t0 = time.perf_counter()
+        outcome = run_probe(probe, timeout)
+        record = {"probe": probe, **outcome, "wall_s": round(time.perf_counter() - t0, 3)}
+        records.append(out_dir / PROBE_RECORDS, record)
+        say(f"probe/{probe}: {outcome['status']}")
 
-        work.append((f"probe/{probe}", probe_timeout_s(probe), do_probe))
-    for case in cases:
+    def do_case(case: Case, timeout: float) -> None:
+        t0 = time.perf_counter()
+        try:
+            outcome = run_case(case, out_dir, timeout)
+        except Exception as exc:  # the driver's own failure around the child: recorded, the sweep goes on
+            outcome = {"status": "failed", "measurement": None, "error": f"{type(exc).__name__}: {exc}"}
+        record = campaign_record(case, outcome, wall_s=time.perf_counter() - t0, gpu=gpu)
+        records.append(out_dir / RECORDS, record)
+        say(f"{case.name}: {record['status']} in {record['wall_s']:.1f} s")
 
-        def do_case(case=case) -> None:
-            t0 = time.perf_counter()
-            try:
-                outcome = run_case(case, out_dir, timeout_s(case))
-            except Exception as exc:  # the driver's own failure around the child: recorded, the sweep goes on
-                outcome = {"status": "failed", "measurement": None, "error": f"{type(exc).__name__}: {exc}"}
-            record = campaign_record(case, outcome, wall_s=time.perf_counter() - t0, gpu=gpu)
-            records.append(out_dir / RECORDS, record)
-            say(f"{case.name}: {record['status']} in {record['wall_s']:.1f} s")
-
-        work.append((case.name, timeout_s(case), do_case))
-    for name, worst_s, do in work:
+    for item in ordered(cases, probes):
+        name, planned_s, timeout = _planned(item)
         if name in done:
             progress.skipped.append(name)
             continue
-        if budget_s is not None and time.perf_counter() - start + worst_s > budget_s:
-            progress.left.append(name)
-            continue
-        do()
+        if budget_s is not None:
+            left_s = budget_s - (time.perf_counter() - start)
+            if START_FACTOR * planned_s > left_s:
+                progress.left.append(name)
+                continue
+            timeout = min(timeout, left_s)
+        if isinstance(item, str):
+            do_probe(item, timeout)
+        else:
+            do_case(item, timeout)
         progress.done.append(name)
     return progress
 

@@ -272,6 +272,12 @@ def run(job: Job, *, steps: int = 3, warmup: int = 2, emulated: bool = False, wo
             model = build_model(
                 job.model, attention=train.attention, ac=train.activation_checkpointing, workload=workload
             )
+        if train.finetune != "full":
+            if workload != "hf":
+                raise Unsupported(f"finetune {train.finetune} adapts a transformers model: use workload hf")
+            from .finetune import adapt
+
+            adapt(job, model)  # cast, quantize, freeze and add adapters as peft does (calibrate.finetune)
         if train.compile:
             _compile_blocks(model)
         model = wrap(model, job, emulated)

@@ -79,6 +79,32 @@ def test_case_round_trips_through_its_json():
     assert again == case
 
 
+def test_the_first_slice_answers_the_issues_questions_in_order_within_eight_minutes(plan):
+    _, cases = plan
+    items = campaign.ordered(cases)
+    where = campaign.slices(items, campaign.SLICE_S)
+    first = [item for item, k in zip(items, where) if k == 0]
+    assert sum(campaign._planned(i)[1] for i in first) <= 8 * 60
+    head = first[: len(campaign.FIRST) + len(campaign.PROBES)]
+    # 1. the base FSDP2 run with the allocator's history, then timed
+    assert head[0].snapshot and head[0].run.job.plan.strategy == "fsdp-full-shard" and head[0].axis == "snapshot"
+    assert head[1].name == cases[1].name and not head[1].snapshot
+    # 2. the context and cuBLAS probes
+    assert head[2:4] == list(campaign.PROBES)
+    runs = head[4:]
+    strategies = [c.run.job.plan.strategy for c in runs]
+    # 3. DDP and single, 4. flash and efficient SDPA, 5. compile, 6. full AC and LoRA
+    assert strategies.index("ddp") < strategies.index("single")
+    backends = [c.sdpa_backend for c in runs]
+    assert max(strategies.index("single"), strategies.index("ddp")) < backends.index("flash")
+    assert backends.index("flash") < backends.index("efficient")
+    compiled = next(i for i, c in enumerate(runs) if c.run.job.train.compile)
+    full_ac = next(i for i, c in enumerate(runs) if c.run.job.train.activation_checkpointing == "full")
+    lora = next(i for i, c in enumerate(runs) if c.run.job.train.finetune == "lora")
+    assert backends.index("efficient") < compiled < full_ac < lora
+    assert runs[lora].run.workload == "hf" and not runs[lora].run.layers_scaled
+
+
 def test_dry_run_lists_every_run_and_the_total():
     from benchmarks.gpu_campaign import main
 
@@ -90,6 +116,7 @@ def test_dry_run_lists_every_run_and_the_total():
     total = sum(estimated_s(c) for c in cases) + sum(campaign.probe_estimated_s(p) for p in campaign.PROBES)
     assert f"{len(cases)} runs + 2 probes: {total:.0f} s estimated" in result.output
     assert "within the 25-minute budget" in result.output
+    assert "slice 1: " in result.output and "min planned (calls of 480 s)" in result.output
     only = CliRunner().invoke(main, ["--dry-run", "--gpu", "h100-sxm", "--only", "^snapshot/"])
     assert only.exit_code == 0 and only.output.count("snapshot/") == 4 and "probe/" not in only.output
 
@@ -131,7 +158,10 @@ def test_sweep_records_each_run_as_it_ends_and_resumes(tmp_path):
     ]
     assert got[2]["error"] == "OSError: the driver itself failed"
     assert got[0]["estimate"]["reserved_bytes"] >= got[0]["estimate"]["allocated_bytes"]
-    assert progress.done == [f"probe/{p}" for p in campaign.PROBES] + [c.name for c in cases]
+    # the probes run after the first PROBES_AFTER cases
+    names = [c.name for c in cases]
+    after = campaign.PROBES_AFTER
+    assert progress.done == names[:after] + [f"probe/{p}" for p in campaign.PROBES] + names[after:]
     # resume: nothing recorded runs again; a new case does
     extra = make_case("t9", **TINY_KW, precision="fp32", attention="eager")
     again = sweep(
@@ -147,6 +177,28 @@ def test_sweep_records_each_run_as_it_ends_and_resumes(tmp_path):
     # a budget that holds nothing starts nothing
     held = sweep(cases, tmp_path / "b", gpu="h100-sxm", budget_s=0.0, run_case=pytest.fail, say=lambda line: None)
     assert held.done == [] and len(held.left) == 2 + len(cases)
+
+
+def test_a_budget_starts_a_run_while_twice_its_plan_is_left_and_caps_its_timeout(tmp_path):
+    import time
+
+    cases = [make_case(f"t{i}", **TINY_KW, precision="fp32") for i in range(2)]
+    planned = estimated_s(cases[0])
+    given = []
+    budget = campaign.START_FACTOR * planned + 0.1
+
+    def run_case(case, out_dir, timeout):
+        given.append(timeout)
+        time.sleep(0.2)
+        return _outcome("timeout")
+
+    progress = sweep(
+        cases, tmp_path, gpu="h100-sxm", probes=(), budget_s=budget, run_case=run_case, say=lambda line: None
+    )
+    # the first starts (twice its plan is left), to be killed at the call's end at the latest;
+    # the second, planned the same, no longer has twice its plan left once the first took 0.2 s
+    assert progress.done == [cases[0].name] and progress.left == [cases[1].name]
+    assert given[0] <= budget and given[0] <= timeout_s(cases[0])
 
 
 def test_chunked_ce_is_torchtunes_loss():
