@@ -1,7 +1,9 @@
 """The GPU calibration campaign of issue 16 on this machine's CUDA device, in one command.
 
     python benchmarks/gpu_campaign.py --dry-run                  # the runs, their estimated time, the total
-    python benchmarks/gpu_campaign.py --out campaign_out --resume --budget-s 540
+    python benchmarks/gpu_campaign.py --out campaign_out --resume --budget-s 480
+    python benchmarks/gpu_campaign.py --out docs/gpu/h200-torch2.11.0-cu130 \
+        --report tables/calibration/h200-torch2.11.0-cu130.jsonl   # the accuracy table
 
 Every run is a child process killed past its own timeout; its record (or its OOM, crash or
 timeout) is appended to OUT/records.jsonl before the next starts. ``--budget-s`` stops
@@ -37,8 +39,19 @@ from memplan.errors import MemplanError
     type=click.Path(file_okay=False),
     help="Instead of running: copy OUT's records into TABLES/calibration/ and fit their corrections.",
 )
-def main(out_dir, only, resume, dry_run, gpu, budget_s, no_probes, ship_to):
+@click.option(
+    "--report",
+    "report_from",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Instead of running: the accuracy table of a shipped record set (Markdown); "
+    "--out names the folder of its snapshot traces.",
+)
+def main(out_dir, only, resume, dry_run, gpu, budget_s, no_probes, ship_to, report_from):
     """Plan, list or run the GPU calibration campaign."""
+    if report_from:
+        found = campaign.records.read([Path(report_from)])
+        click.echo(campaign.report(found, campaign.replayed_traces(out_dir)), nl=False)
+        return
     if ship_to:
         try:
             written = campaign.ship(out_dir, ship_to)
@@ -54,7 +67,7 @@ def main(out_dir, only, resume, dry_run, gpu, budget_s, no_probes, ship_to):
         raise click.ClickException(str(exc)) from None
     probes = () if no_probes or only else campaign.PROBES
     if dry_run:
-        lines, total = campaign.dry_run(cases, probes=probes)
+        lines, total = campaign.dry_run(cases, probes=probes, slice_s=budget_s or campaign.SLICE_S)
         click.echo(f"plan for {gpu}:")
         click.echo("\n".join(lines))
         for reason in left_out:

@@ -701,3 +701,124 @@ def ship(out_dir, tables_dir) -> tuple[Path, Path]:
     corrections = stem.with_name(stem.name + ".corrections.json")
     fit_records(found, sources=[f"tables/{SHIPPED_DIR}/{shipped_records.name}"]).save(corrections)
     return shipped_records, corrections
+
+
+# ---- the accuracy report -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Errors:
+    """One ok record's errors (%, estimate against measurement): allocated, reserved and total,
+    before correction and after the correction fitted on the other half of the records."""
+
+    name: str
+    measured: tuple[int, int, int]
+    """Peak allocated, peak reserved, device used (total − free: the context included)."""
+    before: tuple[float, float, float]
+    after: tuple[float, float, float]
+
+
+def _pct(estimated: int, measured: int) -> float:
+    return (estimated / measured - 1) * 100
+
+
+def _pcts(estimated: tuple[int, int, int], measured: tuple[int, int, int]) -> tuple[float, float, float]:
+    return (_pct(estimated[0], measured[0]), _pct(estimated[1], measured[1]), _pct(estimated[2], measured[2]))
+
+
+def accuracy(found: list[dict]) -> list[Errors]:
+    """Every ok record against today's model: its estimate as ``memplan estimate`` gives it (the
+    allocator replayed), and corrected by the fit of the other half (records alternately
+    assigned), so that no record judges a fit it took part in."""
+    from memplan.calibration import apply
+    from memplan.overheads import allocator_bytes, reserved_bytes, with_replayed_allocator
+
+    from .fit import fit, observations
+
+    ok = [r for r in found if r["status"] == "ok"]
+    halves = (ok[0::2], ok[1::2])
+    out = []
+    for half, other in (halves, halves[::-1]):
+        (correction,) = fit(observations(other))
+        for record in half:
+            m = record["measurement"]
+            measured = (m["peak_allocated_bytes"], m["peak_reserved_bytes"], m["device_used_bytes"])
+            est = with_replayed_allocator(estimate(records.job_from_spec(record["spec"])))
+            fixed = apply(est, correction, device_matches=True)
+            before = (est.allocated_bytes, reserved_bytes(est), est.total_bytes)
+            after = (fixed.allocated_bytes, fixed.allocated_bytes + allocator_bytes(est), fixed.total_bytes)
+            out.append(
+                Errors(
+                    name=record["campaign"]["name"],
+                    measured=measured,
+                    before=_pcts(before, measured),
+                    after=_pcts(after, measured),
+                )
+            )
+    order = [r["campaign"]["name"] for r in ok]
+    return sorted(out, key=lambda e: order.index(e.name))
+
+
+def _summary(rows: list[Errors]) -> list[str]:
+    import statistics
+
+    lines = [
+        "| quantity | median abs. error before | max before | median abs. error after (held out) | max after |",
+        "|---|---|---|---|---|",
+    ]
+    for i, quantity in enumerate(("allocated", "reserved", "total (device used)")):
+        before = [abs(r.before[i]) for r in rows]
+        after = [abs(r.after[i]) for r in rows]
+        lines.append(
+            f"| {quantity} | {statistics.median(before):.2f} % | {max(before):.1f} % | "
+            f"{statistics.median(after):.2f} % | {max(after):.1f} % |"
+        )
+    return lines
+
+
+def report(found: list[dict], traces: dict[str, int]) -> str:
+    """The campaign's accuracy table in Markdown: the summary, every run, the runs that did not
+    come back, and ``traces`` (run name → the reserved peak memplan's allocator replays from
+    that run's own recorded events)."""
+    rows = accuracy(found)
+    gib = 2**30
+    lines = [f"{len(rows)} of {len(found)} recorded runs ok.", "", *_summary(rows), ""]
+    lines += [
+        "| run | allocated GiB | reserved GiB | used GiB | allocated % before / after | "
+        "reserved % before / after | total % before / after |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = " | ".join(f"{b:+.1f} / {a:+.1f}" for b, a in zip(r.before, r.after))
+        sizes = " | ".join(f"{x / gib:.2f}" for x in r.measured)
+        lines.append(f"| {r.name} | {sizes} | {cells} |")
+    failed = [r for r in found if r["status"] != "ok"]
+    if failed:
+        lines += ["", "Runs that did not come back ok:", ""]
+        lines += [f"- {r['campaign']['name']}: {r['status']}, {(r.get('error') or '').splitlines()[0]}" for r in failed]
+    if traces:
+        by_name = {r["campaign"]["name"]: r["measurement"] for r in found if r["status"] == "ok"}
+        lines += [
+            "",
+            "The allocator replay on each snapshot run's own events (calibrate.alloctrace, memplan.allocator):",
+            "",
+            "| run | measured peak reserved B | replayed B | difference |",
+            "|---|---|---|---|",
+        ]
+        for name, replayed in traces.items():
+            measured = by_name[name]["peak_reserved_bytes"]
+            lines.append(f"| {name} | {measured:,} | {replayed:,} | {_pct(replayed, measured):+.2f} % |")
+    return "\n".join(lines) + "\n"
+
+
+def replayed_traces(folder) -> dict[str, int]:
+    """Run name → the peak reserved memplan's allocator replays from the run's saved events."""
+    from memplan.allocator import replay
+
+    from . import alloctrace
+
+    out = {}
+    for path in sorted(Path(folder).glob("snapshot_*.trace.jsonl.gz")):
+        name = "snapshot/" + path.name.removeprefix("snapshot_").removesuffix(".trace.jsonl.gz")
+        out[name] = replay(alloctrace.load(path)).peak_reserved_bytes
+    return out

@@ -193,7 +193,8 @@ def observation(record: dict) -> Observation:
         # used (total − free after the step) less reserved: the allocator keeps its peak
         # segments cached, so what is left is the context and the communicators
         outside_bytes=None if used is None or reserved is None else used - reserved,
-        communicators=communicators(job),
+        # an emulated rank's fake process group creates no NCCL communicator (calibrate.launch)
+        communicators=0 if measured.get("emulated") else communicators(job),
         strategy=job.plan.strategy,
         step_time_s=measured.get("step_time_s"),
         flops_per_step=flops,

@@ -14,7 +14,7 @@ from memplan.overheads import reserved_bytes
 from memplan.units import GIB
 
 CSV = Path(__file__).resolve().parents[2] / "shared" / "published" / "measured_memory.csv"
-TOLERANCE = {"medium-high": 0.05, "medium": 0.075, "medium-low": 0.10, "low": 0.25}
+TOLERANCE = {"high": 0.05, "medium-high": 0.05, "medium": 0.075, "medium-low": 0.10, "low": 0.25}
 
 # (substring of the row's source, its strategy text, memplan's flags for that run). FSDP1 with
 # use_orig_params=False (these runs) hands the optimizer FlatParameters, whose type is not in
@@ -125,7 +125,57 @@ _BERT_BS4 = (
     "(docs/finetune_matrix_cpu.md), so it is CUDA-side"
 )
 # rows memplan expresses but misses at their tolerance: (source, strategy, flags, what is off)
+_QWEN3_32B = dataclasses.replace(
+    catalog.model_preset("qwen3-14b"),
+    name="qwen3-32b",
+    num_layers=64,
+    num_heads=64,
+    ffn_hidden=25600,
+    head_dim=128,
+)
+"""Qwen/Qwen3-32B config.json (64 layers, hidden 5120, 64 heads of 128, 8 KV heads, ffn 25600,
+vocab 151936, q/k norms, untied): 32,762,123,264 parameters, the row's count."""
 MISSED = [
+    (
+        "llama3_h100_202412_torchtitan.md Table 2 row 'FSDP 8, CP 1'",
+        "FSDP 8, CP 1 (context parallel) + torch.compile; NOTE FSDP shards params over the combined dp_shard x cp "
+        "mesh = 8 GPUs in every row",
+        dict(
+            model="llama-3.1-8b",
+            seq_len=32768,
+            micro_batch=1,
+            precision="mixed-bf16",
+            ac="full",
+            gpus=8,
+            gpu="h100-sxm",
+            strategy="fsdp-full-shard",
+            recipe="torchtitan",
+            compile=True,
+            float8=True,
+        ),
+        "-46.6 % (44.8 GiB reserved against 83.9): torchtitan's compiled float8 blocks at 32,768 tokens, "
+        "nothing of which is measured at that size here; on an H200 compile alone is -35.6 % at 4,096 tokens "
+        "(docs/gpu_campaign_h200.md)",
+    ),
+    (
+        "PR #1690 '[Qwen3] Add 32b training configs'",
+        "FSDP2 4 x TP 8",
+        dict(
+            model=_QWEN3_32B,
+            seq_len=4096,
+            micro_batch=16,
+            precision="mixed-bf16",
+            ac="full",
+            gpus=32,
+            gpu="h100-sxm",
+            strategy="fsdp-full-shard",
+            recipe="torchtitan",
+            tp=8,
+            sp=True,
+        ),
+        "+131 % (100.3 GiB reserved against 43.45; 38.6 GiB allocated): the replay's 61.7 GiB beyond the "
+        "tensors at TP 8, which real runs of that size do not show",
+    ),
     (
         "row '+ Compile'",
         "single GPU (torch.compile, standard CE)",
@@ -219,7 +269,7 @@ def test_every_row_is_expressed_or_says_why():
         compared = any(s in row["source"] and row["strategy"] == t for s, t in expressed)
         refused = [s for s in said if row["source"].endswith(s)]
         assert compared != bool(refused), f"{row['source']} is {'both' if compared else 'neither'} compared and refused"
-    assert len(rows) == 25
+    assert len(rows) == 27
 
 
 @pytest.mark.parametrize("source,why", NOT_EXPRESSIBLE, ids=[s for s, _ in NOT_EXPRESSIBLE])
@@ -274,14 +324,16 @@ RESERVED_MISSED = [
 
 
 def test_every_row_that_gives_reserved_is_compared():
-    # max_reserved as the row's measure (#100) or in its notes (#120's alt_measure); the
+    # max_reserved as the row's measure (#100, torchtitan's) or in its notes (#120's alt_measure); the
     # Lightning rows give peak allocated only (their reserved is inferred from the text)
     rows = published_rows()
     as_measure = [r for r in rows if r["measure_kind"].startswith("max_reserved")]
     in_notes = [r for r in rows if "max_reserved=" in r["notes"]]
-    assert len(as_measure) == 2 and len(in_notes) == 2
-    # each by exactly one case of its own (the two #100 rows differ in their attention)
-    assert all(sum(s in r["source"] and r["strategy"] == t for s, t, _ in EXPRESSIBLE) == 1 for r in as_measure)
+    assert len(as_measure) == 4 and len(in_notes) == 2
+    # each by exactly one case of its own (the two #100 rows differ in their attention; the two
+    # torchtitan rows are known misses)
+    cases = [(s, t) for s, t, *_ in EXPRESSIBLE + MISSED]
+    assert all(sum(s in r["source"] and r["strategy"] == t for s, t in cases) == 1 for r in as_measure)
     assert all(sum(r["source"].endswith(f"block {b}") for b, *_ in RESERVED_MISSED) == 1 for r in in_notes)
 
 
