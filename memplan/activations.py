@@ -68,10 +68,10 @@ def shapes(model: ModelSpec, train: TrainSpec) -> Shapes:
     policy = POLICIES[train.precision]
     on_cpu = train.device == "cpu"
     attention = train.attention
+    c = policy.compute_bytes
     if attention == "sdpa":
         math = model.dropout > 0 or (model.mla and attention_math(model, on_cpu))
-        attention = "math-fp32" if on_cpu and math else "flash"
-    c = policy.compute_bytes
+        attention = "math-fp32" if (on_cpu and math) or _cuda_math(model, train, c) else "flash"
     # ViTEmbeddings: one token per patch plus the class token, whatever seq-len says
     s = model.max_positions if model.arch == "vit" else train.seq_len
     return Shapes(
@@ -92,6 +92,15 @@ def shapes(model: ModelSpec, train: TrainSpec) -> Shapes:
         attention=attention,
         kv_saved=model.q_hidden if attention != "flash" or copied_kv(train) else model.kv_hidden,
     )
+
+
+def _cuda_math(model: ModelSpec, train: TrainSpec, compute_bytes: int) -> bool:
+    """fp32 grouped-query sdpa on CUDA runs the math backend: flash takes no fp32 and the
+    memory-efficient kernel refuses ``enable_gqa`` ("No available kernel"), measured on an H200
+    with torch 2.11 (docs/gpu_campaign_h200.md, item 4); where the recipe's model copies k and v
+    to every query head first, the efficient kernel takes them."""
+    grouped = model.kv_hidden < model.q_hidden and not model.mla and not copied_kv(train)
+    return train.device != "cpu" and compute_bytes == 4 and grouped
 
 
 def copied_kv(train: TrainSpec) -> bool:

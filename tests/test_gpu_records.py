@@ -19,14 +19,6 @@ TRACES = ROOT / "docs" / "gpu" / "h200-torch2.11.0-cu130"
 PAGE = ROOT / "docs" / "gpu_campaign_h200.md"
 
 KNOWN_MISSES = {
-    # fp32 on a GQA llama: SDPA's memory-efficient kernel refuses enable_gqa and flash takes no
-    # fp32, so the math backend keeps b·heads·s² fp32 attention weights a layer (docs/gpu_campaign_h200.md, 4)
-    "precision/0.5b-single-w1-fp32-b2s2048": -31.1,
-    "precision/0.5b-ddp-w8-fp32-b2s2048": -29.5,
-    "precision/0.5b-fsdp-w8-fp32-b2s2048": -35.3,
-    "precision/0.5b-sgo-w8-fp32-b2s2048": -34.0,
-    "precision/0.5b-hsdp-w64-fp32-b2s2048": -35.3,
-    "precision/1b-fsdp-w8-fp32-b2s2048": -42.1,
     # inductor's saved tensors on CUDA (5)
     "loop/1b-fsdp-w8-mixed-bf16-compile-b2s2048": -35.6,
     "ac/0.5b-ddp-w8-amp-bf16-ac-op-b2s2048": 5.6,
