@@ -215,6 +215,7 @@ def _submit_cluster(runs, *, out, timeout_s, resume, poll_s):
 
     if poll_s <= 0:
         raise MemplanError(f"--poll must be a positive number of seconds, got {poll_s:g}")
+    slurm.require("sbatch", "scontrol")
     plan = cluster.cluster_plan(runs, out_dir=out, timeout_s=timeout_s)
     if resume:
         plan = cluster.unsettled(plan)
@@ -308,9 +309,6 @@ def _execute(
     )
     preflight.check_runs(runs, machine=machine or preflight.Machine(python=sys.executable), mode=mode)
     if submit:
-        from . import slurm
-
-        slurm.require("sbatch", "scontrol")
         _submit_cluster(runs, out=out, timeout_s=timeout_s, resume=resume, poll_s=poll_s)
         return
     if mode == "cluster":

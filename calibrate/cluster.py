@@ -198,9 +198,7 @@ done
 
 def write(plan: ClusterPlan) -> None:
     if plan.out_dir.exists() and not plan.out_dir.is_dir():
-        raise MemplanError(
-            f"--out {str(plan.out_dir)!r} is a file; cluster mode writes a directory (a new or existing one)"
-        )
+        raise MemplanError(f"--out {str(plan.out_dir)!r} is a file; cluster mode writes into a directory")
     try:
         plan.out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -192,7 +192,7 @@ def _select(x: np.ndarray, y: np.ndarray) -> _Selection:
         if not tried:
             break
         best_rms, best = min(tried)
-        if best_rms > (1 - MIN_GAIN) * _rms(loo):
+        if best_rms >= (1 - MIN_GAIN) * _rms(loo):
             for rms, term in tried:
                 refused[term] = (
                     f"{term}: not fitted, it does not lower the held-out error "
@@ -213,14 +213,14 @@ def _select(x: np.ndarray, y: np.ndarray) -> _Selection:
     return _Selection(terms=terms, solution=_fit_terms(x, y, terms), held_out_pct=loo, notes=tuple(notes))
 
 
-def fit_one(observations: list[Observation]) -> Correction:
+def fit_one(observations: list[Observation], terms: tuple[str, ...] | None = None) -> Correction:
     """The correction for one (device, torch version) from its observations: the terms the
-    records determine (``_select``), fitted on all of them; its band is the leave-one-out
-    error, each record judged by a fit that did not see it."""
+    records determine (``_select``; or exactly ``terms``, unchecked), fitted on all of them;
+    its band is the leave-one-out error, each record judged by a fit that did not see it."""
     if not observations:
         raise MemplanError("no ok records to fit")
     first = observations[0]
-    if len(observations) < MIN_RECORDS_PER_TERM:
+    if terms is None and len(observations) < MIN_RECORDS_PER_TERM:
         raise MemplanError(
             f"{len(observations)} ok record(s) of {first.device} (torch {first.torch_version}): a fit needs at "
             f"least {MIN_RECORDS_PER_TERM} per fitted term; {MIN_RECORDS_PER_TERM - len(observations)} more "
@@ -228,7 +228,10 @@ def fit_one(observations: list[Observation]) -> Correction:
         )
     x = np.array([[o.estimated.get(g, 0) for g in GROUPS] for o in observations], dtype=float)
     y = np.array([o.measured_bytes for o in observations], dtype=float)
-    chosen = _select(x, y)
+    if terms is None:
+        chosen = _select(x, y)
+    else:
+        chosen = _Selection(terms, _fit_terms(x, y, terms), _leave_one_out_pct(x, y, terms), ())
     values = {t: _value(t, float(d)) for t, d in zip(chosen.terms, chosen.solution)}
     before = _errors_pct(x.sum(axis=1), y)
     context, per_communicator = fit_outside(observations)
