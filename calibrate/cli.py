@@ -326,7 +326,15 @@ def _execute(
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def calibrate():
-    """Real short training jobs (torch), measured and set beside memplan's estimate."""
+    """Real short training jobs (torch), measured and set beside memplan's estimate.
+
+    Needs torch>=2.4: pip install ".[calibrate]". On a machine without a GPU, install torch's CPU
+    build first (the extra would pull the CUDA one, ~3.5 GB), then the extra:
+
+    \b
+      pip install torch --index-url https://download.pytorch.org/whl/cpu
+      pip install ".[calibrate]"
+    """
 
 
 @calibrate.command()
@@ -344,6 +352,12 @@ def calibrate():
 @user_errors
 def run(ctx, **params):
     """Run, measure and record one job per strategy (or per grid point).
+
+    Checked first (exit 2, one line): torch importable and new enough, a CUDA device for --device
+    cuda (which defaults to what this machine has), enough devices for --mode local, a precision
+    the strategy runs natively, no DeepSpeed strategy. Each run prints a line as it ends, then a
+    summary table. Exit 0: every planned run ok; 3: some were not; 4: none was. Every run is
+    recorded either way.
 
     Example: memplan calibrate run --arch llama --layers 2 --hidden 64 --heads 4 --ffn 128 --vocab 256
     --seq-len 32 --micro-batch 2 --precision fp32 --device cpu --gpus 2 --mode emulate --out runs.jsonl

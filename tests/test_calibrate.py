@@ -85,7 +85,15 @@ def sweep(tmp_path_factory):
     for mode in ("local", "emulate"):
         result = calibrate("run", *TINY, "--grid", grid, "--mode", mode, "--out", out, "--timeout", 120)
         assert result.exit_code == 0, result.output
-        assert "2 of 2 runs recorded" in result.stdout
+        assert "2 of 2 runs recorded" in result.stdout and "| ok       |      2 |" in result.stdout
+        # one line per run as it ends (not a terminal: plain), from its record
+        for i, record in enumerate(records.read([out])[-2:], start=1):
+            run = records.Run.from_dict(record)
+            peak, estimated = record["measurement"]["peak_allocated_bytes"], record["estimate"]["allocated_bytes"]
+            assert (
+                f"[{i}/2] ok      {run.describe()}: peak {peak / 2**20:,.2f} MiB, estimate {estimated / 2**20:,.2f} "
+                f"MiB, error {100 * (estimated - peak) / peak:+.2f} % ({record['wall_s']:.1f} s); elapsed "
+            ) in result.stderr
     return out, grid
 
 
