@@ -207,11 +207,10 @@ def test_a_dead_rank_is_recorded_as_failed(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_a_tiny_timeout_is_recorded(tmp_path):
     out = tmp_path / "slow.jsonl"
-    start_s = time.perf_counter()
     result = calibrate("run", *TINY, "--strategy", "ddp", "--mode", "emulate", "--timeout", 0.3, "--out", out)
     assert result.exit_code == EXIT_ALL_FAILED, result.output
-    assert time.perf_counter() - start_s < 10
     (rec,) = read(out)
+    assert rec["wall_s"] < 10  # the run, killed at its timeout (the preflight's probe is before it)
     assert rec["status"] == "timeout" and "0.3 s" in rec["error"] and rec["measurement"] is None
 
 
