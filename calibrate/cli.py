@@ -365,6 +365,17 @@ def run(ctx, **params):
     _execute(ctx, **params)
 
 
+def _device_defaults_to_this_machine(command: click.Command) -> click.Command:
+    """``calibrate run``'s --device: not given, what this machine has (calibrate.preflight)."""
+    option = next(p for p in command.params if p.name == "device")
+    assert isinstance(option, click.Option)
+    option.show_default = "what this machine has: cuda if torch sees a device, else cpu"
+    return command
+
+
+_device_defaults_to_this_machine(run)
+
+
 @calibrate.command()
 @job_options
 @_sweep_options

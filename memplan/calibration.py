@@ -9,9 +9,12 @@ components and a constant offset,
     measured ≈ offset + Σ scale_g · estimated_g,      g ∈ states, activations, buffers,
 
 in relative terms (each record weighted by 1/measured, so small and large runs count
-alike) and shrunk towards scale 1 (a ridge on scale − 1), so that a group the records
-barely exercise keeps memplan's own arithmetic. The residual spread of the fit becomes
-the error band of a corrected estimate.
+alike) and shrunk towards scale 1 (a ridge on scale − 1). Only the terms the records
+determine, within their physical ranges and lowering the held-out error, are fitted
+(``calibrate.fit``); the others keep memplan's own arithmetic. The band of a corrected
+estimate is the fit's leave-one-out error: each record judged by a fit made without it.
+A corrections file applies only to the device and torch major version it was fitted on,
+unless forced (``resolve``).
 
 Where records carry the device's used memory and the allocator's reserved bytes (CUDA),
 what lies outside the caching allocator (used − reserved: the CUDA context and the
