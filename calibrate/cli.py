@@ -31,6 +31,7 @@ RUN_ONLY_FLAGS = (
     "layers_scaled",
     "submit",
     "poll_s",
+    "quiet",
 )
 
 
@@ -85,6 +86,12 @@ def _sweep_options(f):
             help="For a model too big for this device: run it at full width with 2, 3 and 4 blocks and "
             "record the peak extrapolated to its real depth, with the fit's uncertainty.",
         ),
+        click.option(
+            "-q",
+            "--quiet",
+            is_flag=True,
+            help="No progress (bar, per-run lines, header): only the summary and errors, for scripts.",
+        ),
     ]
     for option in reversed(options):
         f = option(f)
@@ -136,15 +143,35 @@ def _plan(ctx, flags, *, mode, steps, warmup, workload, grid, nodes, layers_scal
     runs, skipped = plan(
         flag_sets, mode=mode, steps=steps, warmup=warmup, workload=workload, layers_scaled=layers_scaled
     )
-    if skipped:
-        click.echo(
-            f"skipping {', '.join(skipped)}: the harness drives DDP and FSDP2, not DeepSpeed "
-            "(name one with --strategy to record it as failed)",
-            err=True,
-        )
+    for reason, strategies in skipped.items():
+        click.echo(f"skipping {', '.join(strategies)}: {reason} (--strategy all)", err=True)
     if not runs:
-        raise MemplanError("no runs left to do: every strategy asked for needs DeepSpeed")
+        raise MemplanError("no runs left to do: --strategy all left out every strategy (see above)")
     return runs
+
+
+def _machine_and_device(ctx, flags: dict, mode: str):
+    """What the runs' interpreter finds here, and the flags with --device defaulted to it
+    (cluster mode: the cluster's, cuda, unless given)."""
+    from . import preflight
+
+    if mode == "cluster":
+        return None, flags
+    machine = preflight.probe()
+    preflight.check_torch(machine)
+    if ctx.get_parameter_source("device") == click.core.ParameterSource.DEFAULT:
+        flags = flags | {"device": preflight.default_device(machine)}
+    return machine, flags
+
+
+def _header(ctx, runs, machine, *, mode: str, out) -> str:
+    """What runs where: the device each run uses (and whether --device was defaulted), torch."""
+    devices = ", ".join(machine.describe(d) for d in sorted({r.job.train.device for r in runs}))
+    defaulted = ctx.get_parameter_source("device") == click.core.ParameterSource.DEFAULT
+    return (
+        f"calibrating {len(runs)} run(s), --mode {mode}, on {devices}"
+        f"{' (--device not given: what this machine has)' if defaulted else ''}; records to {out}"
+    )
 
 
 def _write_cluster(runs, *, out, timeout_s, resume):
@@ -163,7 +190,9 @@ def _write_cluster(runs, *, out, timeout_s, resume):
 
 
 def _failure_line(run, record) -> str:
-    return f"{run.describe()}: {record['status']}: {record['error'].splitlines()[0]}"
+    from .progress import cause
+
+    return f"{run.describe()}: {record['status']}: {cause(record)}"
 
 
 def _show_progress():
@@ -186,6 +215,7 @@ def _submit_cluster(runs, *, out, timeout_s, resume, poll_s):
 
     if poll_s <= 0:
         raise MemplanError(f"--poll must be a positive number of seconds, got {poll_s:g}")
+    slurm.require("sbatch", "scontrol")
     plan = cluster.cluster_plan(runs, out_dir=out, timeout_s=timeout_s)
     if resume:
         plan = cluster.unsettled(plan)
@@ -219,38 +249,27 @@ def _submit_cluster(runs, *, out, timeout_s, resume, poll_s):
     click.echo(f"{state.describe()}; {summary.line(plan.records_path)}")
 
 
-def _run_sweep(runs, *, out, timeout_s, resume, max_host_mem_bytes):
+def _run_sweep(runs, *, out, timeout_s, resume, max_host_mem_bytes, quiet) -> int:
+    """Run the sweep with its progress, print its summary; the exit code (runs.EXIT_*)."""
+    from .progress import SweepProgress, summary_table
     from .runs import sweep
 
     if Path(out).is_dir():
         raise MemplanError(f"--out {out!r} is a directory; local and emulate runs append to a .jsonl file")
-    failures = []
-    with click.progressbar(
-        length=len(runs),
-        label="calibrating",
-        file=sys.stderr,
-        show_eta=True,
-        show_pos=True,
-        item_show_func=lambda r: r.describe() if r else None,
-    ) as bar:
-
-        def on_end(run, record):
-            if record and record["status"] != "ok":
-                failures.append(_failure_line(run, record))
-            bar.update(1, run)
-
+    with SweepProgress(runs, quiet=quiet) as progress:
         summary = sweep(
             runs,
             out=out,
             timeout_s=timeout_s,
             resume=resume,
             max_host_mem_bytes=max_host_mem_bytes,
-            on_start=lambda run: bar.update(0, run),
-            on_end=on_end,
+            on_start=progress.start,
+            on_end=progress.end,
         )
-    for line in failures:
-        click.echo(line, err=True)
+    if any(record for _, record in progress.ended):
+        click.echo(summary_table(progress.ended))
     click.echo(summary.line(out))
+    return summary.exit_code
 
 
 def _execute(
@@ -267,12 +286,16 @@ def _execute(
     max_host_mem,
     nodes,
     layers_scaled,
+    quiet=False,
     submit=False,
     poll_s=None,
     **flags,
 ):
+    from . import preflight
+
     if timeout_s <= 0:
         raise MemplanError(f"--timeout must be a positive number of seconds, got {timeout_s:g}")
+    machine, flags = _machine_and_device(ctx, flags, mode)
     runs = _plan(
         ctx,
         flags,
@@ -284,6 +307,7 @@ def _execute(
         nodes=nodes,
         layers_scaled=layers_scaled,
     )
+    preflight.check_runs(runs, machine=machine or preflight.Machine(python=sys.executable), mode=mode)
     if submit:
         _submit_cluster(runs, out=out, timeout_s=timeout_s, resume=resume, poll_s=poll_s)
         return
@@ -291,12 +315,26 @@ def _execute(
         _write_cluster(runs, out=out, timeout_s=timeout_s, resume=resume)
         return
     max_host_mem_bytes = parse_bytes(max_host_mem, what="max-host-mem") if max_host_mem else None
-    _run_sweep(runs, out=out, timeout_s=timeout_s, resume=resume, max_host_mem_bytes=max_host_mem_bytes)
+    if not quiet:
+        click.echo(_header(ctx, runs, machine, mode=mode, out=out), err=True)
+    ctx.exit(
+        _run_sweep(
+            runs, out=out, timeout_s=timeout_s, resume=resume, max_host_mem_bytes=max_host_mem_bytes, quiet=quiet
+        )
+    )
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def calibrate():
-    """Real short training jobs (torch), measured and set beside memplan's estimate."""
+    """Real short training jobs (torch), measured and set beside memplan's estimate.
+
+    Needs torch>=2.4: pip install ".[calibrate]". On a machine without a GPU, install torch's CPU
+    build first (the extra would pull the CUDA one, ~3.5 GB), then the extra:
+
+    \b
+      pip install torch --index-url https://download.pytorch.org/whl/cpu
+      pip install ".[calibrate]"
+    """
 
 
 @calibrate.command()
@@ -315,10 +353,27 @@ def calibrate():
 def run(ctx, **params):
     """Run, measure and record one job per strategy (or per grid point).
 
+    Checked first (exit 2, one line): torch importable and new enough, a CUDA device for --device
+    cuda (which defaults to what this machine has), enough devices for --mode local, a precision
+    the strategy runs natively, no DeepSpeed strategy. Each run prints a line as it ends, then a
+    summary table. Exit 0: every planned run ok; 3: some were not; 4: none was. Every run is
+    recorded either way.
+
     Example: memplan calibrate run --arch llama --layers 2 --hidden 64 --heads 4 --ffn 128 --vocab 256
     --seq-len 32 --micro-batch 2 --precision fp32 --device cpu --gpus 2 --mode emulate --out runs.jsonl
     """
     _execute(ctx, **params)
+
+
+def _device_defaults_to_this_machine(command: click.Command) -> click.Command:
+    """``calibrate run``'s --device: not given, what this machine has (calibrate.preflight)."""
+    option = next(p for p in command.params if p.name == "device")
+    assert isinstance(option, click.Option)
+    option.show_default = "what this machine has: cuda if torch sees a device, else cpu"
+    return command
+
+
+_device_defaults_to_this_machine(run)
 
 
 @calibrate.command()
@@ -390,22 +445,30 @@ def fit(files, output):
     Example: memplan calibrate fit runs.jsonl -o corrections.json
     """
     from . import records
-    from .fit import fit_records, held_out, observations
+    from .fit import TERMS, fit_records
 
     ok = records.read(files, warn=lambda m: click.echo(f"warning: {m}", err=True))
     calibration = fit_records(ok, sources=files)
     if not calibration.corrections:
         raise MemplanError(f"no ok records with an estimate in {', '.join(files)}: nothing to fit")
-    calibration.save(output)
+    try:
+        calibration.save(output)
+    except OSError as exc:
+        raise MemplanError(f"-o {output!r} cannot be written: {exc.strerror or exc}") from None
     for c in calibration.corrections:
-        scales = ", ".join(f"{g} ×{v:.4f}" for g, v in c.scales.items())
-        click.echo(
-            f"{c.device} (torch {c.torch_version}), {c.num_records} records: {scales}, offset {c.offset_bytes:+,} B"
+        fitted = ", ".join(
+            f"offset {c.offset_bytes:+,} B" if t == "offset" else f"{t} ×{c.scales[t]:.4f}" for t in c.terms or ()
         )
         click.echo(
-            f"  median |error| {c.before_median_abs_pct:.3f} % before, {c.after_median_abs_pct:.3f} % after; "
-            f"residual spread (band) ±{c.residual_pct:.2f} %"
+            f"{c.device} (torch {c.torch_version}), {c.num_records} records: {len(c.terms or ())} of "
+            f"{len(TERMS)} free parameters fitted" + (f" ({fitted})" if fitted else "; memplan's arithmetic kept")
         )
+        click.echo(
+            f"  held out (each record judged by a fit made without it): median |error| "
+            f"{c.before_median_abs_pct:.3f} % unfitted -> {c.after_median_abs_pct:.3f} %; band ±{c.residual_pct:.3f} %"
+        )
+        for note in c.notes:
+            click.echo(f"  {note}")
         for t in c.throughput:
             mfu = f", MFU {t.mfu:.1%}" if t.mfu is not None else ""
             hidden = (
@@ -421,14 +484,6 @@ def fit(files, output):
             click.echo(
                 f"  outside the allocator: CUDA context {c.context_bytes / 2**20:,.0f} MiB, "
                 f"per communicator {per} (the allocator's reserved is replayed, not fitted)"
-            )
-    for device in {c.device for c in calibration.corrections}:
-        for row in held_out([o for o in observations(ok) if o.device == device]):
-            click.echo(
-                f"held out ({device}; fitted on the {row.fitted_on}, judged on the other "
-                f"{row.num_held_out}): median |error| {row.before_median_abs_pct:.3f} % -> "
-                f"{row.after_median_abs_pct:.3f} %, max {row.before_max_abs_pct:.2f} % -> "
-                f"{row.after_max_abs_pct:.2f} %"
             )
     click.echo(f"wrote {output}")
 

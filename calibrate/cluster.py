@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import shlex
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,9 +171,10 @@ def sbatch_script(plan: ClusterPlan) -> str:
 set -u
 # scancel and the time limit send SIGTERM: stop without recording the run as failed
 trap 'exit 143' TERM
-PYTHON="${{PYTHON:-python}}"
+# the interpreter that ran memplan (clusters share the filesystem); PYTHON overrides it
+PYTHON="${{PYTHON:-{shlex.quote(sys.executable)}}}"
 if ! "$PYTHON" -c "import torch"; then
-  echo "memplan calibrate: $PYTHON cannot import torch; activate its environment (or set PYTHON) before sbatch" >&2
+  echo "memplan calibrate: $PYTHON cannot import torch; set PYTHON to an interpreter that can before sbatch" >&2
   exit 2
 fi
 first="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
@@ -195,7 +197,12 @@ done
 
 
 def write(plan: ClusterPlan) -> None:
-    plan.out_dir.mkdir(parents=True, exist_ok=True)
+    if plan.out_dir.exists() and not plan.out_dir.is_dir():
+        raise MemplanError(f"--out {str(plan.out_dir)!r} is a file; cluster mode writes into a directory")
+    try:
+        plan.out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise MemplanError(f"--out {str(plan.out_dir)!r} cannot be made: {exc.strerror or exc}") from None
     records.write_runs(plan.runs_path, list(plan.runs))
     plan.script_path.write_text(sbatch_script(plan), encoding="utf-8")
 

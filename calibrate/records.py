@@ -273,20 +273,24 @@ def read(paths, *, warn=_warn_stderr) -> list[dict]:
     for path in [paths] if isinstance(paths, (str, Path)) else paths:
         if not Path(path).exists():
             raise MemplanError(f"record file {str(path)!r} does not exist")
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    warn(f"{path}:{number}: skipped a corrupt record ({exc.msg})")
-                    continue
-                problem = _problem(record)
-                if problem:
-                    warn(f"{path}:{number}: skipped a corrupt record ({problem})")
-                    continue
-                records.append(record)
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                lines = f.readlines()
+        except OSError as exc:
+            raise MemplanError(f"record file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                warn(f"{path}:{number}: skipped a corrupt record ({exc.msg})")
+                continue
+            problem = _problem(record)
+            if problem:
+                warn(f"{path}:{number}: skipped a corrupt record ({problem})")
+                continue
+            records.append(record)
     return records
 
 

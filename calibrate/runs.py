@@ -74,22 +74,28 @@ def plan(
     warmup: int = 2,
     workload: str = "native",
     layers_scaled: bool = False,
-) -> tuple[list[Run], list[str]]:
-    """The runs of a sweep (each distinct run once) and the strategies ``all`` left out."""
+) -> tuple[list[Run], dict[str, list[str]]]:
+    """The runs of a sweep (each distinct run once) and what ``--strategy all`` left out: the
+    DeepSpeed strategies, and those without a native form of the precision, each list by reason."""
     runs: dict[str, Run] = {}
-    skipped: set[str] = set()
+    skipped: dict[str, list[str]] = {}
     for flags in flag_sets:
         _, jobs = build_jobs(**flags)
         for job in jobs:
-            if (
-                flags.get("strategy", "all") == "all"
-                and STRATEGIES[job.plan.strategy].framework not in HARNESS_FRAMEWORKS
-            ):
-                skipped.add(job.plan.strategy)
-                continue
+            strategy, precision = STRATEGIES[job.plan.strategy], job.train.precision
+            if flags.get("strategy", "all") == "all":
+                reason = None
+                if strategy.framework not in HARNESS_FRAMEWORKS:
+                    reason = "the harness drives DDP and FSDP2, not DeepSpeed"
+                elif not strategy.runs_natively(precision):
+                    reason = f"no native {precision} (torch has none)"
+                if reason:
+                    if strategy.id not in skipped.setdefault(reason, []):
+                        skipped[reason].append(strategy.id)
+                    continue
             run = Run(job=job, mode=mode, steps=steps, warmup=warmup, workload=workload, layers_scaled=layers_scaled)
             runs.setdefault(run.key, run)
-    return list(runs.values()), sorted(skipped)
+    return list(runs.values()), skipped
 
 
 def _tail(path: Path) -> str:
@@ -146,11 +152,25 @@ def execute_child(args: list[str], extra: list[str], *, tmp: Path, timeout_s: fl
                 _kill_group(proc)
     if result.exists():
         return json.loads(result.read_text(encoding="utf-8"))
+    tail = _tail(log)
     return {
         "status": "failed",
         "measurement": None,
-        "error": f"the run's process exited with code {exit_code} without a result:\n{_tail(log)}",
+        "error": f"{_cause(tail)} (the run's process exited with code {exit_code} without a result)\n{tail}",
     }
+
+
+def _cause(log_tail: str) -> str:
+    """The line of a dead run's log that says why: its last exception line, else its last line."""
+    lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
+    raised = [line for line in lines if not line.startswith(("File ", "^", "~")) and "Error" in line.split(":")[0]]
+    return (raised or lines or ["no output"])[-1]
+
+
+EXIT_SOME_FAILED = 3
+"""``memplan calibrate run``'s exit code when some planned runs did not end ok (the others did)."""
+EXIT_ALL_FAILED = 4
+"""... and when none did. 0: every planned run is ok; 2: refused before the first run."""
 
 
 @dataclass
@@ -158,11 +178,22 @@ class SweepSummary:
     num_planned: int
     num_skipped_recorded: int = 0
     statuses: Counter = field(default_factory=Counter)
+    """The status of each run this sweep ran."""
+    recorded_statuses: Counter = field(default_factory=Counter)
+    """The recorded status of each run it skipped (--resume)."""
 
     def line(self, out) -> str:
         done = ", ".join(f"{n} {s}" for s, n in sorted(self.statuses.items())) or "none run"
         skipped = f"; {self.num_skipped_recorded} already recorded, skipped" if self.num_skipped_recorded else ""
         return f"{sum(self.statuses.values())} of {self.num_planned} runs recorded in {out}: {done}{skipped}"
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every planned run is ok (now or as recorded), else EXIT_SOME_FAILED or EXIT_ALL_FAILED."""
+        ok = self.statuses["ok"] + self.recorded_statuses["ok"]
+        if ok == self.num_planned:
+            return 0
+        return EXIT_ALL_FAILED if ok == 0 else EXIT_SOME_FAILED
 
 
 def sweep(
@@ -177,11 +208,12 @@ def sweep(
 ) -> SweepSummary:
     """Execute every run in turn, appending its record to ``out`` as it ends."""
     summary = SweepSummary(num_planned=len(runs))
-    done = records.recorded_keys(out) if resume else set()
+    done = {records.record_key(r): r for r in records.read([out])} if resume and Path(out).exists() else {}
     for run in runs:
         on_start(run)
         if run.key in done:
             summary.num_skipped_recorded += 1
+            summary.recorded_statuses[done[run.key]["status"]] += 1
             on_end(run, None)
             continue
         start_s = time.perf_counter()

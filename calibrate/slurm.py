@@ -63,9 +63,15 @@ class JobState:
         return f"Slurm job {self.job_id} {self.state}{why} (exit code {self.exit_code})"
 
 
+def require(*commands: str) -> None:
+    """Each Slurm client command on PATH, or a one-line error naming the first missing."""
+    for command in commands:
+        if shutil.which(command) is None:
+            raise MemplanError(f"{command} is not on PATH: --submit needs the Slurm client commands (sbatch, scontrol)")
+
+
 def _call(args: list[str], *, env=None) -> subprocess.CompletedProcess:
-    if shutil.which(args[0]) is None:
-        raise MemplanError(f"{args[0]} is not on PATH: --submit needs the Slurm client commands (sbatch, scontrol)")
+    require(args[0])
     return subprocess.run(args, capture_output=True, text=True, env=env)
 
 

@@ -9,9 +9,12 @@ components and a constant offset,
     measured ≈ offset + Σ scale_g · estimated_g,      g ∈ states, activations, buffers,
 
 in relative terms (each record weighted by 1/measured, so small and large runs count
-alike) and shrunk towards scale 1 (a ridge on scale − 1), so that a group the records
-barely exercise keeps memplan's own arithmetic. The residual spread of the fit becomes
-the error band of a corrected estimate.
+alike) and shrunk towards scale 1 (a ridge on scale − 1). Only the terms the records
+determine, within their physical ranges and lowering the held-out error, are fitted
+(``calibrate.fit``); the others keep memplan's own arithmetic. The band of a corrected
+estimate is the fit's leave-one-out error: each record judged by a fit made without it.
+A corrections file applies only to the device and torch major version it was fitted on,
+unless forced (``resolve``).
 
 Where records carry the device's used memory and the allocator's reserved bytes (CUDA),
 what lies outside the caching allocator (used − reserved: the CUDA context and the
@@ -87,15 +90,22 @@ class Correction:
     scales: dict[str, float]
     offset_bytes: int
     residual_pct: float
-    """Standard deviation of the fit's relative residuals, in percent: the error band."""
+    """The error band, in percent: the root mean square of the relative errors of each record
+    under a fit made without it (leave-one-out), never of the records a fit was made on."""
     num_records: int
     before_median_abs_pct: float
     after_median_abs_pct: float
+    """Median |error| of the records, each under the leave-one-out fit that did not see it."""
     context_bytes: int | None = None
     """The fitted CUDA context (None: no record had the device's used memory)."""
     communicator_bytes: int | None = None
     """The fitted buffers of one communicator (None: the tabled default)."""
     throughput: tuple[ThroughputFit, ...] = ()
+    terms: tuple[str, ...] | None = None
+    """The free parameters fitted (offset, states, activations, buffers); the others keep
+    memplan's arithmetic. None: a file from before the fit chose its terms (all four)."""
+    notes: tuple[str, ...] = ()
+    """Why each term not fitted was not: undetermined, unphysical, no gain, too few records."""
 
     def corrected_bytes(self, by_group: dict[str, int]) -> int:
         return round(self.offset_bytes + sum(self.scales[g] * by_group.get(g, 0) for g in GROUPS))
@@ -151,19 +161,43 @@ class Calibration:
     sources: tuple[str, ...] = field(default=())
     path: str = ""
 
-    def for_device(self, device: str, torch_version: str | None = None) -> tuple[Correction | None, bool]:
-        """The correction to apply and whether it was fitted on this very device (``device``:
-        ``cpu``, a tables/gpus.csv name such as ``h100-sxm``, or a measured device name)."""
+    def for_device(self, device: str, torch_version: str | None = None) -> tuple[Correction | None, str]:
+        """The correction measured on ``device`` (``cpu``, a tables/gpus.csv name such as
+        ``h100-sxm``, or a measured device name) with ``torch_version``'s major version (when
+        known; the same version if there is one), or None and why none applies."""
         same = [c for c in self.corrections if same_device(c.device, device)]
-        pool = same or list(self.corrections)
-        if not pool:
-            return None, False
-        exact = [c for c in pool if c.torch_version == torch_version]
-        return (exact or pool)[0], bool(same)
+        if not same:
+            fitted = ", ".join(sorted({c.device for c in self.corrections})) or "nothing"
+            target = "a GPU this estimate does not name (--gpu NAME)" if device == "cuda" else device
+            return None, f"it was fitted on {fitted}, not on {target}"
+        if torch_version is None:
+            return same[0], ""
+        major = [c for c in same if _major(c.torch_version) == _major(torch_version)]
+        if not major:
+            fitted = ", ".join(sorted({c.torch_version for c in same}))
+            here = f"torch {_major(torch_version)}.x ({torch_version} is installed here)"
+            return None, f"it was fitted with torch {fitted}, not {here}"
+        exact = [c for c in major if c.torch_version == torch_version]
+        return (exact or major)[0], ""
 
     def save(self, path: str | Path) -> None:
         data = {"sources": list(self.sources), "corrections": [asdict(c) for c in self.corrections]}
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _major(version: str) -> str:
+    return version.split(".")[0]
+
+
+def installed_torch() -> str | None:
+    """The torch installed beside memplan, read from its metadata (memplan never imports torch):
+    the torch a calibration's major version is checked against; None where there is none."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 # fitted before the allocator was replayed: used − allocated as a + b · allocated, which
@@ -176,8 +210,10 @@ def load(path: str | Path) -> Calibration:
         data = json.loads(Path(path).read_text())
         corrections = tuple(
             Correction(
-                **{k: v for k, v in c.items() if k not in (*_LEGACY_KEYS, "throughput")},
+                **{k: v for k, v in c.items() if k not in (*_LEGACY_KEYS, "throughput", "terms", "notes")},
                 throughput=tuple(ThroughputFit(**t) for t in c.get("throughput", ())),
+                terms=None if c.get("terms") is None else tuple(c["terms"]),
+                notes=tuple(c.get("notes", ())),
             )
             for c in data["corrections"]
         )
@@ -275,12 +311,22 @@ class Applied:
     results: tuple[Corrected, ...]
 
     def describe(self) -> str:
-        c = self.correction
-        where = "fitted on this device" if self.device_matches else "fitted on another device: treat with care"
-        return (
-            f"calibration {self.calibration.path}: {c.device}, torch {c.torch_version}, {c.num_records} records, "
-            f"band ±{c.residual_pct:.2f} % ({where})"
-        )
+        fit = fit_text(self.calibration, self.correction, self.device_matches)
+        return f"calibration {self.calibration.path}: {fit}"
+
+
+def fit_text(calibration: Calibration, c: Correction, device_matches: bool) -> str:
+    """Which fit applies, from which records, with which band (and that it was forced)."""
+    if c.terms is None:
+        terms = "all four terms (fitted before terms were chosen)"
+    else:
+        terms = f"{len(c.terms)} term(s): {', '.join(c.terms)}" if c.terms else "no term (the band alone)"
+    sources = f" of {', '.join(calibration.sources)}" if calibration.sources else ""
+    forced = "" if device_matches else "; applied by force where it was not measured"
+    return (
+        f"fitted on {c.device}, torch {c.torch_version}, {terms} from {c.num_records} records{sources}, "
+        f"band ±{c.residual_pct:.2f} % (leave-one-out){forced}"
+    )
 
 
 def _device_key(job) -> str | None:
@@ -289,11 +335,17 @@ def _device_key(job) -> str | None:
     return "cpu" if job.train.device == "cpu" else None
 
 
+FORCE = "force:"
+"""Prefix of ``--calibration force:FILE``: apply FILE even where it was not measured."""
+
+
 def resolve(job, calibration: str | None = "auto") -> tuple[Calibration, Correction, bool] | None:
-    """The calibration file, the correction in it for ``job``'s device, and whether it was fitted
-    on that device; None where none applies. ``auto``: the corrections shipped for the job's
+    """The calibration file, the correction in it for ``job``'s device, and whether it was
+    measured there; None where none applies. ``auto``: the corrections shipped for the job's
     device (``--gpu NAME``, or cpu), if any; ``none``: nothing; otherwise a corrections file
-    written by ``memplan calibrate fit``."""
+    written by ``memplan calibrate fit``, applied only to the device and torch major version
+    (the torch installed here, when there is one) it was fitted on: anything else is refused,
+    unless named ``force:FILE``."""
     if calibration in (None, "none"):
         return None
     if calibration == "auto":
@@ -301,13 +353,25 @@ def resolve(job, calibration: str | None = "auto") -> tuple[Calibration, Correct
         loaded = shipped(key) if key else None
         if key is None or loaded is None:
             return None
-        device = key
-    else:
-        loaded, device = load(calibration), _device_key(job) or job.train.device
-    correction, same = loaded.for_device(device)
-    if correction is None:
-        return None
-    return loaded, correction, same or calibration == "auto"
+        correction, _ = loaded.for_device(key, installed_torch())
+        return None if correction is None else (loaded, correction, True)
+    forced = calibration.startswith(FORCE)
+    path = calibration[len(FORCE) :] if forced else calibration
+    loaded = load(path)
+    correction, why_not = loaded.for_device(_device_key(job) or job.train.device, installed_torch())
+    if correction is not None:
+        return loaded, correction, True
+    if not forced or not loaded.corrections:
+        raise InputError(
+            lambda n: (
+                f"{n('calibration')} {path!r} does not apply here: {why_not}; a fit applies only where it "
+                f"was measured ({n('calibration')} {FORCE}{path} applies it anyway)"
+            ),
+            field="calibration",
+            value=calibration,
+            accepted="auto, none, a corrections file fitted on this device and torch, or force:FILE",
+        )
+    return loaded, loaded.corrections[0], False
 
 
 def apply_all(estimates: list[Estimate], calibration: str | None = "auto") -> Applied | None:

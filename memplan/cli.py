@@ -230,7 +230,8 @@ DECISION_OPTIONS = [
         show_default=True,
         help="Corrections from `memplan calibrate fit` (FILE); auto: those shipped for --gpu NAME "
         "(or --device cpu) if any; none: the analytic model alone. They move what fits and, "
-        "with measured step times, the predicted speed.",
+        "with measured step times, the predicted speed. A FILE applies only to the device and torch "
+        "major version it was fitted on; force:FILE applies it anyway.",
     ),
 ]
 

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from typing import TypeVar
 
 from .breakdown import Component, Estimate
-from .calibration import Applied, Corrected
+from .calibration import Applied, Corrected, fit_text
 from .decide import FRAMEWORKS, Fix, Reason, Recommendation, Rejected, RuleVerdict, framework_strategies
 from .finetune import FINETUNE_FIELDS, finetune_inputs, finetune_line, modes_compared
 from .inputs import ModelChoice
@@ -124,6 +124,9 @@ def calibration_dict(applied: Applied) -> dict:
         "torch_version": c.torch_version,
         "num_records": c.num_records,
         "band_pct": c.residual_pct,
+        "band_from": "leave-one-out",
+        "terms": None if c.terms is None else list(c.terms),
+        "sources": list(applied.calibration.sources),
         "device_matches": applied.device_matches,
     }
 
@@ -562,10 +565,9 @@ def fix_line(f: Fix) -> str:
 def calibration_text(basis) -> str:
     c = basis.correction
     measured = ", ".join(t.strategy for t in c.throughput) or "none"
-    where = "" if basis.device_matches else " (fitted on another device: treat with care)"
     return (
-        f"calibrated by {basis.calibration.path}: {c.device}, torch {c.torch_version}, memory band "
-        f"±{c.residual_pct:.2f} %; speed measured for: {measured}{where}"
+        f"calibrated by {basis.calibration.path}: {fit_text(basis.calibration, c, basis.device_matches)}; "
+        f"speed measured for: {measured}"
     )
 
 

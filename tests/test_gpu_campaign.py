@@ -264,7 +264,7 @@ def test_snapshot_events_in_the_replay_form(tmp_path):
 def test_campaign_children_on_cpu_record_ok_failed_and_killed_runs_and_load_as_calibration(tmp_path, monkeypatch):
     """The real child path on CPU: an ok run, one the harness refuses, one killed at its timeout,
     then one more ok run; the records fit into corrections that memplan loads."""
-    from calibrate.fit import fit_records
+    from calibrate.fit import fit_one, fit_records, observations
     from memplan import calibration
 
     ok = make_case("cpu", **TINY_KW, precision="fp32", ac="op", logits="freed")
@@ -289,7 +289,10 @@ def test_campaign_children_on_cpu_record_ok_failed_and_killed_runs_and_load_as_c
     assert got[3]["campaign"]["loss_source"] == "calibrate.measure.chunked_ce"
     # the records are calibrate fit's input, and its corrections load as memplan's
     corrections = tmp_path / "c.corrections.json"
-    fit_records(got, sources=["records.jsonl"]).save(corrections)
+    with pytest.raises(MemplanError, match=r"2 ok record\(s\) of cpu .* 1 more run"):
+        fit_records(got, sources=["records.jsonl"])  # 3 records per fitted term
+    no_term = fit_one(observations(got), terms=())  # memplan's arithmetic and its held-out band
+    calibration.Calibration(corrections=(no_term,), sources=("records.jsonl",)).save(corrections)
     loaded = calibration.load(corrections)
     assert loaded.corrections[0].num_records == 2 and loaded.corrections[0].device == "cpu"
     # where the campaign ships a GPU's corrections, memplan.calibration.shipped finds them
@@ -300,8 +303,8 @@ def test_campaign_children_on_cpu_record_ok_failed_and_killed_runs_and_load_as_c
     monkeypatch.setattr("memplan.catalog.TABLES_DIR", tables)
     found = calibration.shipped("h100-sxm")
     assert found is not None and found.path.endswith(name)
-    correction, same = found.for_device("h100-sxm")
-    assert correction == loaded.corrections[0] and not same  # fitted on cpu: never taken for the GPU's own
+    correction, why = found.for_device("h100-sxm")
+    assert correction is None and why == "it was fitted on cpu, not on h100-sxm"  # never taken for the GPU's own
     # CPU records are not shipped as an H100's
     with pytest.raises(MemplanError, match="not h100-sxm records"):
         campaign.ship(tmp_path, tmp_path / "tables")

@@ -134,9 +134,8 @@ def test_a_rank_dies_then_the_job_is_cancelled_and_resume_completes_the_sweep(sl
 def test_a_batch_environment_without_torch_fails_every_run_and_resume_runs_them_on_two_nodes(slurm, tmp_path):
     bare = tmp_path / "bare"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", bare], check=True)
-    # the environment's bin directory (torchrun, python with torch) off PATH, the bare one first
-    others = [p for p in os.environ["PATH"].split(os.pathsep) if Path(p) != Path(sys.executable).parent]
-    result = submit(tmp_path, 2, PATH=os.pathsep.join([str(bare / "bin"), *others]))
+    # the script runs memplan's own interpreter unless PYTHON names another: here a bare one
+    result = submit(tmp_path, 2, PYTHON=str(bare / "bin" / "python"))
     (job,) = job_ids(tmp_path)
     assert f"Slurm job {job} FAILED" in result.stdout
     assert history(tmp_path) == [[("failed", job)], [("failed", job)]]
