@@ -127,17 +127,14 @@ FINETUNE_OPTIONS = [
         help="What is trained: full, lora, qlora (LoRA on 4-bit NF4 base weights) or frozen:N "
         "(the input embedding and the first N blocks frozen).",
     ),
-    click.option("--lora-rank", type=int, default=default("lora_rank"), show_default=True),
-    click.option(
-        "--lora-alpha", type=float, default=default("lora_alpha"), show_default=True, help="Accepted; no memory effect."
-    ),
+    click.option("--lora-rank", type=int, help="With --finetune lora or qlora [default: 8]."),
+    click.option("--lora-alpha", type=float, help="Accepted; no memory effect [default: 16]."),
     click.option(
         "--lora-targets",
-        default=default("lora_targets"),
-        show_default=True,
-        help="attention (q,k,v,o), all-linear, or a list of a block's linears (q,k,v,o,gate,up,down).",
+        help="attention (q,k,v,o), all-linear, or a list of a block's linears (q,k,v,o,gate,up,down) "
+        "[default: attention].",
     ),
-    click.option("--lora-dropout", type=float, default=default("lora_dropout"), show_default=True),
+    click.option("--lora-dropout", type=float, help="[default: 0]"),
 ]
 CLUSTER_OPTIONS = [
     click.option("--gpus", type=int, default=default("gpus"), show_default=True),
@@ -438,7 +435,7 @@ def _layout_pick(flags: dict, interconnect, bw, emit, fmt) -> str:
     help="Corrections from `memplan calibrate fit` (FILE), auto or none, as for estimate.",
 )
 @user_errors
-def min_gpus(fmt, gpus, gpus_per_node, calibration, **flags):
+def min_gpus(fmt, gpus_per_node, calibration, **flags):
     """The fewest GPUs (1-8, then whole nodes of --gpus-per-node) on which some strategy fits.
 
     Example: memplan min-gpus --params 70e9 --gpu a100-80gb --ac full

@@ -10,7 +10,7 @@ from .moe import allows_ep
 from .request import SHAPES, ModelRequest, Request
 from .specs import ClusterSpec, Job, ModelSpec, Plan
 from .strategies import STRATEGIES, strategies_on
-from .units import parse_bytes, parse_count
+from .units import parse_bytes
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,9 @@ def resolve_model(request: ModelRequest) -> ModelChoice:
     if isinstance(request.model, ModelSpec):
         return ModelChoice(request.model, "spec")
     if request.params is not None:
-        from .infer import model_for_params
+        from .infer import model_for_params, parse_params
 
-        return ModelChoice(model_for_params(parse_count(request.params, what="params")), "params", assumed=True)
+        return ModelChoice(model_for_params(parse_params(request.params)), "params", assumed=True)
     if request.model is not None:
         return ModelChoice(catalog.model_preset(request.model), "model")
     if request.config is not None:
