@@ -89,8 +89,8 @@ class ModelRequest:
 class TrainingRequest:
     """One optimizer step: what each GPU processes and how (``TrainSpec`` checks the values)."""
 
-    seq_len: int = TrainSpec.seq_len
-    """Tokens per sequence."""
+    seq_len: int | None = None
+    """Tokens per sequence; None: 2048, or a model's learned positions where fewer (gpt2's 1024)."""
     micro_batch: int | Literal["max"] = TrainSpec.micro_batch
     """Sequences per GPU per forward, or ``"max"``: the largest that fits (per strategy)."""
     grad_accum: int = TrainSpec.grad_accum
@@ -169,7 +169,7 @@ class TrainingRequest:
     def spec(self) -> TrainSpec:
         """The step at this micro-batch (1 for ``"max"``: searched later)."""
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _LOOP}
-        values = {k: v for k, v in values.items() if not (k in _LORA and v is None)}
+        values = {k: v for k, v in values.items() if not (k in _UNSET and v is None)}
         resolved = self.resolved()
         loop = {s: getattr(resolved.loop, s) for s in _LOOP}
         values["activation_checkpointing"] = loop.pop("ac")
@@ -197,6 +197,8 @@ _LOOP = (
 """The TrainingRequest fields that are loop settings (``loop.Loop``), None where the recipe sets them."""
 _LORA = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
 """The TrainingRequest fields of the adapters, None where not given (TrainSpec's defaults)."""
+_UNSET = ("seq_len", *_LORA)
+"""The TrainingRequest fields None where not given: TrainSpec's defaults (seq_len: see ``inputs``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
