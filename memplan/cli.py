@@ -53,7 +53,7 @@ MODEL_OPTIONS = [
     click.option("--vocab", type=int),
 ]
 TRAIN_OPTIONS = [
-    click.option("--seq-len", type=int, help="[default: 2048, or the model's learned positions where fewer: gpt2 1024]"),
+    click.option("--seq-len", type=int, help="[default: 2048; a model's learned positions where fewer: gpt2 1024]"),
     click.option(
         "--micro-batch",
         type=MicroBatch(),
