@@ -126,7 +126,7 @@ def _apply_nodes(ctx: click.Context, flags: dict, nodes) -> dict:
     per_node = flags["gpus_per_node"]
     if nodes <= 0:
         raise MemplanError(f"--nodes must be a positive integer, got {nodes}")
-    if per_node <= 0:
+    if per_node is None or per_node <= 0:
         raise MemplanError(f"--nodes {nodes} needs --gpus-per-node G (a positive integer), got {per_node}")
     gpus_given = ctx.get_parameter_source("gpus") != click.core.ParameterSource.DEFAULT
     if gpus_given and flags["gpus"] != nodes * per_node:

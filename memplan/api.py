@@ -16,10 +16,11 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from .breakdown import Estimate
+from .errors import InputError
 from .inputs import ModelChoice, build_jobs
 from .memory import estimate as estimate_job
 from .overheads import with_replayed_allocator
-from .request import FIELDS, Request, default, unknown_keyword
+from .request import FIELDS, ClusterRequest, Request, default, unknown_keyword
 
 if TYPE_CHECKING:
     from .calibration import Applied
@@ -178,17 +179,29 @@ def min_gpus(
 ) -> tuple[ModelChoice, MinGpus]:
     """Fewest GPUs (1-8, then whole nodes of ``gpus_per_node``) on which some strategy (or the one
     given) fits: ``memplan.search.MinGpus``; where a calibration applies (as for ``estimate``) its
-    corrected totals decide. The request's own GPU count is not used."""
+    corrected totals decide. The GPU count is what it searches: a request for more than one is refused."""
     from dataclasses import replace
 
     from .decide import basis_for
     from .search import min_gpus as search_min_gpus
 
-    per_node = inputs.pop("gpus_per_node", request.cluster.gpus_per_node if request else 0)
-    request = Request.of(request, **inputs, gpus=1, gpus_per_node=0)
+    per_node = inputs.pop("gpus_per_node", request.cluster.gpus_per_node if request else None)
+    if per_node is not None:
+        ClusterRequest(gpus=per_node, gpus_per_node=per_node)  # the node size checked as any request's
+    request = Request.of(request, **inputs, gpus_per_node=None)
+    if request.cluster.gpus != 1:
+        raise InputError(
+            lambda n: (
+                f"min-gpus searches the number of GPUs itself: {n('gpus')} {request.cluster.gpus} does not apply; "
+                f"leave it out ({n('gpus_per_node')} sets the node size)"
+            ),
+            field="gpus",
+            value=request.cluster.gpus,
+            accepted="none given (the search's own count)",
+        )
     choice, jobs = _jobs(request)
     basis = basis_for(jobs[0], calibration=calibration)
-    found = search_min_gpus(jobs[0], [j.plan.strategy for j in jobs], gpus_per_node=per_node, fits=basis.fits)
+    found = search_min_gpus(jobs[0], [j.plan.strategy for j in jobs], gpus_per_node=per_node or 0, fits=basis.fits)
     return choice, replace(found, corrected=basis.corrected(found.estimate))
 
 

@@ -37,6 +37,8 @@ class GpuSpec:
     """None: no bf16 (V100)."""
     peak_fp16_flops: float
     peak_fp32_flops: float
+    fp8: bool
+    """Whether its tensor cores run FP8 matmuls (what torchao's float8 training needs)."""
     memory_bw_bytes_s: float
     interconnect: str
     """nvlink | pcie | infinity-fabric: how GPUs of one node talk."""
@@ -59,6 +61,19 @@ class GpuSpec:
             )
         return peak
 
+    def check_float8(self, float8: bool) -> None:
+        """Refuse float8 training on a GPU without FP8 matmuls."""
+        if float8 and not self.fp8:
+            raise InputError(
+                lambda n: (
+                    f"{self.name} has no FP8 tensor cores (tables/gpus.csv), so no float8 training; "
+                    f"leave out {n('float8')} or give a GPU with FP8 (h100-sxm, h200, b200, l40s, ...)"
+                ),
+                field="float8",
+                value=float8,
+                accepted="false on this GPU",
+            )
+
 
 def _gpu_row(row: dict[str, str]) -> GpuSpec:
     return GpuSpec(
@@ -68,6 +83,7 @@ def _gpu_row(row: dict[str, str]) -> GpuSpec:
         peak_bf16_flops=float(row["peak_bf16_tflops"]) * _TFLOPS if row["peak_bf16_tflops"] else None,
         peak_fp16_flops=float(row["peak_fp16_tflops"]) * _TFLOPS,
         peak_fp32_flops=float(row["peak_fp32_tflops"]) * _TFLOPS,
+        fp8=row["fp8"] == "1",
         memory_bw_bytes_s=float(row["memory_bw_gbs"]) * _GBS,
         interconnect=row["interconnect"],
         intra_node_bw_bytes_s=float(row["intra_node_bw_gbs"]) * _GBS,

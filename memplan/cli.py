@@ -42,7 +42,7 @@ class MicroBatch(click.ParamType):
 MODEL_OPTIONS = [
     click.option("--params", help="Parameter count (13e9, 13B, 7.2b): memplan assumes a llama-style architecture."),
     click.option("--model", "model", help="A preset from tables/models.csv (e.g. llama-2-13b)."),
-    click.option("--config", type=click.Path(dir_okay=False), help="A Hugging Face config.json."),
+    click.option("--config", help="A Hugging Face config.json, or the folder holding one."),
     click.option("--arch", type=_choice(specs.ARCHS), help="Explicit architecture family (with the shape flags)."),
     click.option("--layers", type=int),
     click.option("--hidden", type=int),
@@ -53,7 +53,7 @@ MODEL_OPTIONS = [
     click.option("--vocab", type=int),
 ]
 TRAIN_OPTIONS = [
-    click.option("--seq-len", type=int, default=default("seq_len"), show_default=True),
+    click.option("--seq-len", type=int, help="[default: 2048; a model's learned positions where fewer: gpt2 1024]"),
     click.option(
         "--micro-batch",
         type=MicroBatch(),
@@ -127,17 +127,14 @@ FINETUNE_OPTIONS = [
         help="What is trained: full, lora, qlora (LoRA on 4-bit NF4 base weights) or frozen:N "
         "(the input embedding and the first N blocks frozen).",
     ),
-    click.option("--lora-rank", type=int, default=default("lora_rank"), show_default=True),
-    click.option(
-        "--lora-alpha", type=float, default=default("lora_alpha"), show_default=True, help="Accepted; no memory effect."
-    ),
+    click.option("--lora-rank", type=int, help="With --finetune lora or qlora [default: 8]."),
+    click.option("--lora-alpha", type=float, help="Accepted; no memory effect [default: 16]."),
     click.option(
         "--lora-targets",
-        default=default("lora_targets"),
-        show_default=True,
-        help="attention (q,k,v,o), all-linear, or a list of a block's linears (q,k,v,o,gate,up,down).",
+        help="attention (q,k,v,o), all-linear, or a list of a block's linears (q,k,v,o,gate,up,down) "
+        "[default: attention].",
     ),
-    click.option("--lora-dropout", type=float, default=default("lora_dropout"), show_default=True),
+    click.option("--lora-dropout", type=float, help="[default: 0]"),
 ]
 CLUSTER_OPTIONS = [
     click.option("--gpus", type=int, default=default("gpus"), show_default=True),
@@ -155,8 +152,13 @@ CLUSTER_OPTIONS = [
         "estimate and explain follows it (the searches charge a flat slack).",
     ),
 ]
+STRATEGY_OPTION = click.option(
+    "--strategy", type=_choice(("all", *STRATEGIES)), default=default("strategy"), show_default=True
+)
+ONE_STRATEGY_OPTION = click.option(
+    "--strategy", type=_choice(STRATEGIES), default="fsdp-full-shard", show_default=True, help="The one explained."
+)
 PLAN_OPTIONS = [
-    click.option("--strategy", type=_choice(("all", *STRATEGIES)), default=default("strategy"), show_default=True),
     click.option("--offload", type=_choice(specs.OFFLOADS), default=default("offload"), show_default=True),
     click.option(
         "--ep", type=int, default=default("ep"), show_default=True, help="Expert-parallel degree (MoE models)."
@@ -236,8 +238,9 @@ DECISION_OPTIONS = [
 ]
 
 
-def job_options(f):
-    return _apply(MODEL_OPTIONS + TRAIN_OPTIONS + FINETUNE_OPTIONS + CLUSTER_OPTIONS + PLAN_OPTIONS + LAYOUT_OPTIONS)(f)
+def job_options(f, strategy=STRATEGY_OPTION):
+    options = MODEL_OPTIONS + TRAIN_OPTIONS + FINETUNE_OPTIONS + CLUSTER_OPTIONS + [strategy] + PLAN_OPTIONS
+    return _apply(options + LAYOUT_OPTIONS)(f)
 
 
 def decision_options(f):
@@ -439,7 +442,7 @@ def _layout_pick(flags: dict, interconnect, bw, emit, fmt) -> str:
     help="Corrections from `memplan calibrate fit` (FILE), auto or none, as for estimate.",
 )
 @user_errors
-def min_gpus(fmt, gpus, gpus_per_node, calibration, **flags):
+def min_gpus(fmt, gpus_per_node, calibration, **flags):
     """The fewest GPUs (1-8, then whole nodes of --gpus-per-node) on which some strategy fits.
 
     Example: memplan min-gpus --params 70e9 --gpu a100-80gb --ac full
@@ -456,14 +459,12 @@ def min_gpus(fmt, gpus, gpus_per_node, calibration, **flags):
 
 
 @main.command()
-@job_options
+@functools.partial(job_options, strategy=ONE_STRATEGY_OPTION)
 @user_errors
 def explain(**flags):
     """Every term of the estimate with its formula and value, for one strategy."""
     from . import api, report
 
-    if flags["strategy"] == "all":
-        flags["strategy"] = "fsdp-full-shard"
     result = api.estimate(_request(flags), calibration=None)
     click.echo(report.render_explain(result.choice, result.estimates[0]))
 

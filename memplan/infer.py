@@ -11,10 +11,12 @@ import bisect
 import math
 from dataclasses import replace
 
-from .errors import MemplanError
+from .errors import InputError
 from .specs import ModelSpec
 
 MIN_PARAMS, MAX_PARAMS = 10**6, 10**14
+PARAMS_ACCEPTED = f"{MIN_PARAMS:.0e} to {MAX_PARAMS:.0e}, written as 13e9, 13B, 7.2b or 350M"
+"""The counts a parameter count may be, as every message about one states them."""
 VOCAB = 32_000  # Llama / Llama-2 SentencePiece vocabulary
 GQA_FROM = 8192  # Llama-2-70B, CodeLlama-34B and Llama-3-405B use 8 kv heads from this width
 # (nominal parameters, hidden size) of real Llama configs: Llama-3.2-1B, Llama-2-7B/13B,
@@ -91,9 +93,7 @@ def model_for_params(num_params: int) -> ModelSpec:
         or not isinstance(num_params, (int, float))
         or not MIN_PARAMS <= num_params <= MAX_PARAMS
     ):
-        raise MemplanError(
-            f"parameter count {num_params!r} is out of range; accepted: {MIN_PARAMS:.0e} to {MAX_PARAMS:.0e}"
-        )
+        raise _bad_params(num_params, "is out of range")
     num_params = int(num_params)
     best: ModelSpec | None
     if num_params in _LLAMA2:
@@ -108,6 +108,29 @@ def model_for_params(num_params: int) -> ModelSpec:
                 break
         assert best is not None  # _widths always gives candidates
     return replace(best, name=f"llama-style-{_short(num_params)} (inferred)")
+
+
+def parse_params(text) -> int:
+    """A parameter count as users write it (``13e9``, ``"13B"``, ``"7.2b"``), within the range this
+    inference covers; every way it can be wrong gets one message with the accepted range."""
+    from .units import parse_count
+
+    try:
+        count = parse_count(text, what="params")
+    except InputError as exc:  # not written as a count, or not a positive one below 1e18
+        raise _bad_params(text, "is not a count" if exc.accepted.startswith("a count") else "is out of range") from None
+    if not MIN_PARAMS <= count <= MAX_PARAMS:
+        raise _bad_params(text, "is out of range")
+    return count
+
+
+def _bad_params(value, why: str) -> InputError:
+    return InputError(
+        lambda n: f"{n.word('params')} {value!r} {why}; accepted: {PARAMS_ACCEPTED}",
+        field="params",
+        value=value,
+        accepted=PARAMS_ACCEPTED,
+    )
 
 
 def _miss(spec: ModelSpec, num_params: int) -> float:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import catalog
 from .errors import InputError
 from .moe import allows_ep
 from .request import SHAPES, ModelRequest, Request
-from .specs import ClusterSpec, Job, ModelSpec, Plan
+from .specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 from .strategies import STRATEGIES, strategies_on
-from .units import parse_bytes, parse_count
+from .units import parse_bytes
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,9 @@ class ModelChoice:
     """params | model | config | arch | module: how the architecture was obtained."""
     assumed: bool = False
     """True when memplan inferred the architecture from a parameter count."""
+    assumptions: tuple[str, ...] = ()
+    """What memplan read the request as where it did not say (a default changed for this model, a
+    GPU's short name): stated under the header, one line each."""
 
 
 def resolve_model(request: ModelRequest) -> ModelChoice:
@@ -27,9 +30,9 @@ def resolve_model(request: ModelRequest) -> ModelChoice:
     if isinstance(request.model, ModelSpec):
         return ModelChoice(request.model, "spec")
     if request.params is not None:
-        from .infer import model_for_params
+        from .infer import model_for_params, parse_params
 
-        return ModelChoice(model_for_params(parse_count(request.params, what="params")), "params", assumed=True)
+        return ModelChoice(model_for_params(parse_params(request.params)), "params", assumed=True)
     if request.model is not None:
         return ModelChoice(catalog.model_preset(request.model), "model")
     if request.config is not None:
@@ -64,17 +67,38 @@ def _explicit_model(request: ModelRequest) -> ModelSpec:
 
 
 def resolve_cluster(
-    *, gpus=1, gpus_per_node=0, gpu_mem=None, gpu=None, headroom=0.05, precision="mixed-bf16"
+    *, gpus=1, gpus_per_node=0, gpu_mem=None, gpu=None, headroom=0.05, precision="mixed-bf16", float8=False
 ) -> ClusterSpec:
-    """The GPUs a ``ClusterRequest`` names, for a step at ``precision``."""
+    """The GPUs a ``ClusterRequest`` names, for a step at ``precision`` (with float8 training or not)."""
     name, mem = "custom", 80 * 2**30
     if gpu is not None:
         spec = catalog.gpu(gpu)
         spec.peak_flops(precision)  # refuses a precision the GPU has no matmuls for
+        spec.check_float8(float8)
         name, mem = spec.name, spec.memory_bytes
     elif gpu_mem is not None:
         mem = parse_bytes(gpu_mem, what="gpu_mem")
     return ClusterSpec(gpus=gpus, gpus_per_node=gpus_per_node or 0, gpu_mem_bytes=mem, gpu_name=name, headroom=headroom)
+
+
+def _default_seq_len(model: ModelSpec, train: TrainSpec, *, given: bool) -> tuple[TrainSpec, tuple[str, ...]]:
+    """The default sequence cut to a model's learned positions where they are fewer (gpt2's 1024,
+    bert's 512), and the line saying so; a length given beyond them ``Job`` refuses."""
+    positions = model.max_positions
+    if given or model.arch == "vit" or not positions or train.seq_len <= positions:
+        return train, ()
+    note = f"seq-len {positions}: {model.name}'s learned positions (the default {train.seq_len} is beyond them)"
+    return replace(train, seq_len=positions), (note,)
+
+
+def _gpu_alias(name: str | None) -> tuple[str, ...]:
+    """The line naming the GPU a short name (``h100``) was read as, and the table's others of its family."""
+    if name is None or name.strip().lower() in catalog.gpus():
+        return ()
+    spec, family = catalog.gpu(name), name.strip().lower().split("-")[0]
+    others = [g for g in catalog.gpus() if g != spec.name and g.split("-")[0] == family]
+    also = f"; also in tables/gpus.csv: {', '.join(others)}" if others else ""
+    return (f"gpu {name} read as {spec.name}{also}",)
 
 
 def strategies_for(strategy: str, offload: str, gpus: int) -> list[str]:
@@ -98,7 +122,10 @@ def build_jobs(request: Request | None = None, /, **inputs) -> tuple[ModelChoice
         gpu=c.gpu,
         headroom=c.headroom,
         precision=train.precision,
+        float8=train.float8,
     )
+    train, context = _default_seq_len(choice.spec, train, given=request.training.seq_len is not None)
+    choice = replace(choice, assumptions=context + _gpu_alias(c.gpu))
     layout = request.layout.spec()
     ids = strategies_for(plan.strategy, plan.offload, layout.dp(cluster.gpus))
     if plan.strategy == "all":  # expert parallel composes with FSDP only

@@ -34,6 +34,7 @@ def inputs_dict(choice: ModelChoice, est: Estimate) -> dict:
         "model": model,
         "model_source": choice.source,
         "assumed_architecture": choice.assumed,
+        "assumptions": list(choice.assumptions),
         "train": {k: getattr(job.train, k) for k in job.train.__dataclass_fields__ if k not in FINETUNE_FIELDS}
         | finetune_inputs(job),
         "cluster": {k: getattr(job.cluster, k) for k in job.cluster.__dataclass_fields__},
@@ -291,7 +292,7 @@ def _header(choice: ModelChoice, job, searched: tuple[str, ...] = ()) -> str:
         f"{finetune_line(job)}"
         f"cluster  {c.gpus} × {c.gpu_name} {_g(c.gpu_mem_bytes)} GiB ({c.num_nodes} node(s) of "
         f"{c.gpus_per_node}), headroom {c.headroom:.0%}: {_g(c.usable_bytes)} GiB usable"
-        f"{layout}"
+        f"{layout}" + "".join(f"\nassumed  {line}" for line in choice.assumptions)
     )
 
 

@@ -62,9 +62,9 @@ class ModelRequest:
                 accepted="one of params, model, config, arch with shapes",
             )
         if given == ["params"]:
-            from .units import parse_count
+            from .infer import parse_params
 
-            parse_count(self.params, what="params")
+            parse_params(self.params)
         missing = self.missing_shapes() if given == ["arch"] else []
         if missing:
             raise InputError(
@@ -89,8 +89,8 @@ class ModelRequest:
 class TrainingRequest:
     """One optimizer step: what each GPU processes and how (``TrainSpec`` checks the values)."""
 
-    seq_len: int = TrainSpec.seq_len
-    """Tokens per sequence."""
+    seq_len: int | None = None
+    """Tokens per sequence; None: 2048, or a model's learned positions where fewer (gpt2's 1024)."""
     micro_batch: int | Literal["max"] = TrainSpec.micro_batch
     """Sequences per GPU per forward, or ``"max"``: the largest that fits (per strategy)."""
     grad_accum: int = TrainSpec.grad_accum
@@ -136,16 +136,28 @@ class TrainingRequest:
     finetune: str = TrainSpec.finetune
     """full | lora | qlora (LoRA on 4-bit NF4 base weights) | frozen:N (the input embedding and
     the first N blocks frozen)."""
-    lora_rank: int = TrainSpec.lora_rank
-    """The adapters' rank r (lora, qlora)."""
-    lora_alpha: float = TrainSpec.lora_alpha
-    """LoRA's scaling numerator: accepted, it changes no memory."""
-    lora_targets: str = TrainSpec.lora_targets
-    """attention (q, k, v, o) | all-linear | a list of a block's linears (q,k,v,o,gate,up,down)."""
-    lora_dropout: float = TrainSpec.lora_dropout
-    """Dropout on each adapter's input (its output and mask are kept for backward)."""
+    # the adapters (lora, qlora only); None: TrainSpec's default
+    lora_rank: int | None = None
+    """The adapters' rank r (8 where not given)."""
+    lora_alpha: float | None = None
+    """LoRA's scaling numerator (16 where not given): accepted, it changes no memory."""
+    lora_targets: str | None = None
+    """attention (q, k, v, o; where not given) | all-linear | a list of a block's linears (q,k,v,o,gate,up,down)."""
+    lora_dropout: float | None = None
+    """Dropout on each adapter's input (its output and mask are kept for backward; 0 where not given)."""
 
     def __post_init__(self):
+        given = [k for k in _LORA if getattr(self, k) is not None]
+        if given and self.finetune not in ("lora", "qlora"):
+            raise InputError(
+                lambda n: (
+                    f"{', '.join(n(k) for k in given)} applies to {n('finetune')} lora or qlora only, "
+                    f"got {n('finetune')} {self.finetune}"
+                ),
+                field=given[0],
+                value=getattr(self, given[0]),
+                accepted="finetune lora or qlora",
+            )
         self.spec()
 
     def resolved(self):
@@ -157,6 +169,7 @@ class TrainingRequest:
     def spec(self) -> TrainSpec:
         """The step at this micro-batch (1 for ``"max"``: searched later)."""
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _LOOP}
+        values = {k: v for k, v in values.items() if not (k in _UNSET and v is None)}
         resolved = self.resolved()
         loop = {s: getattr(resolved.loop, s) for s in _LOOP}
         values["activation_checkpointing"] = loop.pop("ac")
@@ -182,6 +195,10 @@ _LOOP = (
     "zero_grad",
 )
 """The TrainingRequest fields that are loop settings (``loop.Loop``), None where the recipe sets them."""
+_LORA = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
+"""The TrainingRequest fields of the adapters, None where not given (TrainSpec's defaults)."""
+_UNSET = ("seq_len", *_LORA)
+"""The TrainingRequest fields None where not given: TrainSpec's defaults (seq_len: see ``inputs``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,8 +207,8 @@ class ClusterRequest:
 
     gpus: int = ClusterSpec.gpus
     """GPUs in all."""
-    gpus_per_node: int = ClusterSpec.gpus_per_node
-    """0: min(gpus, 8)."""
+    gpus_per_node: int | None = None
+    """GPUs in one node; None: min(gpus, 8)."""
     gpu_mem: float | str | None = None
     """Memory per GPU: GiB (``80``) or with a unit (``"80GB"``, ``"81559MiB"``); 80 GiB where neither
     this nor ``gpu``."""
@@ -214,7 +231,16 @@ class ClusterRequest:
                 value=self.gpu_mem,
                 accepted="gpu or gpu_mem, not both",
             )
-        ClusterSpec(gpus=self.gpus, gpus_per_node=self.gpus_per_node, headroom=self.headroom)
+        if self.gpus_per_node is not None and (
+            not isinstance(self.gpus_per_node, int) or isinstance(self.gpus_per_node, bool) or self.gpus_per_node < 1
+        ):
+            raise InputError(
+                lambda n: f"{n.word('gpus_per_node')} must be a positive integer, got {self.gpus_per_node!r}",
+                field="gpus_per_node",
+                value=self.gpus_per_node,
+                accepted="a positive integer (or none given: min(gpus, 8))",
+            )
+        ClusterSpec(gpus=self.gpus, gpus_per_node=self.gpus_per_node or 0, headroom=self.headroom)
 
 
 @dataclass(frozen=True, kw_only=True)

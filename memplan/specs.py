@@ -551,10 +551,15 @@ class Job:
 
         if self.model.arch == "vit":
             object.__setattr__(self, "train", _vit_train(self.model, self.train))
-        if self.model.arch == "bert" and self.train.seq_len > self.model.max_positions:
-            raise MemplanError(
-                f"seq-len {self.train.seq_len} exceeds {self.model.name}'s {self.model.max_positions} learned "
-                f"positions; give seq-len ≤ {self.model.max_positions}"
+        if self.model.arch in ("bert", "gpt2") and 0 < self.model.max_positions < self.train.seq_len:
+            raise InputError(
+                lambda n: (
+                    f"{n.word('seq_len')} {self.train.seq_len} exceeds {self.model.name}'s "
+                    f"{self.model.max_positions} learned positions; give {n('seq_len')} ≤ {self.model.max_positions}"
+                ),
+                field="seq_len",
+                value=self.train.seq_len,
+                accepted=f"at most {self.model.max_positions}",
             )
         if not self.layout.is_data_parallel:
             m = self.model

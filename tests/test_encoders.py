@@ -49,7 +49,7 @@ def test_an_encoder_head_memplan_does_not_describe_is_refused():
 
 def test_seq_len_beyond_the_learned_positions_is_refused():
     bert = catalog.model_preset("bert-base-uncased")
-    with pytest.raises(MemplanError, match="seq-len 1024 exceeds bert-base-uncased's 512"):
+    with pytest.raises(MemplanError, match="seq_len 1024 exceeds bert-base-uncased's 512"):
         Job(model=bert, train=TrainSpec(seq_len=1024))
 
 
