@@ -189,7 +189,7 @@ def _data_parallel(module: StageModel, blocks, job: Job, mesh) -> nn.Module:
         # after forward; [norm, output] one unit that is not
         if module.embed_tokens is not None:
             fully_shard(module.embed_tokens, mesh=dp_mesh)
-        if module.lm_head is not None:
+        if module.norm is not None and module.lm_head is not None:
             fully_shard([module.norm, module.lm_head], mesh=dp_mesh, reshard_after_forward=False)
     fully_shard(module, mesh=dp_mesh)
     return module

@@ -22,12 +22,13 @@ from hypothesis import Phase, given, seed, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import test_cli_properties as props  # noqa: E402
+import test_cli_properties as props
 
 PROPERTIES = [
     "test_estimate_exits_cleanly_and_its_bytes_are_coherent",
     "test_table_json_and_csv_give_the_same_bytes",
     "test_explain_terms_are_positive_and_sum_to_their_moments",
+    "test_explain_and_estimate_give_the_same_bytes",
     "test_more_micro_batch_never_less_memory",
     "test_longer_sequence_never_less_memory",
     "test_more_layers_never_less_memory",
@@ -56,7 +57,9 @@ def count(name: str, scale: float, at: int, show: int) -> tuple[int, int, collec
     inner = test.hypothesis.inner_test
     strategies = test.hypothesis._given_kwargs
     n = max(1, int(test._hypothesis_internal_use_settings.max_examples / props.SCALE * scale))
-    seen, failed, kinds, shown = [0], [0], collections.Counter(), []
+    seen, failed = [0], [0]
+    kinds: collections.Counter = collections.Counter()
+    shown: list[str] = []
 
     def body(**kwargs):
         try:
@@ -87,7 +90,6 @@ def count(name: str, scale: float, at: int, show: int) -> tuple[int, int, collec
     )
     run()
     return seen[0], failed[0], kinds, shown
-
 
 
 def main(argv=None) -> None:

@@ -237,7 +237,10 @@ def _block_backward(step, instant: str) -> list:
     if which != "last" and L > 1:
         before, before_name = bp, "reduce-scatter input of the block after (retained)"
     else:
-        before, before_name = (step.head_unit_params() if own_head else 0), "head unit's reduce-scatter input (retained)"
+        before, before_name = (
+            (step.head_unit_params() if own_head else 0),
+            "head unit's reduce-scatter input (retained)",
+        )
     if which == "first" or L == 1:
         nxt, nxt_name = (vh if own_head else 0), "input embedding unit's all-gather buffer (prefetched)"
     else:
