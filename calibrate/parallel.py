@@ -41,6 +41,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from memplan.loop import fsdp_units
 from memplan.parallel.pipeline import split_layers
 from memplan.specs import Job
 
@@ -171,7 +172,7 @@ def _dp_mesh(job: Job, mesh):
     return mesh["dp", "cp"]._flatten("dp_cp") if job.layout.cp > 1 else mesh["dp"]
 
 
-def _data_parallel(module: nn.Module, blocks, job: Job, mesh) -> nn.Module:
+def _data_parallel(module: StageModel, blocks, job: Job, mesh) -> nn.Module:
     if job.dp * job.layout.cp == 1:
         return module
     dp_mesh = _dp_mesh(job, mesh)
@@ -183,6 +184,13 @@ def _data_parallel(module: nn.Module, blocks, job: Job, mesh) -> nn.Module:
 
     for block in blocks:
         fully_shard(block, mesh=dp_mesh)
+    if fsdp_units(job.train.recipe) == "blocks":
+        # torchtitan's apply_fsdp (distributed/fsdp.py): tok_embeddings its own unit, resharded
+        # after forward; [norm, output] one unit that is not
+        if module.embed_tokens is not None:
+            fully_shard(module.embed_tokens, mesh=dp_mesh)
+        if module.norm is not None and module.lm_head is not None:
+            fully_shard([module.norm, module.lm_head], mesh=dp_mesh, reshard_after_forward=False)
     fully_shard(module, mesh=dp_mesh)
     return module
 
@@ -371,6 +379,7 @@ def record(case: str, job: Job, ranks: list[dict]) -> dict:
         "model": dataclasses.asdict(job.model),
         "seq_len": job.train.seq_len,
         "micro_batch": job.train.micro_batch,
+        "recipe": job.train.recipe,
         "ranks": ranks,
         "worst_rank": worst["rank"],
         "worst_pp_rank": worst["pp_rank"],

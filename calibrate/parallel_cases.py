@@ -27,18 +27,23 @@ MODEL_D64X8 = dataclasses.replace(MODEL_KV2, name="llama-h256-d64x8-kv2", num_he
 """8 heads of 64 over hidden 256 (q width 512: Qwen3-0.6B's proportions; docs/headdim_matrix_cpu.md)."""
 
 
-def case_job(*, model: ModelSpec, gpus: int, strategy: str, seq: int, micro_batch: int, ep: int = 1, **layout) -> Job:
+def case_job(
+    *, model: ModelSpec, gpus: int, strategy: str, seq: int, micro_batch: int, ep: int = 1, recipe="plain", **layout
+) -> Job:
+    """``recipe`` sets FSDP2's unit layout (``loop.fsdp_units``: torchtitan's own embedding and
+    [norm, head] units); the loop itself is the harness's (logits kept, gradients set to None)."""
     return Job(
         model=model,
-        train=TrainSpec(seq_len=seq, micro_batch=micro_batch, precision="fp32", device="cpu"),
+        train=TrainSpec(seq_len=seq, micro_batch=micro_batch, precision="fp32", device="cpu", recipe=recipe),
         cluster=ClusterSpec(gpus=gpus),
         plan=Plan(strategy=strategy, ep=ep),  # records written before ep moved to Plan carry it in layout
         layout=Layout(**layout),
     )
 
 
-def _case(name, model=MODEL_KV2, *, gpus, strategy="single", seq=256, micro_batch=2, **layout):
-    return name, case_job(model=model, gpus=gpus, strategy=strategy, seq=seq, micro_batch=micro_batch, **layout)
+def _case(name, model=MODEL_KV2, *, gpus, strategy="single", seq=256, micro_batch=2, recipe="plain", **layout):
+    job = case_job(model=model, gpus=gpus, strategy=strategy, seq=seq, micro_batch=micro_batch, recipe=recipe, **layout)
+    return name, job
 
 
 CASES = dict(
@@ -100,6 +105,14 @@ CASES = dict(
             pp_virtual=2,
             pp_microbatches=4,
         ),
+        # torchtitan's FSDP2 units (the input embedding its own unit, [norm, lm head] one kept after
+        # forward) over TP's vocabulary-parallel DTensors and over pipeline stages (issue 28: the root
+        # unit's remainder went negative where the whole model's V·h was taken from a rank's share)
+        _case("dp2-tp2-fsdp-units", gpus=4, strategy="fsdp-full-shard", tp=2, recipe="torchtitan"),
+        _case("dp2-tp2-nosp-fsdp-units", gpus=4, strategy="fsdp-full-shard", tp=2, sp=False, recipe="torchtitan"),
+        _case(
+            "dp2-pp2-fsdp-units-m4", gpus=4, strategy="fsdp-full-shard", pp=2, pp_microbatches=4, recipe="torchtitan"
+        ),
     )
 )
 
@@ -112,5 +125,6 @@ def job_of(rec: dict) -> Job:
         strategy=rec["strategy"],
         seq=rec["seq_len"],
         micro_batch=rec["micro_batch"],
+        recipe=rec.get("recipe", "plain"),
         **rec["layout"],
     )

@@ -51,6 +51,12 @@ FIRST_TABLES = (
         "FSDP2 under pipelining's first table, measured before its model changed, is `{}`; "
         "dp2-pp2-fsdp-m8 and dp2-pp2-int-v2-fsdp-m4 were measured then, held out from that change.",
     ),
+    (
+        ".units-first.md",
+        "torchtitan's FSDP2 units under TP and PP (the `-units` cases) were measured before their model "
+        "changed (issue 28: a rank's units taken from the whole model's V·h, the root's remainder "
+        "negative); `{}` is the model as it was then, on the same records.",
+    ),
 )
 """The first tables kept beside the report (suffix of its path), each said where it stands."""
 

@@ -543,7 +543,7 @@ class Step:
         if self.recompute_first_grads():
             groups["activations.first_block"] = groups["activations.first_block"] + self.first_compute_terms()
         if self.tied_sum():
-            vh, gbytes = self.job.model.vocab_size * self.job.model.hidden, self.train_policy.grad_bytes
+            vh, gbytes = self.vocab_params(), self.train_policy.grad_bytes
             # a gradient already allocated (zero-filled) takes the embedding's own in place
             # (AccumulateGrad: variable_grad += new_grad outside grad mode): no sum
             own = 1 if self.zero_filled() else 2
@@ -693,9 +693,8 @@ class Step:
         gradients unsharded through both blocks' backward; the mistral hf-trainer case, the head
         unit's shard)."""
         model, L, bp = self.job.model, self.job.model.num_layers, self.block_params
-        vh = model.vocab_size * model.hidden
         own_head_unit = self.fsdp_units == "blocks" and not model.tied_embeddings
-        sharded = model.head_params() if own_head_unit else 0
+        sharded = self.head_unit_params() if own_head_unit else 0
         unsharded = (
             []
             if own_head_unit
@@ -705,7 +704,7 @@ class Step:
                     "fsdp.head_grads",
                     "unsharded final norm and head gradients (the root unit reduces last)",
                     f"{self.gather_bytes}·(norm + V·h)",
-                    self.gather_bytes * (model.norm_params + vh),
+                    self.gather_bytes * self.head_weight_params(),
                 )
             ]
         )
@@ -735,8 +734,8 @@ class Step:
         ``unsharded_grads.clear()`` (Hugging Face registers lm_head last; a tied root's last is the
         final norm; an embedding unit's only parameter is the embedding)."""
         model, r, g = self.job.model, self.reduce_bytes, self.gather_bytes
-        vh = model.vocab_size * model.hidden
-        unit = vh if self.fsdp_units == "blocks" else self.root_params
+        vh = self.vocab_params()
+        unit = self.embedding_unit_params() if self.fsdp_units == "blocks" else self.root_params
         last = model.norm_params if self.fsdp_units != "blocks" and model.tied_embeddings else vh
         shard = self.local(unit, True)
         cast = self.shard_master and r != 4
@@ -771,7 +770,9 @@ class Step:
         if self.job.train.grad_accum > 1 or self.framework.grads_held(self) or self.zero_filled():
             # with accumulation, earlier micro-batches' gradients are live all through the step;
             # zero-filled ones, the previous step's (measured: the zero-grad cases of the matrices)
-            return {"grads": grads, "grads.carried": grads, "grads.last_block": grads, "grads.first_block": grads}
+            # (every backward moment holds them all, the last checkpointed block's under ac-every too)
+            held = ("grads.carried", "grads.last_block", "grads.first_block", "grads.last_checkpointed")
+            return {"grads": grads, **dict.fromkeys(held, grads)}
         # the input embedding's gradient comes last, after the first block's backward (a tied
         # embedding already has it from the head)
         trained, full = self.trained, self.P == "P"
@@ -819,6 +820,26 @@ class Step:
         model = self.job.model
         return model.embedding_params() - (model.vocab_size * model.hidden if model.tied_embeddings else 0)
 
+    # -- the vocabulary side as this rank holds it (RankStep: a TP rank's slices, a stage's share) --
+    def vocab_params(self) -> int:
+        """One V·h vocabulary matrix (the token embedding's or the head's weight)."""
+        m = self.job.model
+        return m.vocab_size * m.hidden
+
+    def embedding_unit_params(self) -> int:
+        """torchtitan's / accelerate's input embedding unit: an untied token embedding (a tied one
+        is the head unit's)."""
+        return 0 if self.job.model.tied_embeddings else self.vocab_params()
+
+    def head_unit_params(self) -> int:
+        """torchtitan's / accelerate's [final norm, lm head] unit, a tied embedding in it."""
+        m = self.job.model
+        return m.head_params() + (self.vocab_params() if m.tied_embeddings else 0)
+
+    def head_weight_params(self) -> int:
+        """The final norm and the head's V·h weight, tied or not."""
+        return self.job.model.norm_params + self.vocab_params()
+
     def holds_root_grads(self) -> bool:
         return self.framework.id == "fsdp" and not self.job.train.optimizer_in_backward
 
@@ -829,9 +850,9 @@ class Step:
         head's, the embedding's own and their sum are live at once (measured: the tied cases
         of the held-out matrix hold three V·h gradients there)."""
         model, L = self.job.model, self.job.model.num_layers
-        tied = 2 * model.vocab_size * model.hidden if model.tied_embeddings and self.P == "P" else 0
+        tied = 2 * self.vocab_params() if model.tied_embeddings and self.P == "P" else 0
         # torchtitan's / accelerate's head unit has reduced its gradients after its own backward
-        head = model.head_params() if self.fsdp_units == "blocks" and not model.tied_embeddings else 0
+        head = self.head_unit_params() if self.fsdp_units == "blocks" and not model.tied_embeddings else 0
         count = (self.root_params - head if self.P == "P" else self.trained.root) + tied
         blocks = (
             self.grad_terms()

@@ -219,7 +219,7 @@ def test_torchtitan_toml_uses_torchtitans_own_fields():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["tp2-sp", "pp2-1f1b-m4", "cp2-fsdp"])
+@pytest.mark.parametrize("case", ["tp2-sp", "pp2-1f1b-m4", "cp2-fsdp", "dp2-tp2-fsdp-units"])
 def test_live_rerun_matches_the_record(case):
     from calibrate import parallel
 

@@ -173,9 +173,10 @@ def _outside_blocks(step, instant: str) -> list[tuple[str, int, str]]:
         gathered = units == "root-kept" or kept_after_forward or instant in ("block", "head")
         return [("fsdp.root_unit", step.root_params if gathered else 0, "unsharded root unit (embeddings, head)")]
     # torchtitan / accelerate: [final norm, lm head] (+ a tied embedding) kept after forward,
-    # resharded after its backward; the input embedding its own unit; learned positions in the root
-    head = model.head_params() + (model.vocab_size * model.hidden if model.tied_embeddings else 0)
-    embedding = 0 if model.tied_embeddings else model.vocab_size * model.hidden
+    # resharded after its backward; the input embedding its own unit; learned positions in the root.
+    # Each as this rank holds it: under TP the DTensor's local shard of the vocabulary-parallel
+    # embedding and head, under PP only the stage's own (memplan.parallel.step.RankStep)
+    head, embedding = step.head_unit_params(), step.embedding_unit_params()
     # a tied embedding's head unit is gathered again for the input embedding's backward, the
     # step's last, and stays gathered through the blocks' backward in between (measured: the
     # held-out qwen2 tied case under torchtitan's units, the unit's parameters in the peak of
@@ -200,9 +201,8 @@ def _forward_start(step) -> list:
     if step.gather_group == 1:
         return []  # a group of one copies the shard in place (wait_for_unshard): nothing retained
     if step.fsdp_units == "blocks":
-        first = (
-            model.head_params() + model.embedding_params() if model.tied_embeddings else model.vocab_size * model.hidden
-        )
+        # tied: the head unit holding the embedding, with the root's learned positions
+        first = step.root_params if model.tied_embeddings else step.embedding_unit_params()
         kept = not step.strategy.reshard_after_forward
     else:
         first, kept = step.root_params, step.fsdp_units == "root-kept" or not step.strategy.reshard_after_forward
@@ -229,7 +229,7 @@ def _block_backward(step, instant: str) -> list:
     last)."""
     model, L, bp = step.job.model, step.job.model.num_layers, step.block_params
     g, r, own_units = step.gather_bytes, step.reduce_bytes, step.fsdp_units == "blocks"
-    vh = model.vocab_size * model.hidden
+    vh = step.embedding_unit_params()
     gathers = step.gather_group > 1  # a group of one copies in place, retains nothing (memory.py)
     which = instant.split("_")[0]
     # a tied head unit holds the input embedding: it reduces last, in the root's post-backward
@@ -237,7 +237,10 @@ def _block_backward(step, instant: str) -> list:
     if which != "last" and L > 1:
         before, before_name = bp, "reduce-scatter input of the block after (retained)"
     else:
-        before, before_name = (model.head_params() if own_head else 0), "head unit's reduce-scatter input (retained)"
+        before, before_name = (
+            (step.head_unit_params() if own_head else 0),
+            "head unit's reduce-scatter input (retained)",
+        )
     if which == "first" or L == 1:
         nxt, nxt_name = (vh if own_head else 0), "input embedding unit's all-gather buffer (prefetched)"
     else:
@@ -362,7 +365,7 @@ class FSDP(Framework):
         model, bp = step.job.model, step.block_params
         prefetched = []
         if step.fsdp_units == "blocks" and not model.tied_embeddings and step.strategy.reshard_after_forward:
-            n = model.vocab_size * model.hidden
+            n = step.embedding_unit_params()
             prefetched = [_gathered(step, "fsdp.prefetched_embedding", n, "input embedding unit (backward prefetch)")]
         unsharded = _gathered(step, "fsdp.block", bp, "unsharded block")
         return [t for b in block for t in ([unsharded, *prefetched] if b.key == "fsdp.block" else [b])]

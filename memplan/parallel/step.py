@@ -67,6 +67,31 @@ class RankStep(Step):
     def pending_params(self) -> int:
         return tensor.embedding_params(self.whole.model, self.layout.tp) if self.stage.first else 0
 
+    def vocab_params(self) -> int:
+        """A TP rank's local shard of the vocabulary-parallel embedding or head: FSDP2 over the dp
+        mesh gathers, reduces and holds the DTensor's local tensor (V/tp rows; torchtitan's
+        apply_tp: RowwiseParallel embedding, ColwiseParallel head, both Shard(0) of the weight)."""
+        m = self.whole.model
+        return m.vocab_size * m.hidden // self.layout.tp
+
+    def embedding_unit_params(self) -> int:
+        """The first stage's input embedding unit (a tied embedding joins the head's unit only
+        on a stage holding the head too)."""
+        if not self.stage.first or (self.whole.model.tied_embeddings and self.stage.last):
+            return 0
+        return self.vocab_params()
+
+    def head_unit_params(self) -> int:
+        """The last stage's [final norm, lm head] unit (none on another stage)."""
+        if not self.stage.last:
+            return 0
+        m = self.whole.model
+        tied = m.tied_embeddings and self.stage.first
+        return tensor.head_params(m, self.layout.tp) + (self.vocab_params() if tied else 0)
+
+    def head_weight_params(self) -> int:
+        return super().head_weight_params() if self.stage.last else 0
+
     def own_block_grads(self) -> int:
         # a stage of few blocks peaks inside its first micro-batch's backward, when the block's own
         # gradients are mostly still to come (measured: pp4-1f1b-m4, one block per stage, holds
