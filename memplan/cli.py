@@ -196,6 +196,21 @@ LAYOUT_OPTIONS = [
 ]
 
 
+FROM_OPTIONS = [
+    click.option(
+        "--from",
+        "from_file",
+        help="A framework's own config file read as the job (format detected, or named: "
+        "deepspeed:ds_config.json); the flags given explicitly win over the file.",
+    ),
+    click.option(
+        "--explain-config",
+        is_flag=True,
+        help="With --from: list every field of the file (modelled, at its default, ignored) and stop.",
+    ),
+]
+
+
 def _apply(options):
     def decorate(f):
         for option in reversed(options):
@@ -236,7 +251,8 @@ DECISION_OPTIONS = [
 
 
 def job_options(f):
-    return _apply(MODEL_OPTIONS + TRAIN_OPTIONS + FINETUNE_OPTIONS + CLUSTER_OPTIONS + PLAN_OPTIONS + LAYOUT_OPTIONS)(f)
+    options = MODEL_OPTIONS + TRAIN_OPTIONS + FINETUNE_OPTIONS + CLUSTER_OPTIONS + PLAN_OPTIONS + LAYOUT_OPTIONS
+    return _apply(options + FROM_OPTIONS)(f)
 
 
 def decision_options(f):
@@ -244,10 +260,27 @@ def decision_options(f):
 
 
 def _request(flags: dict):
-    """The request the job flags describe (each flag is the input of the same name)."""
+    """The request the job flags describe (each flag is the input of the same name), over the
+    ``--from`` file's inputs where one is given (the flags given explicitly win)."""
     from .request import Request
 
-    return Request.of(**flags)
+    source, explain = flags.pop("from_file", None), flags.pop("explain_config", False)
+    if source is None:
+        if explain:
+            raise MemplanError(lambda n: f"{n('explain_config')} needs {n('from')} FILE")
+        return Request.of(**flags)
+    from click.core import ParameterSource
+
+    from .readers import read
+
+    config, ctx = read(source), click.get_current_context()
+    explicit = {k for k in flags if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, None)}
+    if explain:
+        click.echo(config.explain())
+        raise click.exceptions.Exit(0)
+    request = Request.of(**{**flags, **config.inputs, **{k: flags[k] for k in explicit}})
+    click.echo(f"memplan: {config.describe(explicit)}", err=True)
+    return request
 
 
 def _fixed() -> tuple[str, ...]:
