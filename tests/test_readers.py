@@ -234,3 +234,79 @@ def test_an_emitted_deepspeed_config_reads_back_to_the_same_estimate(tmp_path, i
     assert dataclasses.replace(back.plan, zero=None) == job.plan
     assert back.train == job.train and back.cluster.gpus == job.cluster.gpus
     assert estimate(back).allocated_bytes == estimate(job).allocated_bytes
+
+
+# --- the command line ----------------------------------------------------------------
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from memplan.cli import main
+
+    return CliRunner().invoke(main, list(args))
+
+
+def _json_estimate(*args) -> dict:
+    result = _cli("estimate", "--format", "json", "--calibration", "none", *args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_estimate_from_a_file_is_the_estimate_of_the_job_it_describes():
+    """The user-bucket ZeRO-3 file against the same job given as inputs (its ZeroConfig through the API)."""
+    from memplan import api
+
+    path = DATA / "zero3_user_buckets.json"
+    got = _json_estimate("--model", "llama-2-7b", "--gpus", "8", "--from", str(path))
+    want = api.estimate(model="llama-2-7b", gpus=8, calibration=None, **EXPECTED[path.name])
+    (row,) = got["estimates"]
+    assert row["strategy"] == "zero3"
+    assert row["bytes"]["allocated"] == want.estimates[0].allocated_bytes
+    # and not the job with the buckets memplan emits (a 5e8-element ipg bucket, 1 GB in bf16)
+    emitted = api.estimate(model="llama-2-7b", gpus=8, calibration=None, **(EXPECTED[path.name] | {"zero": None}))
+    assert emitted.estimates[0].allocated_bytes - row["bytes"]["allocated"] >= 2 * (500_000_000 - 1_000_000)
+
+
+def test_explicit_flags_win_over_the_file_and_the_origins_are_said():
+    path = DATA / "zero3_user_buckets.json"
+    result = _cli("estimate", "--model", "gpt2", "--micro-batch", "4", "--from", str(path))
+    assert result.exit_code == 0, result.output
+    assert "micro-batch 4" in result.stdout
+    assert "explicit flags win: micro-batch" in result.stderr
+
+
+def test_explain_config_lists_the_ignored_fields_and_stops():
+    result = _cli("estimate", "--model", "gpt2", "--from", str(DATA / "hf_zero2.json"), "--explain-config")
+    assert result.exit_code == 0, result.output
+    assert "ignored (no memory effect)" in result.stdout and "scheduler" in result.stdout
+    assert "peak" not in result.stdout
+
+
+def test_a_refused_field_is_one_line_and_exit_2(tmp_path):
+    path = _write(tmp_path, {"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}})
+    result = _cli("estimate", "--model", "gpt2", "--from", str(path))
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and "zero_optimization.zero_quantized_gradients" in result.output
+    assert str(path) in result.output and "Traceback" not in result.output
+
+
+def test_explain_config_without_a_file_is_refused():
+    result = _cli("estimate", "--model", "gpt2", "--explain-config")
+    assert result.exit_code == 2 and "--from" in result.output
+
+
+def test_zero_config_defaults_are_the_table_s():
+    """ZeroConfig() is the config --emit deepspeed writes: tables/deepspeed.csv, overlap_comm on."""
+    from memplan.catalog import deepspeed_defaults
+    from memplan.frameworks.deepspeed import zero_config
+
+    table = deepspeed_defaults()
+    default = ZeroConfig()
+    assert {k: getattr(default, k) for k in table if hasattr(default, k)} == {
+        k: v for k, v in table.items() if hasattr(default, k)
+    }
+    from memplan.inputs import build_jobs
+
+    (job,) = build_jobs(Request.of(model="gpt2", strategy="zero3"))[1]
+    assert zero_config(job) == default and default.overlap_comm and default.contiguous_gradients
