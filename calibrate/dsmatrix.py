@@ -355,7 +355,7 @@ def measure_case(case: Case) -> dict:
 def record_id(case: Case) -> str:
     import hashlib
 
-    parts = [_run(case).key, case.loop, case.ac, case.hf_type, "deepspeed"]
+    parts: list[object] = [_run(case).key, case.loop, case.ac, case.hf_type, "deepspeed"]
     if case.config_file is not None:
         parts += [file_config(case), case.trainer]
     key = json.dumps(parts, sort_keys=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import fields
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ..breakdown import Component
 from ..catalog import deepspeed_defaults
@@ -24,7 +24,7 @@ def zero_config(job) -> ZeroConfig:
     the model; the ones ``--emit deepspeed`` writes (tables/deepspeed.csv) where the job has none."""
     if job.plan.zero is not None:
         return job.plan.zero.resolved(job.model.hidden)
-    ds = deepspeed_defaults()
+    ds: dict[str, Any] = deepspeed_defaults()
     return ZeroConfig(**{f.name: ds[f.name] for f in fields(ZeroConfig) if f.name in ds})
 
 
@@ -220,7 +220,7 @@ class DeepSpeed(Framework):
         ]
 
     def _persistent_count(self, step) -> int:
-        threshold = zero_config(step.job).stage3_param_persistence_threshold
+        threshold = int(zero_config(step.job).stage3_param_persistence_threshold)  # resolved: no "auto"
         return sum(n for n in tensor_numels(step.job.model) if n <= threshold)
 
     def _reuse_kept(self, step) -> int:
