@@ -54,8 +54,8 @@ class FileConfig:
 
         def show(value) -> str:
             if is_dataclass(value):
-                return "(" + ", ".join(f"{f.name} {getattr(value, f.name)}" for f in fields(value)) + ")"
-            return str(value)
+                return "(" + ", ".join(f"{f.name} {show(getattr(value, f.name))}" for f in fields(value)) + ")"
+            return str(value).lower() if isinstance(value, bool) else str(value)
 
         taken = [f"{k.replace('_', '-')} {show(v)}" for k, v in self.inputs.items() if k not in explicit]
         parts = [f"{self.path} ({self.format}) sets {', '.join(taken) or 'nothing'}"]
