@@ -251,8 +251,12 @@ DECISION_OPTIONS = [
 
 
 def job_options(f):
-    options = MODEL_OPTIONS + TRAIN_OPTIONS + FINETUNE_OPTIONS + CLUSTER_OPTIONS + PLAN_OPTIONS + LAYOUT_OPTIONS
-    return _apply(options + FROM_OPTIONS)(f)
+    return _apply(MODEL_OPTIONS + TRAIN_OPTIONS + FINETUNE_OPTIONS + CLUSTER_OPTIONS + PLAN_OPTIONS + LAYOUT_OPTIONS)(f)
+
+
+def from_options(f):
+    """--from FILE and --explain-config (memplan.readers), read by ``_request``."""
+    return _apply(FROM_OPTIONS)(f)
 
 
 def decision_options(f):
@@ -350,6 +354,7 @@ def main():
 
 @main.command()
 @job_options
+@from_options
 @decision_options
 @click.option("--format", "fmt", type=_choice(("table", "json", "csv")), default="table", show_default=True)
 @click.option(
@@ -386,6 +391,7 @@ def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
 
 @main.command()
 @job_options
+@from_options
 @decision_options
 @click.option(
     "--emit",
@@ -463,6 +469,7 @@ def _layout_pick(flags: dict, interconnect, bw, emit, fmt) -> str:
 
 @main.command("min-gpus")
 @job_options
+@from_options
 @click.option("--format", "fmt", type=_choice(("table", "json")), default="table", show_default=True)
 @click.option(
     "--calibration",
@@ -489,6 +496,7 @@ def min_gpus(fmt, gpus, gpus_per_node, calibration, **flags):
 
 @main.command()
 @job_options
+@from_options
 @user_errors
 def explain(**flags):
     """Every term of the estimate with its formula and value, for one strategy."""
