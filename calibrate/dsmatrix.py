@@ -27,6 +27,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
@@ -83,6 +84,10 @@ class Case:
     """local: real gloo ranks; emulate: rank 0 of the world on the fake process group."""
     loop: str = LOOP
     ac: str = "none"
+    config_file: str | None = None
+    """A DeepSpeed config as its user wrote it (calibrate.dsconfig); None: the one memplan emits."""
+    trainer: bool = False
+    """Hugging Face's ``"auto"`` values in ``config_file`` are filled by the Trainer's own code."""
 
     @property
     def hf_type(self) -> str:
@@ -175,14 +180,69 @@ def _host_storages(engine, job: Job) -> dict[int, int]:
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}
 
 
-def _engine(case: Case, model):
-    import deepspeed
+def file_config(case: Case) -> dict | None:
+    """The case's config file as written, or None for memplan's emitted one."""
+    if case.config_file is None:
+        return None
+    return json.loads(Path(case.config_file).read_text(encoding="utf-8"))
 
+
+class _TrainerArgs:
+    """Hugging Face ``TrainingArguments`` with the world size of the case (the fake process group's)."""
+
+    def __init__(self, args, world_size: int):
+        self._args, self.world_size = args, world_size
+
+    def __getattr__(self, name):
+        return getattr(self._args, name)
+
+
+def trainer_args(case: Case):
+    """The case's ``TrainingArguments`` (built before the process group: accelerate reads it)."""
+    import tempfile
+
+    from transformers import TrainingArguments
+
+    t = case.job.train
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=t.micro_batch,
+        gradient_accumulation_steps=t.grad_accum,
+        bf16=t.precision == "mixed-bf16",
+        fp16=t.precision == "mixed-fp16",
+        use_cpu=True,
+        report_to=[],
+    )
+    return _TrainerArgs(args, case.job.cluster.gpus)
+
+
+def run_config(case: Case, model, args=None) -> dict:
+    """The config ``deepspeed.initialize`` gets: memplan's emitted one; the user's file; or the file
+    with its ``"auto"`` values filled as the Trainer fills them (transformers.integrations.deepspeed
+    HfTrainerDeepSpeedConfig.trainer_config_process / trainer_config_finalize, from ``args`` and the
+    model). The client optimizer is the spec's torch one: a config's ``optimizer`` / ``scheduler``
+    sections (DeepSpeed's FusedAdam needs CUDA) are dropped before initialize."""
     from memplan.emit import emit
+
+    written = file_config(case)
+    if written is None:
+        return json.loads(emit(case.job, "deepspeed"))
+    if case.trainer:
+        from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+        hf = HfTrainerDeepSpeedConfig(written)
+        hf.trainer_config_process(args)
+        hf.trainer_config_finalize(args, getattr(model, "hf", model), STEPS)  # the Hugging Face model LoopLM wraps
+        written = hf.config
+    return {k: v for k, v in written.items() if k not in ("optimizer", "scheduler")}
+
+
+def _engine(case: Case, model, args=None):
+    import deepspeed
 
     from .measure import _optimizer
 
-    config = json.loads(emit(case.job, "deepspeed"))
+    config = run_config(case, model, args)
     if case.job.plan.offload in ("optimizer", "all"):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -190,10 +250,10 @@ def _engine(case: Case, model):
     else:
         optimizer = _optimizer(model, case.job)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    return engine
+    return engine, config
 
 
-def measure(case: Case) -> dict:
+def measure(case: Case, args=None) -> dict:
     """Build, initialise and train the case's model; measure the last step (rank 0's view).
     The host storages are those seen after either step's backward or step (by data pointer)."""
     import dataclasses
@@ -212,7 +272,7 @@ def measure(case: Case) -> dict:
     host: dict[int, int] = {}
     with meter:
         model = LoopLM(case.job.model, hf_type=case.hf_type, attention=train.attention)
-        engine = _engine(case, model)
+        engine, config = _engine(case, model, args)
         for index in range(STEPS):
             measured = index == STEPS - 1
             if measured:
@@ -244,7 +304,12 @@ def measure(case: Case) -> dict:
         emulated=case.mode == "emulate",
         phase_peaks={k: v - host_bytes for k, v in phase_peaks.items()},
     )
-    return {"measurement": dataclasses.asdict(m), "host_bytes": host_bytes, "tracker_peak_bytes": peak}
+    return {
+        "measurement": dataclasses.asdict(m),
+        "host_bytes": host_bytes,
+        "tracker_peak_bytes": peak,
+        "ds_config": config,
+    }
 
 
 def _measure_rank(case_id: str) -> dict:
@@ -252,17 +317,25 @@ def _measure_rank(case_id: str) -> dict:
     import torch.distributed as dist
 
     os.environ.update(LOCAL_RANK=str(dist.get_rank()), RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()))
-    return measure(BY_ID[case_id])
+    return measure(case_by_id(case_id))
+
+
+def case_by_id(case_id: str) -> Case:
+    """A case of this matrix or of calibrate.dsconfig's (the user-config cases)."""
+    from . import dsconfig
+
+    return {**BY_ID, **dsconfig.BY_ID}[case_id]
 
 
 def _measure_emulated(case: Case) -> dict:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    args = trainer_args(case) if case.trainer else None
     os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE=str(case.job.cluster.gpus))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=case.job.cluster.gpus)
     try:
-        return measure(case)
+        return measure(case, args)
     finally:
         dist.destroy_process_group()
 
@@ -282,7 +355,10 @@ def measure_case(case: Case) -> dict:
 def record_id(case: Case) -> str:
     import hashlib
 
-    key = json.dumps([_run(case).key, case.loop, case.ac, case.hf_type, "deepspeed"])
+    parts: list[object] = [_run(case).key, case.loop, case.ac, case.hf_type, "deepspeed"]
+    if case.config_file is not None:
+        parts += [file_config(case), case.trainer]
+    key = json.dumps(parts, sort_keys=True)
     return hashlib.sha1(key.encode()).hexdigest()[:10]
 
 
@@ -308,7 +384,9 @@ def make_record(case: Case, outcome: dict, wall_s: float) -> dict:
         "hf_model_type": case.hf_type,
     }
     extra = {k: outcome[k] for k in ("host_bytes", "tracker_peak_bytes") if k in outcome}
-    return record | {"id": record_id(case), "ds_config": json.loads(emit(case.job, "deepspeed"))} | loop | extra
+    config = outcome.get("ds_config") or json.loads(emit(case.job, "deepspeed"))
+    written = {"ds_config_file": file_config(case), "trainer": case.trainer} if case.config_file else {}
+    return record | {"id": record_id(case), "ds_config": config} | written | loop | extra
 
 
 # --- the report ----------------------------------------------------------------------

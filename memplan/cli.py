@@ -198,6 +198,21 @@ LAYOUT_OPTIONS = [
 ]
 
 
+FROM_OPTIONS = [
+    click.option(
+        "--from",
+        "from_file",
+        help="A framework's own config file read as the job (format detected, or named: "
+        "deepspeed:ds_config.json); the flags given explicitly win over the file.",
+    ),
+    click.option(
+        "--explain-config",
+        is_flag=True,
+        help="With --from: list every field of the file (modelled, at its default, ignored) and stop.",
+    ),
+]
+
+
 def _apply(options):
     def decorate(f):
         for option in reversed(options):
@@ -243,15 +258,37 @@ def job_options(f, strategy=STRATEGY_OPTION):
     return _apply(options + LAYOUT_OPTIONS)(f)
 
 
+def from_options(f):
+    """--from FILE and --explain-config (memplan.readers), read by ``_request``."""
+    return _apply(FROM_OPTIONS)(f)
+
+
 def decision_options(f):
     return _apply(DECISION_OPTIONS)(f)
 
 
 def _request(flags: dict):
-    """The request the job flags describe (each flag is the input of the same name)."""
+    """The request the job flags describe (each flag is the input of the same name), over the
+    ``--from`` file's inputs where one is given (the flags given explicitly win)."""
     from .request import Request
 
-    return Request.of(**flags)
+    source, explain = flags.pop("from_file", None), flags.pop("explain_config", False)
+    if source is None:
+        if explain:
+            raise MemplanError(lambda n: f"{n('explain_config')} needs {n('from')} FILE")
+        return Request.of(**flags)
+    from click.core import ParameterSource
+
+    from .readers import read
+
+    config, ctx = read(source), click.get_current_context()
+    explicit = {k for k in flags if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, None)}
+    if explain:
+        click.echo(config.explain())
+        raise click.exceptions.Exit(0)
+    request = Request.of(**{**flags, **config.inputs, **{k: flags[k] for k in explicit}})
+    click.echo(f"memplan: {config.describe(explicit)}", err=True)
+    return request
 
 
 def _fixed() -> tuple[str, ...]:
@@ -321,6 +358,7 @@ def main():
 
 @main.command()
 @job_options
+@from_options
 @decision_options
 @click.option("--format", "fmt", type=_choice(("table", "json", "csv")), default="table", show_default=True)
 @click.option(
@@ -357,6 +395,7 @@ def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
 
 @main.command()
 @job_options
+@from_options
 @decision_options
 @click.option(
     "--emit",
@@ -434,6 +473,7 @@ def _layout_pick(flags: dict, interconnect, bw, emit, fmt) -> str:
 
 @main.command("min-gpus")
 @job_options
+@from_options
 @click.option("--format", "fmt", type=_choice(("table", "json")), default="table", show_default=True)
 @click.option(
     "--calibration",
@@ -460,6 +500,7 @@ def min_gpus(fmt, gpus_per_node, calibration, **flags):
 
 @main.command()
 @functools.partial(job_options, strategy=ONE_STRATEGY_OPTION)
+@from_options
 @user_errors
 def explain(**flags):
     """Every term of the estimate with its formula and value, for one strategy."""

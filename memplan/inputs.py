@@ -12,6 +12,8 @@ from .specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 from .strategies import STRATEGIES, strategies_on
 from .units import parse_bytes
 
+ZERO_STRATEGIES = tuple(s.id for s in STRATEGIES.values() if s.framework == "deepspeed")
+
 
 @dataclass(frozen=True)
 class ModelChoice:
@@ -142,7 +144,8 @@ def build_jobs(request: Request | None = None, /, **inputs) -> tuple[ModelChoice
             model=choice.spec,
             train=train,
             cluster=cluster,
-            plan=Plan(strategy=s, offload=plan.offload, ep=plan.ep),
+            # the zero_optimization settings are a DeepSpeed strategy's own
+            plan=Plan(strategy=s, offload=plan.offload, ep=plan.ep, zero=plan.zero if s in ZERO_STRATEGIES else None),
             layout=layout,
         )
         for s in ids

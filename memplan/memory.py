@@ -766,6 +766,12 @@ class Step:
         )
 
     def grad_groups(self) -> dict[str, list[Term]]:
+        groups = self._grad_groups()
+        if not self.framework.grads_at_step(self):
+            groups["grads"] = []
+        return groups
+
+    def _grad_groups(self) -> dict[str, list[Term]]:
         model, grads = self.job.model, self.grad_terms()
         if self.job.train.grad_accum > 1 or self.framework.grads_held(self) or self.zero_filled():
             # with accumulation, earlier micro-batches' gradients are live all through the step;

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from .errors import InputError, UnknownKeywordError
 from .layout import Layout
-from .specs import OFFLOADS, ClusterSpec, ModelSpec, Plan, TrainSpec
+from .specs import OFFLOADS, ClusterSpec, ModelSpec, Plan, TrainSpec, ZeroConfig
 
 SHAPES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "head_dim")
 _OPTIONAL_SHAPES = ("kv_heads", "head_dim")
@@ -253,9 +253,20 @@ class StrategyRequest:
     """none | optimizer | params | all: what lives in host RAM."""
     ep: int = Plan.ep
     """Expert-parallel degree of an MoE model (moves into the Layout at merge)."""
+    zero: ZeroConfig | None = None
+    """DeepSpeed's ``zero_optimization`` settings (a ZeRO strategy's buckets and thresholds); None:
+    those ``--emit deepspeed`` writes. ``--from ds_config.json`` reads them from the user's file."""
 
     def __post_init__(self):
         from .strategies import STRATEGIES
+
+        if self.zero is not None and not isinstance(self.zero, ZeroConfig):
+            raise InputError(
+                f"zero must be a memplan.specs.ZeroConfig, got {type(self.zero).__name__}",
+                field="zero",
+                value=self.zero,
+                accepted="a ZeroConfig",
+            )
 
         for name, value, accepted in (
             ("strategy", self.strategy, ("all", *STRATEGIES)),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from .errors import InputError, MemplanError
 from .layout import Layout, check_layout
@@ -497,6 +497,51 @@ class ClusterSpec:
         return int(self.gpu_mem_bytes * (1.0 - self.headroom))
 
 
+AUTO = "auto"
+"""Hugging Face's DeepSpeed placeholder: the Trainer fills it from the model (``ZeroConfig``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """The memory-relevant keys of a DeepSpeed ``zero_optimization`` section (deepspeed/runtime/zero/
+    config.py DeepSpeedZeroConfig), in elements. The defaults are the config ``--emit deepspeed``
+    writes (tables/deepspeed.csv, ``overlap_comm`` on); ``memplan.frameworks.dsconfig`` reads a
+    user's file, DeepSpeed's own defaults where it is silent. ``"auto"`` (Hugging Face's
+    placeholder) resolves from the model as the Trainer resolves it (``resolved``)."""
+
+    reduce_bucket_size: int | str = 500_000_000
+    """Elements of each gradient reduce (ipg) bucket; ``"auto"``: hidden²."""
+    allgather_bucket_size: int = 500_000_000
+    """ZeRO-1/2's parameter all-gather chunk after the step (measured: allocates nothing of its own)."""
+    overlap_comm: bool = True
+    """ZeRO-1/2: a second reduce bucket (double buffering); DeepSpeed's default: on for stage 3 only."""
+    contiguous_gradients: bool = True
+    """Gradients copied into the reduce buckets as they are produced (the buckets exist only with it)."""
+    stage3_prefetch_bucket_size: int | str = 50_000_000
+    """ZeRO-3: parameters gathered ahead of use; ``"auto"``: 0.9·hidden²."""
+    stage3_param_persistence_threshold: int | str = 100_000
+    """ZeRO-3: a tensor of at most this many elements stays gathered; ``"auto"``: 10·hidden."""
+
+    def __post_init__(self):
+        for name in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
+            value = getattr(self, name)
+            if value != AUTO and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise MemplanError(f"zero_optimization.{name} {value!r} is not a count of elements or 'auto'")
+        value = self.allgather_bucket_size
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise MemplanError(f"zero_optimization.allgather_bucket_size {value!r} is not a positive count of elements")
+
+    def resolved(self, hidden: int) -> ZeroConfig:
+        """The ``"auto"`` values filled as Hugging Face's Trainer fills them from the model's
+        hidden size (transformers/integrations/deepspeed.py trainer_config_finalize)."""
+        auto: dict[str, Any] = {
+            "reduce_bucket_size": hidden * hidden,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden,
+        }
+        return replace(self, **{k: v for k, v in auto.items() if getattr(self, k) == AUTO})
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """How the step is distributed: a strategy id and what is offloaded to host RAM."""
@@ -505,10 +550,14 @@ class Plan:
     offload: str = "none"
     ep: int = 1
     """Expert-parallel degree (experts sharded over ep ranks); moves into the Layout at merge."""
+    zero: ZeroConfig | None = None
+    """A DeepSpeed strategy's ``zero_optimization`` settings; None: those ``--emit deepspeed`` writes."""
 
     def __post_init__(self):
         from .strategies import STRATEGIES
 
+        if isinstance(self.zero, dict):  # a record's spec (dataclasses.asdict)
+            object.__setattr__(self, "zero", ZeroConfig(**self.zero))
         _check_positive(self, "ep")
 
         _check_choice(self.strategy, tuple(STRATEGIES), "strategy")

@@ -30,13 +30,14 @@ SCENARIOS = [
     # all-gathers (7/8)·6·6.74e9 B = 35.4e9 B / 300 GB/s = 0.118 s < 0.5 × 0.637 s compute.
     ("7e9", 8, "a100-40gb", ("fsdp-full-shard", "none", "none", 1), {"s002-fsdp-penalty": "outside_claim"}),
     # 7B on 8×A100-80: '7-13B on 8×80GB: use DDP' — DDP (autocast: its own mixed precision) needs
-    # 16 B/param of states alone > 76 GiB usable. ZeRO-1 fits at micro-batch 3, but with the two
-    # reduce buckets DeepSpeed holds (measured, docs/deepspeed_matrix_cpu.md) SHARD_GRAD_OP is picked.
+    # 16 B/param of states alone > 76 GiB usable. ZeRO-1 fits at micro-batch 3, as fast as
+    # SHARD_GRAD_OP, and is picked: its reduce buckets come with the first gradient's hook and its
+    # bit16 gradients are freed before the step (measured, docs/deepspeed_config_matrix_cpu.md).
     (
         "7e9",
         8,
         "a100-80gb",
-        ("fsdp-shard-grad-op", "none", "none", 3),
+        ("zero1", "none", "none", 3),
         {"s003-7-13b-80gb-ddp": "does_not_fit", "s002-lt10b-ddp": "does_not_fit"},
     ),
     # 13B on 8×A100-40: SHARD_GRAD_OP keeps the whole unsharded bf16 model from forward to

@@ -69,6 +69,10 @@ class Framework:
         """The gradients' storage is allocated before the step and held through it."""
         return False
 
+    def grads_at_step(self, step: Step) -> bool:
+        """The gradients are still allocated while the optimizer steps."""
+        return True
+
     def gathered(self, step: Step, instant: str) -> list[Term]:
         """Unsharded parameters and gradient buffers held at ``instant``: forward, loss
         (start of backward) or block (inside a block's backward)."""

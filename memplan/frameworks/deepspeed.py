@@ -5,16 +5,27 @@ from __future__ import annotations
 
 import json
 import math
-from typing import ClassVar
+from dataclasses import fields
+from typing import Any, ClassVar
 
 from ..breakdown import Component
 from ..catalog import deepspeed_defaults
 from ..errors import MemplanError
 from ..precision import POLICIES
+from ..specs import ZeroConfig
 from .base import Emitter, Framework, needs, term
 
 B = Component.BUFFERS
 ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
+
+
+def zero_config(job) -> ZeroConfig:
+    """The job's ``zero_optimization`` settings with Hugging Face's ``"auto"`` values resolved from
+    the model; the ones ``--emit deepspeed`` writes (tables/deepspeed.csv) where the job has none."""
+    if job.plan.zero is not None:
+        return job.plan.zero.resolved(job.model.hidden)
+    ds: dict[str, Any] = deepspeed_defaults()
+    return ZeroConfig(**{f.name: ds[f.name] for f in fields(ZeroConfig) if f.name in ds})
 
 
 def config(job, strategy) -> dict:
@@ -28,20 +39,20 @@ def config(job, strategy) -> dict:
                 f"{', '.join(DeepSpeed.native_precisions[1:])} or {DeepSpeed.native_precisions[0]}, got {policy.id}"
             )
         )
-    ds = deepspeed_defaults()
+    z = zero_config(job)
     stage = ZERO_STAGE[strategy.id]
     zero: dict[str, object] = {
         "stage": stage,
-        "overlap_comm": True,
-        "contiguous_gradients": True,
-        "reduce_bucket_size": ds["reduce_bucket_size"],
-        "allgather_bucket_size": ds["allgather_bucket_size"],
+        "overlap_comm": z.overlap_comm,
+        "contiguous_gradients": z.contiguous_gradients,
+        "reduce_bucket_size": z.reduce_bucket_size,
+        "allgather_bucket_size": z.allgather_bucket_size,
     }
     if stage == 3:
         zero.update(
-            stage3_prefetch_bucket_size=ds["stage3_prefetch_bucket_size"],
-            stage3_max_live_parameters=ds["stage3_max_live_parameters"],
-            stage3_param_persistence_threshold=ds["stage3_param_persistence_threshold"],
+            stage3_prefetch_bucket_size=z.stage3_prefetch_bucket_size,
+            stage3_max_live_parameters=deepspeed_defaults()["stage3_max_live_parameters"],
+            stage3_param_persistence_threshold=z.stage3_param_persistence_threshold,
         )
     if job.plan.offload in ("optimizer", "all"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -124,6 +135,13 @@ class DeepSpeed(Framework):
         # stage3.py (line 791): grad_partitions_flat_buffer, every gradient partition, allocated at init
         return step.strategy.shards_params and not step.grads_on_host
 
+    def grads_at_step(self, step) -> bool:
+        # stage_1_and_2.py step (0.19.8, line 3120): with bf16 / fp16 master weights and no offload the
+        # gradient partition is copied to fp32 (step_buffers) and every bit16 gradient freed
+        # (free_grad_in_param_list, averaged_gradients = None) before _optimizer_step (measured:
+        # calibrate.dsconfig's user-bucket ZeRO-1/2 cases peak in the step); in fp32 the copy is the tensor
+        return step.strategy.shards_params or not step.policy.master or step.states_on_host
+
     def grads_on_host(self, step) -> bool:
         # stage3.py (line 333): with offload_optimizer that buffer is allocated on the host
         return step.strategy.shards_params and step.states_on_host
@@ -164,9 +182,11 @@ class DeepSpeed(Framework):
     def persistent_buffers(self, step) -> list:
         terms = []
         if step.strategy.shards_params:
-            # stage3.py DeepSpeedZeroOptimizer_Stage3.__init__ (0.19.8, line 782): the ipg bucket is
-            # allocated once, at reduce_bucket_size elements, and held (measured: ZeRO-3's forward peak)
-            terms.append(self._ipg_buckets(step, 1))
+            # stage3.py DeepSpeedZeroOptimizer_Stage3.__init__ (0.19.8, line 780): with
+            # contiguous_gradients the ipg bucket is allocated once, at reduce_bucket_size elements,
+            # and held (measured: ZeRO-3's forward peak)
+            if zero_config(step.job).contiguous_gradients:
+                terms.append(self._ipg_buckets(step, 1))
             terms += self._persistent_params(step)
         if not step.policy.master and not step.states_on_host and not step.strategy.shards_params:
             # stage_1_and_2.py (line 560): the fp32 master partition is a clone even when the
@@ -187,9 +207,8 @@ class DeepSpeed(Framework):
         """parameter_offload.py mark_persistent_parameters: a tensor of at most
         stage3_param_persistence_threshold elements stays gathered on every rank."""
         # measured: they stay on the device with offload_param too
-        threshold = deepspeed_defaults()["stage3_param_persistence_threshold"]
-        model = step.job.model
-        count = sum(n for n in tensor_numels(model) if n <= threshold)
+        threshold = zero_config(step.job).stage3_param_persistence_threshold
+        count = self._persistent_count(step)
         return [
             term(
                 B,
@@ -200,9 +219,29 @@ class DeepSpeed(Framework):
             )
         ]
 
+    def _persistent_count(self, step) -> int:
+        threshold = int(zero_config(step.job).stage3_param_persistence_threshold)  # resolved: no "auto"
+        return sum(n for n in tensor_numels(step.job.model) if n <= threshold)
+
+    def _reuse_kept(self, step) -> int:
+        """Parameters still gathered from forward when backward starts: partitioned_param_coordinator.py
+        __params_to_release (0.19.8, line 634) keeps a module's parameters once the trace is complete
+        if the module is used again within stage3_max_reuse_distance elements of traversal; at the
+        forward → backward turn a module is reused after twice the parameters that follow it in
+        forward (measured: the user-config ZeRO-3 cases, whole model gathered at these shapes)."""
+        reuse, m = deepspeed_defaults()["stage3_max_reuse_distance"], step.job.model
+        head = m.vocab_size * m.hidden  # the head (or the tied embedding), used last
+        rest = max(0, step.root_params - head - m.hidden)  # an untied input embedding, positions
+        kept = after = 0
+        for numel in [head, m.hidden] + [step.block_params] * m.num_layers + [rest]:
+            if 2 * after >= reuse:
+                break
+            kept, after = kept + numel, after + numel
+        return kept
+
     def _ipg_buckets(self, step, count: int):
         """``count`` ipg buckets of reduce_bucket_size elements in the compute dtype (``self.dtype``)."""
-        bucket, nbytes = deepspeed_defaults()["reduce_bucket_size"], step.gather_bytes
+        bucket, nbytes = zero_config(step.job).reduce_bucket_size, step.gather_bytes
         return term(
             B,
             "zero.ipg_bucket",
@@ -212,24 +251,28 @@ class DeepSpeed(Framework):
         )
 
     def gathered(self, step, instant: str) -> list:
-        ds, bp = deepspeed_defaults(), step.block_params
+        zero, bp = zero_config(step.job), step.block_params
         terms = []
         if step.strategy.shards_params:
-            prefetch = min(ds["stage3_prefetch_bucket_size"], bp)
-            live = bp if instant != "loss" else max(bp, step.root_params)
+            prefetch = min(zero.stage3_prefetch_bucket_size, bp)
+            gathered = bp + prefetch
+            if instant == "loss":  # the root's unit, or what forward left gathered (_reuse_kept), at most all
+                gatherable = step.params - self._persistent_count(step)
+                gathered = min(gatherable, max(bp, step.root_params, self._reuse_kept(step)) + prefetch)
             terms.append(
                 term(
                     B,
                     "zero3.gathered",
                     "gathered unit + prefetch bucket (ZeRO-3)",
-                    f"{step.gather_bytes}·{live + prefetch:,}",
-                    step.gather_bytes * (live + prefetch),
+                    f"{step.gather_bytes}·{gathered:,}",
+                    step.gather_bytes * gathered,
                 )
             )
-        elif instant != "forward":
-            # stage_1_and_2.py setup_buckets (line 3256), called by the first gradient's hook and
-            # released by the backward epilogue: buf_0, and buf_1 when overlap_comm (the config's)
-            terms.append(self._ipg_buckets(step, 2))
+        elif instant not in ("start", "forward", "loss") and zero.contiguous_gradients:
+            # stage_1_and_2.py setup_buckets (line 3256), called by the first gradient's hook (not yet at
+            # the loss: measured, the user-bucket ZeRO-1 case peaks there without them) and released by
+            # the backward epilogue: with contiguous_gradients buf_0, and buf_1 when overlap_comm
+            terms.append(self._ipg_buckets(step, 1 + zero.overlap_comm))
         return terms
 
     def step_buffers(self, step) -> list:
