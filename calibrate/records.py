@@ -46,7 +46,7 @@ from memplan.moe import MOE_FIELDS
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
 SCHEMA = 1
-MODES = ("local", "emulate", "cluster")
+MODES = ("local", "emulate", "cluster", "trace")
 STATUSES = ("ok", "oom", "timeout", "failed", "cancelled")
 WORKLOADS = ("native", "hf")
 _SPEC_TYPES = {"model": ModelSpec, "train": TrainSpec, "cluster": ClusterSpec, "plan": Plan}
@@ -101,7 +101,8 @@ class Run:
     job: Job
     mode: str
     """local: real processes on this machine; emulate: one rank, fake process group;
-    cluster: launched by torchrun on every node."""
+    cluster: launched by torchrun on every node; trace: emulate's rank under fake tensors
+    (calibrate.trace), at any size."""
     steps: int = 3
     warmup: int = 2
     """Steps before the measured one; the measured step must have optimizer states."""

@@ -1,0 +1,120 @@
+"""``--mode trace``: the job at its real size with no bytes allocated (issue 26).
+
+The job runs as ``--mode emulate`` runs it (``calibrate.measure.run``: the same model, wrapper,
+recipe loop and MemTracker categories, rank 0 of a fake process group at the real world size),
+but under ``torch._subclasses.FakeTensorMode``: every tensor is a FakeTensor, with its shape,
+dtype and storage size and no data, so an 8B model at 32k tokens traces on a laptop. The
+step's every storage allocation and free (``calibrate.alloctrace.Recorder``) is replayed
+through memplan's caching-allocator model (``memplan.allocator.replay``) for the reserved peak,
+in the step's own event order.
+
+Two things of torch 2.13 are held off while tracing (``_fake_safe``):
+
+- ``init_device_mesh`` builds its mesh from a real tensor (``torch.arange``) and reads it back
+  (``.tolist()``), which a FakeTensor cannot do: the mesh is built outside every mode;
+- DTensor's sharding propagation infers an op's global output shape by running the op on
+  global-size fake tensors (``ShardingPropagator._propagate_tensor_meta_non_cached``) under
+  the fake mode it detects, that is ours, below the MemTracker and the Recorder, which would
+  count those global-size temporaries (an FSDP2 optimizer step's ``_foreach`` ops over whole
+  unsharded parameters): the propagation runs outside every mode, in a fake mode of its own.
+
+What differs from a GPU: the kernels are the CPU ones (SDPA lowers to the CPU flash kernel;
+its saved tensors match CUDA flash's: out and logsumexp), and every event is on one stream
+(FSDP2's all-gather and reduce-scatter streams are not told apart).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import torch.distributed as dist
+
+from memplan.allocator import replay
+from memplan.specs import Job
+from memplan.strategies import STRATEGIES
+
+from . import measure
+from .alloctrace import Recorder
+from .wrappers import Unsupported
+
+DEVICE = "trace (fake tensors, cpu kernels)"
+"""The ``device`` of a trace measurement: no device ran it."""
+
+
+def refusal(job: Job) -> str | None:
+    """Why trace mode cannot run this job (one line), or None."""
+    strategy = STRATEGIES[job.plan.strategy]
+    layout = job.layout
+    if strategy.framework not in ("none", "ddp", "fsdp"):
+        return f"--mode trace wraps DDP and FSDP2, not {strategy.id} ({strategy.framework})"
+    for name, degree in (("tp", layout.tp), ("cp", layout.cp), ("pp", layout.pp)):
+        if degree > 1:
+            return f"--mode trace does not trace --{name} {degree} yet; it traces DDP and FSDP2 over the whole world"
+    if job.plan.offload != "none":
+        return f"--mode trace does not trace --offload {job.plan.offload} (FSDP2's CPU offload copies real host memory)"
+    if job.train.compile:
+        return "--mode trace does not run torch.compile yet (inductor under fake tensors); drop --compile"
+    return None
+
+
+@contextlib.contextmanager
+def _fake_safe() -> Iterator[None]:
+    """The two torch 2.13 steps that a fake mode breaks or miscounts, run outside every mode
+    (the module docstring says why)."""
+    import torch.distributed.device_mesh as device_mesh
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def outside_modes(fn):
+        def call(*args, **kwargs):
+            with _disable_current_modes():
+                return fn(*args, **kwargs)
+
+        return call
+
+    saved = (device_mesh.init_device_mesh, ShardingPropagator._propagate_tensor_meta_non_cached)
+    device_mesh.init_device_mesh = outside_modes(saved[0])
+    ShardingPropagator._propagate_tensor_meta_non_cached = outside_modes(saved[1])  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        device_mesh.init_device_mesh, ShardingPropagator._propagate_tensor_meta_non_cached = saved  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[Recorder]:
+    """Rank 0 of a fake process group of ``world_size``, under a FakeTensorMode, recording."""
+    from torch._subclasses import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    recorder = Recorder()
+    try:
+        # allow_non_fake_inputs: module-level constants (a real scalar tensor) meet fake ones
+        with _fake_safe(), FakeTensorMode(allow_non_fake_inputs=True), recorder:
+            yield recorder
+    finally:
+        dist.destroy_process_group()
+
+
+def run(job: Job, *, steps: int = 2, warmup: int = 1, workload: str = "native") -> measure.Measurement:
+    """The measurement ``--mode emulate`` would make, traced: no bytes allocated; with the
+    reserved peak of the whole run's events (the pool the measured step meets was filled by
+    the steps before it) replayed through memplan's allocator."""
+    reason = refusal(job)
+    if reason:
+        raise Unsupported(reason)
+    # the CPU meter (MemTracker) and CPU kernels, whatever device the job plans for
+    on_cpu = dataclasses.replace(job, train=dataclasses.replace(job.train, device="cpu"))
+    with fake_world(job.cluster.gpus) as recorder:
+        measured = measure.run(on_cpu, steps=steps, warmup=warmup, emulated=True, workload=workload)
+    replayed = replay(recorder.events)
+    return dataclasses.replace(
+        measured,
+        device=DEVICE,
+        peak_reserved_bytes=replayed.peak_reserved_bytes,
+        step_time_s=0.0,
+        tokens_per_s=0.0,
+    )
