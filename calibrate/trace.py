@@ -10,8 +10,9 @@ in the step's own event order.
 
 Two things of torch 2.13 are held off while tracing (``_fake_safe``):
 
-- ``init_device_mesh`` builds its mesh from a real tensor (``torch.arange``) and reads it back
-  (``.tolist()``), which a FakeTensor cannot do: the mesh is built outside every mode;
+- ``init_device_mesh`` and ``DeviceMesh`` (also built inside FSDP2 for a DP × TP mesh) build the
+  mesh from a real tensor (``torch.arange``) and read it back (``.tolist()``, ``nonzero``), which
+  a FakeTensor cannot do: meshes are built outside every mode;
 - DTensor's sharding propagation infers an op's global output shape by running the op on
   global-size fake tensors (``ShardingPropagator._propagate_tensor_meta_non_cached``) under
   the fake mode it detects, that is ours, below the MemTracker and the Recorder, which would
@@ -49,9 +50,13 @@ def refusal(job: Job) -> str | None:
     layout = job.layout
     if strategy.framework not in ("none", "ddp", "fsdp"):
         return f"--mode trace wraps DDP and FSDP2, not {strategy.id} ({strategy.framework})"
-    for name, degree in (("tp", layout.tp), ("cp", layout.cp), ("pp", layout.pp)):
+    for name, degree in (("cp", layout.cp), ("pp", layout.pp)):
         if degree > 1:
-            return f"--mode trace does not trace --{name} {degree} yet; it traces DDP and FSDP2 over the whole world"
+            return f"--mode trace does not trace --{name} {degree} yet; it traces DDP, FSDP2 and FSDP2 × TP"
+    if layout.tp > 1 and (strategy.framework != "fsdp" and job.dp > 1):
+        return f"--mode trace traces --tp {layout.tp} alone or under FSDP2, not under {strategy.id}"
+    if layout.tp > 1 and job.model.arch != "llama":
+        return f"--mode trace applies torchtitan's TP plan to llama-family blocks, not to {job.model.arch}"
     if job.plan.offload != "none":
         return f"--mode trace does not trace --offload {job.plan.offload} (FSDP2's CPU offload copies real host memory)"
     if job.train.compile:
@@ -74,13 +79,17 @@ def _fake_safe() -> Iterator[None]:
 
         return call
 
-    saved = (device_mesh.init_device_mesh, ShardingPropagator._propagate_tensor_meta_non_cached)
+    mesh_cls = device_mesh.DeviceMesh
+    saved = (device_mesh.init_device_mesh, mesh_cls.__init__, ShardingPropagator._propagate_tensor_meta_non_cached)
     device_mesh.init_device_mesh = outside_modes(saved[0])
-    ShardingPropagator._propagate_tensor_meta_non_cached = outside_modes(saved[1])  # type: ignore[method-assign]
+    mesh_cls.__init__ = outside_modes(saved[1])  # type: ignore[method-assign]
+    ShardingPropagator._propagate_tensor_meta_non_cached = outside_modes(saved[2])  # type: ignore[method-assign]
     try:
         yield
     finally:
-        device_mesh.init_device_mesh, ShardingPropagator._propagate_tensor_meta_non_cached = saved  # type: ignore[method-assign]
+        device_mesh.init_device_mesh = saved[0]
+        mesh_cls.__init__ = saved[1]  # type: ignore[method-assign]
+        ShardingPropagator._propagate_tensor_meta_non_cached = saved[2]  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -99,6 +108,62 @@ def fake_world(world_size: int) -> Iterator[Recorder]:
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _tensor_parallel(job: Job, workload: str) -> Iterator[None]:
+    """Under ``--tp``: ``measure.run`` builds the model without AC and wraps it as torchtitan's
+    parallelize_llama does, in its order: the TP plan (``calibrate.parallel.apply_tp``: colwise
+    q/k/v/gate/up, rowwise o/down, SP norms, vocabulary-parallel embedding and head), then AC
+    on each block, then FSDP2 over the data-parallel mesh dimension (``wrappers._fsdp``'s units
+    and mixed precision); the loss runs under ``loss_parallel`` (the logits stay sharded over
+    the vocabulary). ``measure``'s build and wrap are swapped for this run's."""
+    layout = job.layout
+    if layout.tp == 1:
+        yield
+        return
+    if workload != "native":
+        raise Unsupported("--mode trace applies the TP plan to the native workload's module names; drop --workload hf")
+    import torch.distributed.device_mesh as device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from . import parallel, wrappers, workloads
+
+    ac = job.train.activation_checkpointing
+    mesh = device_mesh.init_device_mesh("cpu", (job.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+
+    def build(spec, *, attention, ac, workload):
+        # AC wraps the blocks after the plan (its module names are the blocks' own)
+        return workloads.build_model(
+            spec, attention=attention, ac=ac if ac == "selective" else "none", workload=workload
+        )
+
+    def wrap(model, job, emulated):
+        parallel.apply_tp(model, mesh["tp"], sp=layout.sp)
+        layers = model.layers
+        for i, layer in enumerate(layers):
+            if ac == "full":
+                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+                layers[i] = checkpoint_wrapper(layer)
+            elif ac == "op":
+                layers[i] = workloads.op_checkpoint(layer)
+        if job.dp == 1:
+            return model
+        return wrappers.fsdp_on(model, job, mesh["dp"])
+
+    saved = (measure.build_model, measure.wrap)
+    measure.build_model, measure.wrap = build, wrap
+    try:
+        with loss_parallel():
+            yield
+    finally:
+        measure.build_model, measure.wrap = saved
+
+
+def _on_cpu(job: Job) -> Job:
+    """The job on the CPU meter (MemTracker) and CPU kernels, whatever device it plans for."""
+    return dataclasses.replace(job, train=dataclasses.replace(job.train, device="cpu"))
+
+
 def run(job: Job, *, steps: int = 2, warmup: int = 1, workload: str = "native") -> measure.Measurement:
     """The measurement ``--mode emulate`` would make, traced: no bytes allocated; with the
     reserved peak of the whole run's events (the pool the measured step meets was filled by
@@ -106,10 +171,8 @@ def run(job: Job, *, steps: int = 2, warmup: int = 1, workload: str = "native") 
     reason = refusal(job)
     if reason:
         raise Unsupported(reason)
-    # the CPU meter (MemTracker) and CPU kernels, whatever device the job plans for
-    on_cpu = dataclasses.replace(job, train=dataclasses.replace(job.train, device="cpu"))
-    with fake_world(job.cluster.gpus) as recorder:
-        measured = measure.run(on_cpu, steps=steps, warmup=warmup, emulated=True, workload=workload)
+    with fake_world(job.cluster.gpus) as recorder, _tensor_parallel(job, workload):
+        measured = measure.run(_on_cpu(job), steps=steps, warmup=warmup, emulated=True, workload=workload)
     replayed = replay(recorder.events)
     return dataclasses.replace(
         measured,
