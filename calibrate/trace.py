@@ -125,7 +125,7 @@ def _tensor_parallel(job: Job, workload: str) -> Iterator[None]:
     import torch.distributed.device_mesh as device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from . import parallel, wrappers, workloads
+    from . import parallel, workloads, wrappers
 
     ac = job.train.activation_checkpointing
     mesh = device_mesh.init_device_mesh("cpu", (job.dp, layout.tp), mesh_dim_names=("dp", "tp"))
