@@ -32,7 +32,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from memplan.allocator import replay
+from memplan.allocator import Alloc, Free, replay
 from memplan.specs import Job
 from memplan.strategies import STRATEGIES
 
@@ -92,6 +92,30 @@ def _fake_safe() -> Iterator[None]:
         ShardingPropagator._propagate_tensor_meta_non_cached = saved[2]  # type: ignore[method-assign]
 
 
+def _device_peak_only(self, peak_state) -> None:
+    """MemTracker._update_peak_stats (torch 2.13 mem_tracker.py) without its per-module peaks,
+    which walk every tracked module after every op (quadratic at 32+ blocks) and which nothing
+    here reads: the device's peak and its snapshot by category, as there."""
+    from copy import deepcopy
+
+    for dev, dev_snap in self._curr_mem_snap.items():
+        if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
+            self._peak_mem[dev] = dev_snap["Total"]
+            self._peak_mem_snap[dev] = deepcopy(dev_snap)
+
+
+@contextlib.contextmanager
+def _fast_tracker() -> Iterator[None]:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    saved = MemTracker._update_peak_stats
+    MemTracker._update_peak_stats = _device_peak_only  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        MemTracker._update_peak_stats = saved  # type: ignore[method-assign]
+
+
 @contextlib.contextmanager
 def fake_world(world_size: int) -> Iterator[Recorder]:
     """Rank 0 of a fake process group of ``world_size``, under a FakeTensorMode, recording."""
@@ -102,7 +126,7 @@ def fake_world(world_size: int) -> Iterator[Recorder]:
     recorder = Recorder()
     try:
         # allow_non_fake_inputs: module-level constants (a real scalar tensor) meet fake ones
-        with _fake_safe(), FakeTensorMode(allow_non_fake_inputs=True), recorder:
+        with _fake_safe(), _fast_tracker(), FakeTensorMode(allow_non_fake_inputs=True), recorder:
             yield recorder
     finally:
         dist.destroy_process_group()
@@ -159,6 +183,39 @@ def _tensor_parallel(job: Job, workload: str) -> Iterator[None]:
         measure.build_model, measure.wrap = saved
 
 
+def after_setup(events: list[Alloc | Free], start: int) -> list[Alloc | Free]:
+    """The events from ``start`` on, after the storages live there allocated afresh, in the
+    order they were allocated: the run as an allocator meets it when the model was built on
+    the meta device and materialized already sharded (torchtitan's ``to_empty`` after
+    ``fully_shard``), not built whole and then sharded, as the harness builds it."""
+    live: dict[int, Alloc] = {}
+    for event in events[:start]:
+        if isinstance(event, Alloc):
+            live[event.id] = event
+        else:
+            live.pop(event.id, None)
+    return [*live.values(), *events[start:]]
+
+
+@contextlib.contextmanager
+def _mark_setup(recorder: Recorder) -> Iterator[list[int]]:
+    """The index of the first event after the model is wrapped and its optimizer built
+    (``measure._optimizer`` is the last step of ``measure.run``'s setup)."""
+    saved = measure._optimizer
+    mark: list[int] = []
+
+    def optimizer(model, job):
+        built = saved(model, job)
+        mark.append(len(recorder.events))
+        return built
+
+    measure._optimizer = optimizer
+    try:
+        yield mark
+    finally:
+        measure._optimizer = saved
+
+
 def _on_cpu(job: Job) -> Job:
     """The job on the CPU meter (MemTracker) and CPU kernels, whatever device it plans for."""
     return dataclasses.replace(job, train=dataclasses.replace(job.train, device="cpu"))
@@ -166,14 +223,14 @@ def _on_cpu(job: Job) -> Job:
 
 def run(job: Job, *, steps: int = 2, warmup: int = 1, workload: str = "native") -> measure.Measurement:
     """The measurement ``--mode emulate`` would make, traced: no bytes allocated; with the
-    reserved peak of the whole run's events (the pool the measured step meets was filled by
-    the steps before it) replayed through memplan's allocator."""
+    reserved peak of the run's events from the sharded model on (``after_setup``; the pool the
+    measured step meets was filled by the steps before it) replayed through memplan's allocator."""
     reason = refusal(job)
     if reason:
         raise Unsupported(reason)
-    with fake_world(job.cluster.gpus) as recorder, _tensor_parallel(job, workload):
+    with fake_world(job.cluster.gpus) as recorder, _tensor_parallel(job, workload), _mark_setup(recorder) as mark:
         measured = measure.run(_on_cpu(job), steps=steps, warmup=warmup, emulated=True, workload=workload)
-    replayed = replay(recorder.events)
+    replayed = replay(after_setup(recorder.events, mark[0]))
     return dataclasses.replace(
         measured,
         device=DEVICE,

@@ -69,6 +69,14 @@ def test_fake_tensors_are_recorded_with_their_sizes_and_no_bytes():
     assert result.peak_requested_bytes == 2 * n * FLOAT_BYTES
 
 
+def test_the_replay_starts_from_the_storages_live_after_setup_allocated_afresh():
+    # built whole (0: 100 B), sharded (1: 25 B), the whole freed; then a step (2) on the shard
+    events = [Alloc(0, 100), Alloc(1, 25), Free(0), Alloc(2, 50), Free(2)]
+    assert trace.after_setup(events, 3) == [Alloc(1, 25), Alloc(2, 50), Free(2)]
+    assert trace.after_setup(events, 0) == events
+    assert replay(trace.after_setup(events, 3)).peak_requested_bytes == 75
+
+
 def _tiny(**kwargs):
     return _job(replace(LLAMA, num_layers=2), strategy="fsdp-full-shard", precision="mixed-bf16", gpus=4, **kwargs)
 
