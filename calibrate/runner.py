@@ -56,6 +56,11 @@ def execute(run: Run, *, max_host_mem_bytes: int | None = None) -> dict:
     world = run.job.cluster.gpus
 
     def measure_here(job) -> measure.Measurement:
+        if run.mode in ("emulate", "local") and not job.layout.is_data_parallel:
+            raise measure.Unsupported(
+                f"--mode {run.mode} runs DDP and FSDP2 over the whole world, not {job.layout.describe()}; "
+                "--mode trace runs TP (calibrate.parallel measures the CPU layouts)"
+            )
         if run.mode == "emulate":
             return launch.emulate(job, world_size=world, **kwargs)
         if run.mode == "trace":

@@ -144,3 +144,23 @@ def test_a_tiny_fsdp_by_tp_trace_equals_the_same_job_on_real_tensors():
         dist.destroy_process_group()
     assert traced.peak_allocated_bytes == real.peak_allocated_bytes
     assert traced.categories == real.categories
+
+
+def test_a_records_layout_round_trips_and_a_plain_job_keeps_its_old_key():
+    from calibrate.records import describe, job_from_spec, spec_dict
+
+    plain = _tiny()
+    assert "layout" not in spec_dict(plain)  # records made before layouts keep their run keys
+    tp = replace(plain, layout=Layout(tp=2))
+    spec = spec_dict(tp)
+    assert spec["layout"] == {"tp": 2}
+    assert job_from_spec(spec).layout == Layout(tp=2)
+    assert "TP 2" in describe(spec, "trace")
+
+
+def test_emulate_refuses_a_layout_it_would_not_run():
+    from calibrate import runner
+
+    run = Run(job=replace(_tiny(), layout=Layout(tp=2)), mode="emulate", steps=2, warmup=1)
+    outcome = runner.execute(run)
+    assert outcome["status"] == "failed" and "--mode trace runs TP" in outcome["error"]
