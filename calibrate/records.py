@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import MemplanError
+from memplan.layout import Layout
 from memplan.loop import Loop
 from memplan.mla import MLA_FIELDS
 from memplan.moe import MOE_FIELDS
-from memplan.layout import Layout
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
 SCHEMA = 1
