@@ -31,6 +31,7 @@ import dataclasses
 from collections.abc import Iterator
 
 import torch.distributed as dist
+from torch import nn
 
 from memplan.allocator import Alloc, Free, replay
 from memplan.specs import Job
@@ -154,7 +155,7 @@ def _tensor_parallel(job: Job, workload: str) -> Iterator[None]:
     ac = job.train.activation_checkpointing
     mesh = device_mesh.init_device_mesh("cpu", (job.dp, layout.tp), mesh_dim_names=("dp", "tp"))
 
-    def build(spec, *, attention, ac, workload):
+    def build(spec, *, attention: str, ac: str, workload: str = "native") -> nn.Module:
         # AC wraps the blocks after the plan (its module names are the blocks' own)
         return workloads.build_model(
             spec, attention=attention, ac=ac if ac == "selective" else "none", workload=workload

@@ -116,13 +116,13 @@ def _pct(value: float, truth: float) -> str:
 def rows(out: Path = OUT) -> list[dict]:
     """One row per case: the latest record of it, traced against estimated and published."""
     latest: dict[str, dict] = {}
-    for record in records.read([out]) if out.exists() else []:
-        case = _case_of(record)
+    for recorded in records.read([out]) if out.exists() else []:
+        case = _case_of(recorded)  # the latest record of a case wins
         if case is not None:
-            latest[case.name] = record
+            latest[case.name] = recorded
     table = []
     for case in CASES:
-        record = latest.get(case.name)
+        record: dict | None = latest.get(case.name)
         row: dict = {"case": case.name, "published_gib": case.published_gib, "note": case.published_note}
         if record is None or record["status"] != "ok":
             row["status"] = record["status"] if record else "not run"
