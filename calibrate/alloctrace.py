@@ -22,6 +22,8 @@ from itertools import count
 from pathlib import Path
 
 import torch
+from torch._guards import active_fake_mode
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -34,29 +36,85 @@ from .workloads import build_model, make_batch
 
 
 class Recorder(TorchDispatchMode):
-    """Storage births and deaths of every tensor operators produce, in order."""
+    """Storage births and deaths of every tensor operators produce, in order.
+
+    A storage resized in place (``UntypedStorage.resize_``, which no dispatch mode sees: FSDP2
+    frees an unsharded parameter with ``resize_(0)`` and gathers it again into the same storage)
+    is a free of its old bytes and an allocation of its new ones; ``resize_`` is wrapped while
+    the recorder is active, as MemTracker's ``_track_resize`` does.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.events: list[Alloc | Free] = []
         self.ids = count()
-        self.seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.slot_ids = count()
+        self.slots: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """storage -> its slot; a slot holds the event id of the storage's live bytes."""
+        self.live: dict[int, int | None] = {}
         self.refs: dict[int, weakref.ref] = {}
 
     def see(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
-        if storage in self.seen or storage.nbytes() == 0:
-            return
-        i = next(self.ids)
-        self.seen[storage] = i
-        self.events.append(Alloc(i, storage.nbytes()))
-        self.refs[i] = weakref.ref(storage, partial(self._freed, i))
+        if storage not in self.slots:
+            self._track(storage)
 
-    def _freed(self, i: int, _: weakref.ref) -> None:
-        del self.refs[i]
-        self.events.append(Free(i))
+    def _track(self, storage: torch.UntypedStorage) -> int:
+        slot = next(self.slot_ids)
+        self.slots[storage] = slot
+        self.live[slot] = None
+        self.refs[slot] = weakref.ref(storage, partial(self._died, slot))
+        self._alloc(slot, storage.nbytes())
+        return slot
+
+    def _alloc(self, slot: int, nbytes: int) -> None:
+        if nbytes:
+            i = next(self.ids)
+            self.live[slot] = i
+            self.events.append(Alloc(i, nbytes))
+
+    def _release(self, slot: int) -> None:
+        i = self.live[slot]
+        if i is not None:
+            self.live[slot] = None
+            self.events.append(Free(i))
+
+    def _died(self, slot: int, _: weakref.ref) -> None:
+        self._release(slot)
+        del self.live[slot], self.refs[slot]
+
+    def resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        slot = self.slots.get(storage)
+        if slot is None:
+            self._track(storage)
+            return
+        self._release(slot)
+        self._alloc(slot, nbytes)
+
+    def __enter__(self):
+        resize = self._resize = torch.UntypedStorage.resize_
+
+        def resize_(storage, nbytes):
+            out = resize(storage, nbytes)
+            self.resized(storage, storage.nbytes())
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        return super().__exit__(*args)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # as torch's MemTracker does (mem_tracker.py __torch_dispatch__): a DTensor op is left
+        # to DTensor, whose local ops on the shards come back here (a DTensor's own storage is
+        # a wrapper's, holding no bytes); under fake tensors, wait_tensor's meta kernel returns
+        # a new tensor where eager returns its input
+        if DTensor in types:
+            return NotImplemented
+        if func is torch.ops._c10d_functional.wait_tensor.default and active_fake_mode():
+            return args[0]
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):

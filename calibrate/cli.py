@@ -345,7 +345,8 @@ def calibrate():
     default="local",
     show_default=True,
     help="local: N processes here (gloo on CPU, nccl on GPUs); emulate: one rank on a fake process "
-    "group of N; cluster: write a Slurm script and print torchrun commands (dry run).",
+    "group of N; cluster: write a Slurm script and print torchrun commands (dry run); trace: emulate "
+    "under fake tensors, at full size with no bytes allocated (FSDP2, DDP, FSDP2 × TP).",
 )
 @_sweep_options
 @click.pass_context

@@ -40,15 +40,17 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import MemplanError
+from memplan.layout import Layout
 from memplan.loop import Loop
 from memplan.mla import MLA_FIELDS
 from memplan.moe import MOE_FIELDS
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
 SCHEMA = 1
-MODES = ("local", "emulate", "cluster")
+MODES = ("local", "emulate", "cluster", "trace")
 STATUSES = ("ok", "oom", "timeout", "failed", "cancelled")
 WORKLOADS = ("native", "hf")
+_NO_LAYOUT = Layout()
 _SPEC_TYPES = {"model": ModelSpec, "train": TrainSpec, "cluster": ClusterSpec, "plan": Plan}
 _FINETUNE = ("finetune", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
 _LOOP_DEFAULTS = {
@@ -69,19 +71,25 @@ _LATER_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def spec_dict(job: Job) -> dict:
-    """The four specs of a job as plain dicts (the ``spec`` field of a record)."""
+    """The four specs of a job as plain dicts (the ``spec`` field of a record), and its layout
+    where it has one."""
     spec = {part: asdict(getattr(job, part)) for part in _SPEC_TYPES}
     # the later inputs only where they differ from their defaults: records made before they
     # were inputs keep their keys (run_key), and load with the defaults
     for part, defaults in _LATER_DEFAULTS.items():
         spec[part] = {k: v for k, v in spec[part].items() if k not in defaults or v != defaults[k]}
+    # a TP/CP/PP layout only where there is one (its fields that differ from a Layout's defaults)
+    layout = {k: v for k, v in asdict(job.layout).items() if v != getattr(_NO_LAYOUT, k)}
+    if layout:
+        spec["layout"] = layout
     return spec
 
 
 def job_from_spec(spec: dict) -> Job:
     """Rebuild the Job a record was made from."""
     try:
-        return Job(**{part: cls(**spec[part]) for part, cls in _SPEC_TYPES.items()})
+        parts = {part: cls(**spec[part]) for part, cls in _SPEC_TYPES.items()}
+        return Job(**parts, layout=Layout(**spec.get("layout", {})))
     except (KeyError, TypeError) as exc:
         raise MemplanError(f"a record's spec does not describe a memplan Job ({exc})") from None
 
@@ -101,7 +109,8 @@ class Run:
     job: Job
     mode: str
     """local: real processes on this machine; emulate: one rank, fake process group;
-    cluster: launched by torchrun on every node."""
+    cluster: launched by torchrun on every node; trace: emulate's rank under fake tensors
+    (calibrate.trace), at any size."""
     steps: int = 3
     warmup: int = 2
     """Steps before the measured one; the measured step must have optimizer states."""
@@ -160,6 +169,7 @@ def describe(spec: dict, mode: str, workload: str = "native") -> str:
     """A short human name of a run: strategy, precision, model shape (transformers' model of
     those shapes: "hf"), batch, world, mode."""
     m, t, c, p = spec["model"], spec["train"], spec["cluster"], spec["plan"]
+    layout = Layout(**spec["layout"]).describe() if spec.get("layout") else ""
     extras = [
         t["activation_checkpointing"] != "none" and f"ac-{t['activation_checkpointing']}",
         t["attention"] != "sdpa" and t["attention"],
@@ -169,6 +179,7 @@ def describe(spec: dict, mode: str, workload: str = "native") -> str:
     return " ".join(
         [
             p["strategy"],
+            *filter(None, [layout]),
             t["precision"],
             *filter(None, extras),
             f"{m['arch']}{' (hf)' if workload == 'hf' else ''} {m['num_layers']}L h{m['hidden']}",

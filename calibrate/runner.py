@@ -50,19 +50,30 @@ def limit_host_memory(budget_bytes: int) -> None:
 
 
 def execute(run: Run, *, max_host_mem_bytes: int | None = None) -> dict:
-    """Run a ``local`` (real processes) or ``emulate`` (fake process group) point here."""
+    """Run a ``local`` (real processes), ``emulate`` (fake process group) or ``trace`` (fake
+    tensors too) point here."""
     kwargs = dict(steps=run.steps, warmup=run.warmup, workload=run.workload)
     world = run.job.cluster.gpus
 
     def measure_here(job) -> measure.Measurement:
+        if run.mode in ("emulate", "local") and not job.layout.is_data_parallel:
+            raise measure.Unsupported(
+                f"--mode {run.mode} runs DDP and FSDP2 over the whole world, not {job.layout.describe()}; "
+                "--mode trace runs TP (calibrate.parallel measures the CPU layouts)"
+            )
         if run.mode == "emulate":
             return launch.emulate(job, world_size=world, **kwargs)
+        if run.mode == "trace":
+            from . import trace
+
+            return trace.run(job, steps=run.steps, warmup=run.warmup, workload=run.workload)
         if run.mode == "local":
             return launch.local(job, nprocs=world, **kwargs)[0]
         raise measure.Unsupported(f"mode {run.mode} runs under torchrun, not here")
 
     try:
-        _check_device(run)
+        if run.mode != "trace":  # a trace needs no device
+            _check_device(run)
         if max_host_mem_bytes:
             limit_host_memory(max_host_mem_bytes)
         if run.layers_scaled:

@@ -154,6 +154,21 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = spec.arch in ("llama", "neox")
 
+    # the names transformers' PreTrainedModel gives its embeddings and trunk, so that the
+    # recipes' wrapping (wrappers._shard_embedding_and_head: torchtitan's embedding and
+    # [norm, head] FSDP units) reads this model as it reads a transformers one
+    base_model_prefix = "trunk"
+
+    @property
+    def trunk(self) -> nn.Module:
+        return self
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
     def forward(self, input_ids, labels, chunks: int = 0):
         """(loss, logits); with ``chunks``: (None, the logits as that many chunks along the
         sequence), the LM head applied per chunk as torchtune's TransformerDecoder.chunked_output."""

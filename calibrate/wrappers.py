@@ -47,9 +47,8 @@ def _ddp(model: nn.Module, job: Job, emulated: bool) -> nn.Module:
 
 def _fsdp(model: nn.Module, job: Job, emulated: bool) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    strategy, policy = STRATEGIES[job.plan.strategy], POLICIES[job.train.precision]
+    strategy = STRATEGIES[job.plan.strategy]
     world = dist.get_world_size()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if strategy.id == "fsdp-no-shard":
@@ -59,6 +58,15 @@ def _fsdp(model: nn.Module, job: Job, emulated: bool) -> nn.Module:
         mesh = init_device_mesh(device, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device, (world,))
+    return fsdp_on(model, job, mesh)
+
+
+def fsdp_on(model: nn.Module, job: Job, mesh) -> nn.Module:
+    """FSDP2 over ``mesh`` (the whole world, or the data-parallel dimension of a TP job) with
+    the job's units, mixed precision and offload."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    strategy, policy = STRATEGIES[job.plan.strategy], POLICIES[job.train.precision]
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": strategy.reshard_after_forward}
     if policy.master:
         reduce = job.train.reduce_dtype

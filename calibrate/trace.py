@@ -1,0 +1,241 @@
+"""``--mode trace``: the job at its real size with no bytes allocated (issue 26).
+
+The job runs as ``--mode emulate`` runs it (``calibrate.measure.run``: the same model, wrapper,
+recipe loop and MemTracker categories, rank 0 of a fake process group at the real world size),
+but under ``torch._subclasses.FakeTensorMode``: every tensor is a FakeTensor, with its shape,
+dtype and storage size and no data, so an 8B model at 32k tokens traces on a laptop. The
+step's every storage allocation and free (``calibrate.alloctrace.Recorder``) is replayed
+through memplan's caching-allocator model (``memplan.allocator.replay``) for the reserved peak,
+in the step's own event order.
+
+Two things of torch 2.13 are held off while tracing (``_fake_safe``):
+
+- ``init_device_mesh`` and ``DeviceMesh`` (also built inside FSDP2 for a DP × TP mesh) build the
+  mesh from a real tensor (``torch.arange``) and read it back (``.tolist()``, ``nonzero``), which
+  a FakeTensor cannot do: meshes are built outside every mode;
+- DTensor's sharding propagation infers an op's global output shape by running the op on
+  global-size fake tensors (``ShardingPropagator._propagate_tensor_meta_non_cached``) under
+  the fake mode it detects, that is ours, below the MemTracker and the Recorder, which would
+  count those global-size temporaries (an FSDP2 optimizer step's ``_foreach`` ops over whole
+  unsharded parameters): the propagation runs outside every mode, in a fake mode of its own.
+
+What differs from a GPU: the kernels are the CPU ones (SDPA lowers to the CPU flash kernel;
+its saved tensors match CUDA flash's: out and logsumexp), and every event is on one stream
+(FSDP2's all-gather and reduce-scatter streams are not told apart).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import torch.distributed as dist
+from torch import nn
+
+from memplan.allocator import Alloc, Free, replay
+from memplan.specs import Job
+from memplan.strategies import STRATEGIES
+
+from . import measure
+from .alloctrace import Recorder
+from .wrappers import Unsupported
+
+DEVICE = "trace (fake tensors, cpu kernels)"
+"""The ``device`` of a trace measurement: no device ran it."""
+
+
+def refusal(job: Job) -> str | None:
+    """Why trace mode cannot run this job (one line), or None."""
+    strategy = STRATEGIES[job.plan.strategy]
+    layout = job.layout
+    if strategy.framework not in ("none", "ddp", "fsdp"):
+        return f"--mode trace wraps DDP and FSDP2, not {strategy.id} ({strategy.framework})"
+    for name, degree in (("cp", layout.cp), ("pp", layout.pp)):
+        if degree > 1:
+            return f"--mode trace does not trace --{name} {degree} yet; it traces DDP, FSDP2 and FSDP2 × TP"
+    if layout.tp > 1 and (strategy.framework != "fsdp" and job.dp > 1):
+        return f"--mode trace traces --tp {layout.tp} alone or under FSDP2, not under {strategy.id}"
+    if layout.tp > 1 and job.model.arch != "llama":
+        return f"--mode trace applies torchtitan's TP plan to llama-family blocks, not to {job.model.arch}"
+    if job.plan.offload != "none":
+        return f"--mode trace does not trace --offload {job.plan.offload} (FSDP2's CPU offload copies real host memory)"
+    if job.train.compile:
+        return "--mode trace does not run torch.compile yet (inductor under fake tensors); drop --compile"
+    return None
+
+
+@contextlib.contextmanager
+def _fake_safe() -> Iterator[None]:
+    """The two torch 2.13 steps that a fake mode breaks or miscounts, run outside every mode
+    (the module docstring says why)."""
+    import torch.distributed.device_mesh as device_mesh
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def outside_modes(fn):
+        def call(*args, **kwargs):
+            with _disable_current_modes():
+                return fn(*args, **kwargs)
+
+        return call
+
+    mesh_cls = device_mesh.DeviceMesh
+    saved = (device_mesh.init_device_mesh, mesh_cls.__init__, ShardingPropagator._propagate_tensor_meta_non_cached)
+    device_mesh.init_device_mesh = outside_modes(saved[0])
+    mesh_cls.__init__ = outside_modes(saved[1])  # type: ignore[method-assign]
+    ShardingPropagator._propagate_tensor_meta_non_cached = outside_modes(saved[2])  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        device_mesh.init_device_mesh = saved[0]
+        mesh_cls.__init__ = saved[1]  # type: ignore[method-assign]
+        ShardingPropagator._propagate_tensor_meta_non_cached = saved[2]  # type: ignore[method-assign]
+
+
+def _device_peak_only(self, peak_state) -> None:
+    """MemTracker._update_peak_stats (torch 2.13 mem_tracker.py) without its per-module peaks,
+    which walk every tracked module after every op (quadratic at 32+ blocks) and which nothing
+    here reads: the device's peak and its snapshot by category, as there."""
+    from copy import deepcopy
+
+    for dev, dev_snap in self._curr_mem_snap.items():
+        if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
+            self._peak_mem[dev] = dev_snap["Total"]
+            self._peak_mem_snap[dev] = deepcopy(dev_snap)
+
+
+@contextlib.contextmanager
+def _fast_tracker() -> Iterator[None]:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    saved = MemTracker._update_peak_stats
+    MemTracker._update_peak_stats = _device_peak_only  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        MemTracker._update_peak_stats = saved  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[Recorder]:
+    """Rank 0 of a fake process group of ``world_size``, under a FakeTensorMode, recording."""
+    from torch._subclasses import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    recorder = Recorder()
+    try:
+        # allow_non_fake_inputs: module-level constants (a real scalar tensor) meet fake ones
+        with _fake_safe(), _fast_tracker(), FakeTensorMode(allow_non_fake_inputs=True), recorder:
+            yield recorder
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _tensor_parallel(job: Job, workload: str) -> Iterator[None]:
+    """Under ``--tp``: ``measure.run`` builds the model without AC and wraps it as torchtitan's
+    parallelize_llama does, in its order: the TP plan (``calibrate.parallel.apply_tp``: colwise
+    q/k/v/gate/up, rowwise o/down, SP norms, vocabulary-parallel embedding and head), then AC
+    on each block, then FSDP2 over the data-parallel mesh dimension (``wrappers._fsdp``'s units
+    and mixed precision); the loss runs under ``loss_parallel`` (the logits stay sharded over
+    the vocabulary). ``measure``'s build and wrap are swapped for this run's."""
+    layout = job.layout
+    if layout.tp == 1:
+        yield
+        return
+    if workload != "native":
+        raise Unsupported("--mode trace applies the TP plan to the native workload's module names; drop --workload hf")
+    import torch.distributed.device_mesh as device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from . import parallel, workloads, wrappers
+
+    ac = job.train.activation_checkpointing
+    mesh = device_mesh.init_device_mesh("cpu", (job.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+
+    def build(spec, *, attention: str, ac: str, workload: str = "native") -> nn.Module:
+        # AC wraps the blocks after the plan (its module names are the blocks' own)
+        return workloads.build_model(
+            spec, attention=attention, ac=ac if ac == "selective" else "none", workload=workload
+        )
+
+    def wrap(model, job, emulated):
+        parallel.apply_tp(model, mesh["tp"], sp=layout.sp)
+        layers = model.layers
+        for i, layer in enumerate(layers):
+            if ac == "full":
+                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+                layers[i] = checkpoint_wrapper(layer)
+            elif ac == "op":
+                layers[i] = workloads.op_checkpoint(layer)
+        if job.dp == 1:
+            return model
+        return wrappers.fsdp_on(model, job, mesh["dp"])
+
+    saved = (measure.build_model, measure.wrap)
+    measure.build_model, measure.wrap = build, wrap
+    try:
+        with loss_parallel():
+            yield
+    finally:
+        measure.build_model, measure.wrap = saved
+
+
+def after_setup(events: list[Alloc | Free], start: int) -> list[Alloc | Free]:
+    """The events from ``start`` on, after the storages live there allocated afresh, in the
+    order they were allocated: the run as an allocator meets it when the model was built on
+    the meta device and materialized already sharded (torchtitan's ``to_empty`` after
+    ``fully_shard``), not built whole and then sharded, as the harness builds it."""
+    live: dict[int, Alloc] = {}
+    for event in events[:start]:
+        if isinstance(event, Alloc):
+            live[event.id] = event
+        else:
+            live.pop(event.id, None)
+    return [*live.values(), *events[start:]]
+
+
+@contextlib.contextmanager
+def _mark_setup(recorder: Recorder) -> Iterator[list[int]]:
+    """The index of the first event after the model is wrapped and its optimizer built
+    (``measure._optimizer`` is the last step of ``measure.run``'s setup)."""
+    saved = measure._optimizer
+    mark: list[int] = []
+
+    def optimizer(model, job):
+        built = saved(model, job)
+        mark.append(len(recorder.events))
+        return built
+
+    measure._optimizer = optimizer
+    try:
+        yield mark
+    finally:
+        measure._optimizer = saved
+
+
+def _on_cpu(job: Job) -> Job:
+    """The job on the CPU meter (MemTracker) and CPU kernels, whatever device it plans for."""
+    return dataclasses.replace(job, train=dataclasses.replace(job.train, device="cpu"))
+
+
+def run(job: Job, *, steps: int = 2, warmup: int = 1, workload: str = "native") -> measure.Measurement:
+    """The measurement ``--mode emulate`` would make, traced: no bytes allocated; with the
+    reserved peak of the run's events from the sharded model on (``after_setup``; the pool the
+    measured step meets was filled by the steps before it) replayed through memplan's allocator."""
+    reason = refusal(job)
+    if reason:
+        raise Unsupported(reason)
+    with fake_world(job.cluster.gpus) as recorder, _tensor_parallel(job, workload), _mark_setup(recorder) as mark:
+        measured = measure.run(_on_cpu(job), steps=steps, warmup=warmup, emulated=True, workload=workload)
+    replayed = replay(after_setup(recorder.events, mark[0]))
+    return dataclasses.replace(
+        measured,
+        device=DEVICE,
+        peak_reserved_bytes=replayed.peak_reserved_bytes,
+        step_time_s=0.0,
+        tokens_per_s=0.0,
+    )
