@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING
 
 from .breakdown import Estimate
 from .inputs import ModelChoice, build_jobs
-from .memory import estimate as estimate_job
-from .overheads import with_replayed_allocator
+from .totals import final
 from .request import FIELDS, Request, default, unknown_keyword
 
 if TYPE_CHECKING:
@@ -291,7 +290,7 @@ def estimate(
 
     request = Request.of(request, **inputs)
     choice, jobs = _jobs(request)
-    estimates = tuple(with_replayed_allocator(estimate_job(job), request.cluster.alloc_conf) for job in jobs)
+    estimates = tuple(final(job) for job in jobs)
     decision = Decision(
         priority=priority,
         interconnect=interconnect,

@@ -64,7 +64,7 @@ def _explicit_model(request: ModelRequest) -> ModelSpec:
 
 
 def resolve_cluster(
-    *, gpus=1, gpus_per_node=0, gpu_mem=None, gpu=None, headroom=0.05, precision="mixed-bf16"
+    *, gpus=1, gpus_per_node=0, gpu_mem=None, gpu=None, headroom=0.05, precision="mixed-bf16", alloc_conf=""
 ) -> ClusterSpec:
     """The GPUs a ``ClusterRequest`` names, for a step at ``precision``."""
     name, mem = "custom", 80 * 2**30
@@ -74,7 +74,14 @@ def resolve_cluster(
         name, mem = spec.name, spec.memory_bytes
     elif gpu_mem is not None:
         mem = parse_bytes(gpu_mem, what="gpu_mem")
-    return ClusterSpec(gpus=gpus, gpus_per_node=gpus_per_node or 0, gpu_mem_bytes=mem, gpu_name=name, headroom=headroom)
+    return ClusterSpec(
+        gpus=gpus,
+        gpus_per_node=gpus_per_node or 0,
+        gpu_mem_bytes=mem,
+        gpu_name=name,
+        headroom=headroom,
+        alloc_conf=alloc_conf,
+    )
 
 
 def strategies_for(strategy: str, offload: str, gpus: int) -> list[str]:
@@ -98,6 +105,7 @@ def build_jobs(request: Request | None = None, /, **inputs) -> tuple[ModelChoice
         gpu=c.gpu,
         headroom=c.headroom,
         precision=train.precision,
+        alloc_conf=c.alloc_conf,
     )
     layout = request.layout.spec()
     ids = strategies_for(plan.strategy, plan.offload, layout.dp(cluster.gpus))

@@ -1,4 +1,4 @@
-"""Exact integer searches over the exact ``estimate``: the largest micro-batch that fits and
+"""Exact integer searches over the exact ``totals.final`` (the replayed reserved included): the largest micro-batch that fits and
 the fewest GPUs on which some strategy fits. Exponential search for a bracket, then bisection
 (for the micro-batch, starting from where each moment's straight line says it stops fitting).
 
@@ -18,8 +18,14 @@ from dataclasses import dataclass, replace
 from .breakdown import Estimate
 from .catalog import decision_setting
 from .errors import MemplanError
-from .memory import estimate
 from .specs import Job
+from .totals import bound, final
+from .totals import fits as _fits
+from .totals import headrooms as _headrooms
+
+
+def _bound_headrooms(job: Job) -> tuple[int, ...]:
+    return bound(job).moment_headrooms
 from .strategies import STRATEGIES
 
 MICRO_BATCH_LIMIT = 1_000_000  # TrainSpec refuses more
@@ -48,17 +54,40 @@ def _first_true(pred, hi_limit: int) -> int | None:
     return hi
 
 
-def _fits(job: Job) -> bool:
-    return estimate(job).fits
-
-
-def _headrooms(job: Job) -> tuple[int, ...]:
-    return estimate(job).moment_headrooms
-
-
 def max_micro_batch(
-    job: Job, *, limit: int = MICRO_BATCH_LIMIT, headrooms: Callable[[Job], tuple[int, ...]] = _headrooms
+    job: Job,
+    *,
+    limit: int = MICRO_BATCH_LIMIT,
+    headrooms: Callable[[Job], tuple[int, ...]] = _headrooms,
+    bound: Callable[[Job], tuple[int, ...]] | None = _bound_headrooms,
 ) -> int:
+    """Largest micro-batch ≤ limit at which ``job`` fits by ``headrooms``; bounded, then confirmed:
+    ``bound`` (headrooms never below ``headrooms``': without the allocator's replayed excess)
+    gives the most it can be at no replay's cost; there the exact headrooms decide, and where
+    they do not fit, the bound shifted down by the excess found there guesses again, each guess
+    confirmed exactly (``_max_micro_batch`` where both miss)."""
+    if bound is None:
+        return _max_micro_batch(job, limit=limit, headrooms=headrooms)
+    most = _max_micro_batch(job, limit=limit, headrooms=bound)
+    if most == 0:
+        return 0
+
+    def room(b: int) -> int:
+        return min(headrooms(job.with_(micro_batch=b)))
+
+    excess = min(bound(job.with_(micro_batch=most))) - room(most)
+    if excess <= 0:
+        return most
+    guess = _max_micro_batch(job, limit=most, headrooms=lambda j: tuple(r - excess for r in bound(j)))
+    if guess == 0 or room(guess) < 0:
+        upper = most - 1 if guess == 0 else guess - 1
+        return _max_micro_batch(job, limit=upper, headrooms=headrooms) if upper >= 1 else 0
+    while guess < most and room(guess + 1) >= 0:
+        guess += 1
+    return guess
+
+
+def _max_micro_batch(job: Job, *, limit: int, headrooms: Callable[[Job], tuple[int, ...]]) -> int:
     """Largest micro-batch ≤ limit at which ``job`` fits (the least of ``headrooms`` ≥ 0: the
     analytic moments', or calibrated ones); 0 when not even 1 does.
 
@@ -153,4 +182,4 @@ def min_gpus(
         )
     gpus, strategy = min(found, key=lambda t: t[0])
     best = with_gpus(with_strategy(job, strategy), gpus, gpus_per_node)
-    return MinGpus(gpus=gpus, strategy=strategy, estimate=estimate(best), by_strategy=by)
+    return MinGpus(gpus=gpus, strategy=strategy, estimate=final(best), by_strategy=by)

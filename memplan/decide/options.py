@@ -11,11 +11,11 @@ from .. import catalog, search
 from ..breakdown import Estimate, Fit
 from ..calibration import Calibration, Corrected, Correction, apply, resolve
 from ..errors import MemplanError
-from ..memory import estimate
 from ..moe import allows_ep
 from ..specs import AC_MODES, OFFLOADS, Job
 from ..strategies import STRATEGIES, strategies_on
 from ..throughput import Link, StepTime, default, link_for, relative_to_ddp, step_time
+from ..totals import bound, final
 
 PRIORITIES = ("speed", "memory", "simplicity")
 AXES = ("strategy", "precision", "ac", "offload", "micro_batch")
@@ -127,18 +127,28 @@ class Basis:
         return apply(est, self.correction, device_matches=self.device_matches) if self.correction else None
 
     def final(self, job: Job) -> Estimate | Corrected:
-        est = estimate(job)
+        est = final(job)
         return self.corrected(est) or est
 
+    def bound(self, job: Job) -> Estimate | Corrected:
+        """``final``'s lower bound: no allocator excess (``totals.bound``)."""
+        est = bound(job)
+        return self.corrected(est) or est
+
+    def bound_headrooms(self, job: Job) -> tuple[int, ...]:
+        return self.bound(job).moment_headrooms
+
     def headrooms(self, job: Job) -> tuple[int, ...]:
-        """Per moment, as ``Estimate.moment_headrooms``: their least is the headroom."""
-        return self.final(job).moment_headrooms
+        """Per moment, as ``Estimate.moment_headrooms``: their least is the headroom (the bound's
+        where it does not fit: no replay needed to say so)."""
+        rooms = self.bound(job).moment_headrooms
+        return rooms if min(rooms) < 0 else self.final(job).moment_headrooms
 
     def fits(self, job: Job) -> bool:
-        return self.final(job).fits
+        return self.bound(job).fits and self.final(job).fits
 
     def evaluate(self, job: Job) -> Option:
-        est = estimate(job)
+        est = final(job)
         return Option(
             estimate=est,
             corrected=self.corrected(est),
@@ -209,7 +219,7 @@ def candidate_jobs(job: Job, fixed: dict, allowed: tuple[str, ...] | None = None
             continue
         if not STRATEGIES[s].runs_natively(p) and not {"strategy", "precision"} <= set(fixed):
             continue  # a recommendation must be launchable: searched options only where native
-        train = replace(job.train, precision=p, activation_checkpointing=a, micro_batch=1)
+        train = job.train.with_ac(a, precision=p, micro_batch=1)
         jobs.append(replace(job, train=train, plan=replace(job.plan, strategy=s, offload=o)))
     return jobs
 
@@ -232,7 +242,9 @@ def search_options(
             mb = fixed["micro_batch"]
         else:
             limit = search.MICRO_BATCH_LIMIT if micro_batch_max else cap
-            found = search.max_micro_batch(candidate, limit=limit, headrooms=basis.headrooms)
+            found = search.max_micro_batch(
+                candidate, limit=limit, headrooms=basis.headrooms, bound=basis.bound_headrooms
+            )
             mb = 1 if found == 0 or (priority == "memory" and not micro_batch_max) else found
         options.append(basis.evaluate(candidate.with_(micro_batch=mb)))
     return options
