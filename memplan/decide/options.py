@@ -197,16 +197,41 @@ def ranked(options: list[Option], priority: str) -> list[Option]:
 def _precisions(job: Job) -> tuple[str, ...]:
     """Precisions tried when the user fixed none: the mixed policy first (the safe default);
     fp32 and autocast use more memory and are never faster; pure bf16 (no master copy)
-    changes the numerics, so it is tried only when asked for."""
+    changes the numerics of what is trained, so it is tried only when asked for, or where only
+    adapters are trained (LoRA, QLoRA: the frozen base has no master copy to keep; a plain loop
+    runs no mixed policy, so without it a one-GPU adapter search had autocast's fp32 weights)."""
     gpu_name = job.cluster.gpu_name
     has_bf16 = gpu_name == "custom" or catalog.gpu(gpu_name).peak_bf16_flops is not None
-    return ("mixed-bf16", "amp-bf16", "fp32") if has_bf16 else ("mixed-fp16", "amp-fp16", "fp32")
+    if not has_bf16:
+        return ("mixed-fp16", "amp-fp16", "fp32")
+    adapters = job.train.finetune in ("lora", "qlora")
+    return ("mixed-bf16", "amp-bf16", "fp32", *(("bf16",) if adapters else ()))
+
+
+def unmodelled(job: Job) -> str | None:
+    """Why ``job`` cannot be estimated (what its model does not cover), None where it can."""
+    try:
+        bound(job)
+    except MemplanError as error:
+        return str(error)
+    return None
+
+
+def skipped_jobs(job: Job, fixed: dict, allowed: tuple[str, ...] | None = None) -> list[str]:
+    """Why each searched combination of ``_combinations`` the model cannot estimate: a search
+    skips them and says so; only what the user chose explicitly is refused."""
+    return [why for j, why in _combinations(job, fixed, allowed) if why is not None]
 
 
 def candidate_jobs(job: Job, fixed: dict, allowed: tuple[str, ...] | None = None) -> list[Job]:
     """Every strategy × precision × AC × offload allowed by ``fixed`` (axis -> value) and among
     the strategies ``allowed`` (None: all), at micro-batch 1 (the micro-batch is searched
-    afterwards)."""
+    afterwards), but those the model cannot estimate (``skipped_jobs``)."""
+    return [j for j, why in _combinations(job, fixed, allowed) if why is None]
+
+
+def _combinations(job: Job, fixed: dict, allowed: tuple[str, ...] | None) -> list[tuple[Job, str | None]]:
+    """Each combination searched, with why the model cannot estimate it (None: it can)."""
     strategies = [fixed["strategy"]] if "strategy" in fixed else strategies_on(job.cluster.gpus)
     if allowed is not None:
         strategies = [s for s in strategies if s in allowed]
@@ -219,8 +244,13 @@ def candidate_jobs(job: Job, fixed: dict, allowed: tuple[str, ...] | None = None
             continue
         if not STRATEGIES[s].runs_natively(p) and not {"strategy", "precision"} <= set(fixed):
             continue  # a recommendation must be launchable: searched options only where native
-        train = job.train.with_ac(a, precision=p, micro_batch=1)
-        jobs.append(replace(job, train=train, plan=replace(job.plan, strategy=s, offload=o)))
+        try:
+            train = job.train.with_ac(a, precision=p, micro_batch=1)
+            candidate = replace(job, train=train, plan=replace(job.plan, strategy=s, offload=o))
+        except MemplanError as error:
+            jobs.append((job, str(error)))
+            continue
+        jobs.append((candidate, unmodelled(candidate)))
     return jobs
 
 
