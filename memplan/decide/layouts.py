@@ -148,8 +148,31 @@ def _option(job: Job, link: Link) -> LayoutOption:
 
 def _rank(option: LayoutOption) -> tuple:
     """A layout with the safe margin of headroom first (as ``options.rank`` prefers), then the fastest."""
-    tight = option.estimate.headroom_bytes < default("safe_headroom_fraction") * option.estimate.usable_bytes
-    return (tight, -option.step.tokens_per_s)
+    return (tight(option.estimate), -option.step.tokens_per_s)
+
+
+def tight(estimate: Estimate) -> bool:
+    """Less than the safe margin of headroom (``options.rank``'s and ``_rank``'s preference)."""
+    return estimate.headroom_bytes < default("safe_headroom_fraction") * estimate.usable_bytes
+
+
+def layout_matters(job: Job) -> bool:
+    """Whether a layout can matter for ``job``: more than one node, or data parallel alone
+    (FSDP over every GPU, AC full, micro-batch 1) keeps less than the safe margin free."""
+    if job.cluster.num_nodes > 1:
+        return True
+    smallest = job.with_(strategy="fsdp-full-shard", activation_checkpointing="full", micro_batch=1, offload="none")
+    return tight(final(replace(smallest, layout=Layout())))
+
+
+def prefer_layout(pick: LayoutPick, best_tokens_per_s: float | None, best_tight: bool) -> bool:
+    """Whether the layout search's pick beats data parallel's (None: nothing fits there) by the
+    layouts' own rank: the safe margin of headroom first, then tokens/s."""
+    if pick.best is None:
+        return False
+    if best_tokens_per_s is None:
+        return True
+    return (_rank(pick.best) < (best_tight, -best_tokens_per_s)) and pick.best.job.layout != Layout()
 
 
 def _settings() -> list[tuple[str, int]]:
