@@ -10,7 +10,7 @@ from memplan import api
 from memplan.breakdown import Component
 from memplan.errors import MemplanError
 from memplan.inputs import build_jobs
-from memplan.memory import estimate
+from memplan.totals import final as estimate
 from memplan.search import gpu_counts, max_micro_batch, min_gpus, min_gpus_for, with_gpus, with_strategy
 from memplan.strategies import strategies_on
 
