@@ -211,7 +211,7 @@ def replayed_step(job, stage: int | None = None):
     from .parallel import pipeline
     from .parallel.step import RankStep
 
-    index = estimate(job).worst_stage if stage is None else stage
+    index = getattr(estimate(job), "worst_stage", 0) if stage is None else stage
     return RankStep(job, pipeline.stages(job.layout, job.model.num_layers)[index])
 
 
@@ -222,6 +222,6 @@ def reserved(job, conf: AllocConf = DEFAULT_CONF, stage: int | None = None) -> R
 
     est = estimate(job)
     if stage is not None:
-        est = est.stages[stage]
+        est = getattr(est, "stages", (est,))[stage]
     excess = excess_bytes(replayed_step(job, stage), conf)
     return Reserved(reserved_bytes=est.allocated_bytes + excess, excess_bytes=excess, conf=conf)

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 from .breakdown import Estimate
 from .inputs import ModelChoice, build_jobs
-from .totals import final
 from .request import FIELDS, Request, default, unknown_keyword
+from .totals import final
 
 if TYPE_CHECKING:
     from .calibration import Applied

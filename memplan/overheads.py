@@ -127,7 +127,11 @@ def _replayed_term(job: Job, conf: AllocConf, stage: int | None) -> Term:
 
     excess = reserved(job, conf, stage).excess_bytes
     return Term(
-        Component.BUFFERS, "caching-allocator excess (replayed)", f"allocator replay, {conf.text}", excess, "allocator.excess"
+        Component.BUFFERS,
+        "caching-allocator excess (replayed)",
+        f"allocator replay, {conf.text}",
+        excess,
+        "allocator.excess",
     )
 
 
@@ -147,7 +151,7 @@ def with_replayed_allocator(est: Estimate) -> Estimate:
     )
     worst = max(range(len(replayed)), key=lambda i: replayed[i].total_bytes)
     w = replayed[worst]
-    return replace(
+    return replace(  # type: ignore[call-arg]  # a LayoutEstimate: it has stages
         est,
         peak=w.peak,
         moments=w.moments,

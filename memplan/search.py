@@ -1,6 +1,7 @@
-"""Exact integer searches over the exact ``totals.final`` (the replayed reserved included): the largest micro-batch that fits and
-the fewest GPUs on which some strategy fits. Exponential search for a bracket, then bisection
-(for the micro-batch, starting from where each moment's straight line says it stops fitting).
+"""Exact integer searches over the exact ``totals.final`` (the replayed reserved included): the
+largest micro-batch that fits and the fewest GPUs on which some strategy fits. Exponential
+search for a bracket, then bisection (for the micro-batch, starting from where each moment's
+straight line says it stops fitting).
 
 Memory is non-decreasing in the micro-batch (every activation term is linear in it). In the
 GPU count it is non-increasing for every strategy: sharded terms divide by the shard degree,
@@ -19,6 +20,7 @@ from .breakdown import Estimate
 from .catalog import decision_setting
 from .errors import MemplanError
 from .specs import Job
+from .strategies import STRATEGIES
 from .totals import bound, final
 from .totals import fits as _fits
 from .totals import headrooms as _headrooms
@@ -26,7 +28,7 @@ from .totals import headrooms as _headrooms
 
 def _bound_headrooms(job: Job) -> tuple[int, ...]:
     return bound(job).moment_headrooms
-from .strategies import STRATEGIES
+
 
 MICRO_BATCH_LIMIT = 1_000_000  # TrainSpec refuses more
 GPU_LIMIT = 1_000_000  # ClusterSpec refuses more

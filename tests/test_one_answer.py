@@ -2,7 +2,6 @@
 through the CLI as a user runs it. Each test is a finding of that issue."""
 
 import json
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -96,8 +95,19 @@ def test_the_json_of_a_rejected_option_is_the_table_of_that_option():
     rec = as_json("recommend", *GPT2[:-2])
     for option in rec["rejected"][:3]:
         table = as_json(
-            "estimate", *GPT2[:-8], "--precision", option["precision"], "--ac", option["activation_checkpointing"],
-            "--micro-batch", str(option["micro_batch"]), "--recipe", "hf-trainer", "--strategy", option["strategy"],
-            "--offload", option["offload"],
+            "estimate",
+            *GPT2[:-8],
+            "--precision",
+            option["precision"],
+            "--ac",
+            option["activation_checkpointing"],
+            "--micro-batch",
+            str(option["micro_batch"]),
+            "--recipe",
+            "hf-trainer",
+            "--strategy",
+            option["strategy"],
+            "--offload",
+            option["offload"],
         )["estimates"][0]
         assert option["total_bytes"] == table["bytes"]["total"]  # fmt: skip

@@ -10,9 +10,9 @@ from memplan import api
 from memplan.breakdown import Component
 from memplan.errors import MemplanError
 from memplan.inputs import build_jobs
-from memplan.totals import final as estimate
 from memplan.search import gpu_counts, max_micro_batch, min_gpus, min_gpus_for, with_gpus, with_strategy
 from memplan.strategies import strategies_on
+from memplan.totals import final as estimate
 
 
 @pytest.mark.parametrize("params,gpu", [("7e9", "a100-80gb"), ("13e9", "h100-sxm"), ("1.3e9", "a100-40gb")])

@@ -232,13 +232,13 @@ def candidate_jobs(job: Job, fixed: dict, allowed: tuple[str, ...] | None = None
 
 def _combinations(job: Job, fixed: dict, allowed: tuple[str, ...] | None) -> list[tuple[Job, str | None]]:
     """Each combination searched, with why the model cannot estimate it (None: it can)."""
+    jobs: list[tuple[Job, str | None]] = []
     strategies = [fixed["strategy"]] if "strategy" in fixed else strategies_on(job.cluster.gpus)
     if allowed is not None:
         strategies = [s for s in strategies if s in allowed]
     precisions = [fixed["precision"]] if "precision" in fixed else list(_precisions(job))
     acs = [fixed["ac"]] if "ac" in fixed else list(AC_MODES)
     offloads = [fixed["offload"]] if "offload" in fixed else list(OFFLOADS)
-    jobs = []
     for s, p, a, o in itertools.product(strategies, precisions, acs, offloads):
         if not STRATEGIES[s].supports_offload(o) or not allows_ep(STRATEGIES[s], job.plan.ep):
             continue

@@ -21,10 +21,10 @@ from .options import (
     basis_for,
     candidate_jobs,
     rank,
-    skipped_jobs,
     ranked,
     reject,
     search_options,
+    skipped_jobs,
 )
 from .rules import RuleVerdict, judge, rules, size_class
 
