@@ -187,7 +187,9 @@ def min_gpus(
     request = Request.of(request, **inputs, gpus=1, gpus_per_node=0)
     choice, jobs = _jobs(request)
     basis = basis_for(jobs[0], calibration=calibration)
-    found = search_min_gpus(jobs[0], [j.plan.strategy for j in jobs], gpus_per_node=per_node, fits=basis.fits)
+    found = search_min_gpus(
+        jobs[0], [j.plan.strategy for j in jobs], gpus_per_node=per_node, fits=basis.fits, bound_fits=basis.bound_fits
+    )
     return choice, replace(found, corrected=basis.corrected(found.estimate))
 
 

@@ -30,8 +30,14 @@ def _bound_headrooms(job: Job) -> tuple[int, ...]:
     return bound(job).moment_headrooms
 
 
+def _bound_fits(job: Job) -> bool:
+    return bound(job).fits
+
+
 MICRO_BATCH_LIMIT = 1_000_000  # TrainSpec refuses more
 GPU_LIMIT = 1_000_000  # ClusterSpec refuses more
+SCAN = 16
+"""GPU counts past the bound's answer tried one by one before bisecting."""
 
 
 def _default_node() -> int:
@@ -61,13 +67,16 @@ def max_micro_batch(
     *,
     limit: int = MICRO_BATCH_LIMIT,
     headrooms: Callable[[Job], tuple[int, ...]] = _headrooms,
-    bound: Callable[[Job], tuple[int, ...]] | None = _bound_headrooms,
+    bound: Callable[[Job], tuple[int, ...]] | None = None,
 ) -> int:
     """Largest micro-batch ≤ limit at which ``job`` fits by ``headrooms``; bounded, then confirmed:
     ``bound`` (headrooms never below ``headrooms``': without the allocator's replayed excess)
     gives the most it can be at no replay's cost; there the exact headrooms decide, and where
     they do not fit, the bound shifted down by the excess found there guesses again, each guess
-    confirmed exactly (``_max_micro_batch`` where both miss)."""
+    confirmed exactly (``_max_micro_batch`` where both miss). ``bound`` None: ``totals.bound``'s
+    for the default ``headrooms``, none for others (a calibration's may lie below it)."""
+    if bound is None and headrooms is _headrooms:
+        bound = _bound_headrooms
     if bound is None:
         return _max_micro_batch(job, limit=limit, headrooms=headrooms)
     most = _max_micro_batch(job, limit=limit, headrooms=bound)
@@ -153,15 +162,35 @@ class MinGpus:
 
 
 def min_gpus_for(
-    job: Job, *, gpus_per_node: int = 0, limit: int = GPU_LIMIT, fits: Callable[[Job], bool] = _fits
+    job: Job,
+    *,
+    gpus_per_node: int = 0,
+    limit: int = GPU_LIMIT,
+    fits: Callable[[Job], bool] = _fits,
+    bound_fits: Callable[[Job], bool] | None = None,
 ) -> int | None:
-    """Fewest GPUs (1..node size, then whole nodes) on which ``job``'s own strategy fits."""
+    """Fewest GPUs (1..node size, then whole nodes) on which ``job``'s own strategy fits.
+
+    Bounded, then confirmed: the bound (``totals.bound``: no allocator excess; monotone in the GPU
+    count as the module says) is bisected to the fewest GPUs it allows; no fewer can fit. From
+    there the counts are tried in order with ``fits`` (the replayed excess, fragmentation, is
+    not monotone in the GPU count), the first ``SCAN`` one by one, then by bisection.
+    ``bound_fits`` None: ``totals.bound``'s for the default ``fits``, ``fits`` itself for others."""
     count, node = gpu_counts(gpus_per_node)
     limit = min(limit, STRATEGIES[job.plan.strategy].max_gpus or limit)  # "single": one GPU at most
     # the number of counts ≤ limit: 1..limit below a node, else count(index_limit - 1) = node · (limit // node)
     index_limit = limit if limit < node else node + limit // node - 1
-    i = _first_true(lambda i: fits(with_gpus(job, count(i), gpus_per_node)), index_limit)
-    return None if i is None else count(i)
+    if bound_fits is None:
+        bound_fits = _bound_fits if fits is _fits else fits
+    first = _first_true(lambda i: bound_fits(with_gpus(job, count(i), gpus_per_node)), index_limit)
+    if first is None:
+        return None
+    for i in range(first, min(first + SCAN, index_limit)):
+        if fits(with_gpus(job, count(i), gpus_per_node)):
+            return count(i)
+    rest = first + SCAN
+    i = _first_true(lambda i: fits(with_gpus(job, count(rest + i), gpus_per_node)), index_limit - rest)
+    return None if i is None else count(rest + i)
 
 
 def min_gpus(
@@ -171,11 +200,15 @@ def min_gpus(
     gpus_per_node: int = 0,
     limit: int = GPU_LIMIT,
     fits: Callable[[Job], bool] = _fits,
+    bound_fits: Callable[[Job], bool] | None = None,
 ) -> MinGpus:
     """Fewest GPUs for which some strategy of ``strategies`` fits, and which (the first listed wins a tie)."""
     one = with_gpus(job, 1, gpus_per_node)  # every strategy runs on one GPU
     by = {
-        s: min_gpus_for(with_strategy(one, s), gpus_per_node=gpus_per_node, limit=limit, fits=fits) for s in strategies
+        s: min_gpus_for(
+            with_strategy(one, s), gpus_per_node=gpus_per_node, limit=limit, fits=fits, bound_fits=bound_fits
+        )
+        for s in strategies
     }
     found = [(n, s) for s, n in by.items() if n is not None]
     if not found:

@@ -135,6 +135,9 @@ class Basis:
         est = bound(job)
         return self.corrected(est) or est
 
+    def bound_fits(self, job: Job) -> bool:
+        return self.bound(job).fits
+
     def bound_headrooms(self, job: Job) -> tuple[int, ...]:
         return self.bound(job).moment_headrooms
 
