@@ -189,8 +189,8 @@ def min_gpus_for(
         if fits(with_gpus(job, count(i), gpus_per_node)):
             return count(i)
     rest = first + SCAN
-    i = _first_true(lambda i: fits(with_gpus(job, count(rest + i), gpus_per_node)), index_limit - rest)
-    return None if i is None else count(rest + i)
+    found = _first_true(lambda i: fits(with_gpus(job, count(rest + i), gpus_per_node)), index_limit - rest)
+    return None if found is None else count(rest + found)
 
 
 def min_gpus(

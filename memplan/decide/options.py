@@ -4,8 +4,8 @@ and timed on one ``Basis`` (links and, where one applies, a calibration), then r
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
-from functools import cache
+from dataclasses import dataclass, field, replace
+from functools import cache, cached_property, total_ordering
 
 from .. import catalog, search
 from ..breakdown import Estimate, Fit
@@ -53,18 +53,27 @@ def allowed_strategies(framework: str | None, strategies=None) -> tuple[str, ...
 
 @dataclass(frozen=True, kw_only=True)
 class Option(Fit):
-    """One configuration, estimated and timed."""
+    """One configuration, timed; its bytes are ``totals.final``'s, replayed when first read
+    (where the bound does not fit, whether it fits needs no replay)."""
 
-    estimate: Estimate
-    corrected: Corrected | None = None
-    """The estimate with the calibration applied, where one applies: its total decides."""
+    job: Job
+    basis: Basis = field(repr=False, compare=False)
     step: StepTime
     relative_throughput: float
     """Tokens/s over DDP's at the same settings (DDP fitting or not)."""
 
+    @cached_property
+    def estimate(self) -> Estimate:
+        return final(self.job)
+
+    @cached_property
+    def corrected(self) -> Corrected | None:
+        """The estimate with the calibration applied, where one applies: its total decides."""
+        return self.basis.corrected(self.estimate)
+
     @property
-    def job(self) -> Job:
-        return self.estimate.job
+    def fits(self) -> bool:
+        return self.basis.bound(self.job).fits and self.final.fits
 
     @property
     def final(self) -> Estimate | Corrected:
@@ -151,10 +160,9 @@ class Basis:
         return self.bound(job).fits and self.final(job).fits
 
     def evaluate(self, job: Job) -> Option:
-        est = final(job)
         return Option(
-            estimate=est,
-            corrected=self.corrected(est),
+            job=job,
+            basis=self,
             step=self.step(job),
             relative_throughput=relative_to_ddp(job, self.step),
         )
@@ -171,11 +179,25 @@ def basis_for(
     return Basis(link=link, calibration=loaded, correction=correction, device_matches=same)
 
 
+@total_ordering
+class _Total:
+    """An option's total in a sort key, read (replayed) only when the key's earlier items tie."""
+
+    def __init__(self, option: Option):
+        self.option = option
+
+    def __eq__(self, other) -> bool:
+        return self.option.total_bytes == other.option.total_bytes
+
+    def __lt__(self, other) -> bool:
+        return self.option.total_bytes < other.option.total_bytes
+
+
 def rank(option: Option, priority: str) -> tuple:
     """The sort key of ``option`` by ``priority``: the least is the best."""
     speed = -option.step.tokens_per_s
     simple = simplicity_ranks()[option.job.plan.strategy]
-    mem = option.total_bytes
+    mem = _Total(option)
     if priority == "memory":
         return (mem, speed, simple)
     if priority == "simplicity":
@@ -187,7 +209,7 @@ def rank(option: Option, priority: str) -> tuple:
             mem,
         )
     # equal to speed_significant_figures: as fast; then an option with a safe margin, then the simpler
-    tight = option.headroom_bytes < default("safe_headroom_fraction") * option.usable_bytes
+    tight = not option.fits or option.headroom_bytes < default("safe_headroom_fraction") * option.usable_bytes
     digits = int(catalog.decision_setting("speed_significant_figures"))
     return (-float(f"{-speed:.{digits}g}"), tight, simple, mem)
 
@@ -296,17 +318,20 @@ class Rejected:
     option: Option
     code: str
     best: Option | None
-    over_by_bytes: int | None = None
-    """does_not_fit: total minus usable."""
     slower_fraction: float | None = None
     """Every code but does_not_fit: 1 - its tokens/s over the best's."""
     extra_bytes: int | None = None
     """more_memory: its total minus the best's."""
 
+    @property
+    def over_by_bytes(self) -> int | None:
+        """does_not_fit: total minus usable (the option's replay, read here)."""
+        return -self.option.headroom_bytes if self.code == "does_not_fit" else None
+
 
 def reject(option: Option, best: Option | None, priority: str) -> Rejected:
     if not option.fits:
-        return Rejected(option=option, code="does_not_fit", best=best, over_by_bytes=-option.headroom_bytes)
+        return Rejected(option=option, code="does_not_fit", best=best)
     assert best is not None  # an option that fits is ranked, so there is a best
     slower = slower_fraction(option, best)
     if priority == "memory":
