@@ -189,6 +189,8 @@ def min_gpus_for(
         if fits(with_gpus(job, count(i), gpus_per_node)):
             return count(i)
     rest = first + SCAN
+    if rest >= index_limit:
+        return None
     found = _first_true(lambda i: fits(with_gpus(job, count(rest + i), gpus_per_node)), index_limit - rest)
     return None if found is None else count(rest + found)
 
