@@ -10,9 +10,9 @@ comparison. Every row's total includes the replayed reserved (one replay per con
 import sys
 import time
 
+from memplan import alloctrace, totals
 from memplan.grid import sweep
 from memplan.inputs import build_jobs
-from memplan import alloctrace, totals
 from memplan.memory import estimate
 
 GRID = dict(
