@@ -1,13 +1,16 @@
 """Configurations per second of ``memplan.sweep`` on the grid of issue 11: 8 model sizes × 10 GPU
-counts × 5 micro-batches × 4 sequence lengths, every strategy; cold (the estimate cache empty,
-as in a fresh process) and warm (the same grid again), and the scalar estimate for comparison.
+counts × 5 micro-batches × 4 sequence lengths, every strategy; cold (the estimate and replay
+caches empty, as in a fresh process) and warm (the same grid again), and the scalar estimate for
+comparison. Every row's total includes the replayed reserved (one replay per configuration), as
+``memplan.estimate``'s; ``sizes`` takes the first few model sizes only (a shorter run).
 
-    python benchmarks/sweep.py [repeats]
+    python benchmarks/sweep.py [repeats] [sizes]
 """
 
 import sys
 import time
 
+from memplan import alloctrace, totals
 from memplan.grid import sweep
 from memplan.inputs import build_jobs
 from memplan.memory import estimate
@@ -27,7 +30,8 @@ def rate(repeats: int, clear: bool) -> tuple[int, float, float]:
     wall = cpu = 0.0
     for _ in range(repeats):
         if clear:
-            estimate.cache_clear()
+            for cached in (estimate, totals.final, totals.bound, alloctrace.reserved, alloctrace._excess):
+                cached.cache_clear()
         start_wall, start_cpu = time.perf_counter(), time.process_time()
         frame = sweep(**GRID)
         wall = max(wall, len(frame) / (time.perf_counter() - start_wall))
@@ -52,4 +56,6 @@ def main(repeats: int = 3) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 2:
+        GRID["params"] = GRID["params"][: int(sys.argv[2])]
     main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)

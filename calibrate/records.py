@@ -66,6 +66,7 @@ _LATER_DEFAULTS: dict[str, dict[str, Any]] = {
         if f.name in (*MOE_FIELDS, *MLA_FIELDS, "qk_norm", "type_vocab_size", "num_labels", "head_dim")
     },
     "plan": {"ep": 1, "zero": None},
+    "cluster": {"alloc_conf": ""},
 }
 """Inputs added after records existed, by part: kept in a record only where not at their default."""
 

@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING
 from .breakdown import Estimate
 from .errors import InputError
 from .inputs import ModelChoice, build_jobs
-from .memory import estimate as estimate_job
-from .overheads import with_replayed_allocator
 from .request import FIELDS, ClusterRequest, Request, default, unknown_keyword
+from .totals import final
 
 if TYPE_CHECKING:
     from .calibration import Applied
@@ -201,7 +200,13 @@ def min_gpus(
         )
     choice, jobs = _jobs(request)
     basis = basis_for(jobs[0], calibration=calibration)
-    found = search_min_gpus(jobs[0], [j.plan.strategy for j in jobs], gpus_per_node=per_node or 0, fits=basis.fits)
+    found = search_min_gpus(
+        jobs[0],
+        [j.plan.strategy for j in jobs],
+        gpus_per_node=per_node or 0,
+        fits=basis.fits,
+        bound_fits=basis.bound_fits,
+    )
     return choice, replace(found, corrected=basis.corrected(found.estimate))
 
 
@@ -304,7 +309,7 @@ def estimate(
 
     request = Request.of(request, **inputs)
     choice, jobs = _jobs(request)
-    estimates = tuple(with_replayed_allocator(estimate_job(job), request.cluster.alloc_conf) for job in jobs)
+    estimates = tuple(final(job) for job in jobs)
     decision = Decision(
         priority=priority,
         interconnect=interconnect,

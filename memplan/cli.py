@@ -411,9 +411,12 @@ def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
 )
 @click.option("--format", "fmt", type=_choice(("table", "json")), default="table", show_default=True)
 @click.option(
-    "--search-layout",
-    is_flag=True,
-    help="Search the mesh too: tp within the node, pp and its schedule, the dp strategy, AC, micro-batch.",
+    "--search-layout/--no-search-layout",
+    default=None,
+    help="Search the mesh too: tp within the node, pp and its schedule, the dp strategy, AC, micro-batch "
+    "[default: where a layout can matter (more than one node, or data parallel alone keeps less than the "
+    "safe margin free) and no --tp/--cp/--pp is given; the layout is then picked where it beats data "
+    "parallel's pick, the safe margin of headroom first, then tokens/s].",
 )
 @user_errors
 def recommend(priority, interconnect, bw, calibration, emit, framework, fmt, search_layout, **flags):
@@ -445,6 +448,9 @@ def recommend(priority, interconnect, bw, calibration, emit, framework, fmt, sea
         framework=framework,
         strategies=writes,
     )
+    if search_layout is None and _layout_wins(flags, rec, interconnect, bw):
+        click.echo(_layout_pick(flags, interconnect, bw, emit, fmt))
+        return
     launch = emit_text(rec.best.job, emit) if emit and rec.best else None
     if emit and rec.best is None:
         raise MemplanError(
@@ -455,6 +461,21 @@ def recommend(priority, interconnect, bw, calibration, emit, framework, fmt, sea
         click.echo(json.dumps({**report.recommendation_dict(rec, source), "launch": launch}, indent=2))
     else:
         click.echo(report.render_recommendation(choice, rec, launch, source))
+
+
+def _layout_wins(flags: dict, rec, interconnect, bw) -> bool:
+    """Where a layout can matter and none was given: whether the layout search's pick beats ``rec``'s."""
+    from .decide.layouts import layout_matters, prefer_layout, search_layouts, tight
+    from .inputs import build_jobs
+    from .throughput import link_for
+
+    _, jobs = build_jobs(_request({**flags, "strategy": "fsdp-full-shard"}))
+    job = jobs[0]
+    if not job.layout.is_data_parallel or job.plan.ep > 1 or not layout_matters(job):
+        return False
+    pick = search_layouts(job, link_for(job, interconnect=interconnect, bw_gbs=bw))
+    best = rec.best
+    return prefer_layout(pick, best and best.step.tokens_per_s, best is not None and tight(best.final))
 
 
 def _layout_pick(flags: dict, interconnect, bw, emit, fmt) -> str:

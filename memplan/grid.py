@@ -22,8 +22,9 @@ from .api import MODEL_INPUTS, takes_inputs
 from .errors import MemplanError
 from .inputs import build_jobs
 from .memory import estimate
-from .overheads import fixed_terms, slack_fraction
+from .overheads import allocator_bytes, fixed_terms
 from .specs import Job
+from .totals import final
 
 _POINTS = ((1, 1), (1, 2), (2, 1), (2, 2))  # (b, s): a unique solve for the four coefficients
 _CHECK = (3, 5)
@@ -77,17 +78,32 @@ def _family_coefficients(jobs: list[Job]) -> list[tuple[np.ndarray, np.ndarray]]
     return list(zip(out, phases))
 
 
+def _excess(job: Job, b: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """The caching allocator's replayed excess of each configuration (``totals.final``'s, one
+    replay per configuration; none on CPU)."""
+    if job.train.device == "cpu":
+        return np.zeros(len(b), dtype=np.int64)
+    return np.array(
+        [allocator_bytes(final(job.with_(micro_batch=int(bi), seq_len=int(si)))) for bi, si in zip(b, s)],
+        dtype=np.int64,
+    )
+
+
 def _group_rows(job: Job, coef: np.ndarray, phases: np.ndarray, basis: np.ndarray) -> dict[str, np.ndarray]:
-    """The columns of one group from its coefficients; ``basis``: configurations × 4."""
+    """The columns of one group from its coefficients; ``basis``: configurations × 4 (b, s in
+    its second and third columns: s and b·s)."""
     per_moment = basis @ coef.T  # configurations × moments, exact integers
     peak = per_moment.argmax(axis=1)  # the first largest, as max() picks in the scalar path
     allocated = per_moment[np.arange(len(basis)), peak]
     fixed = sum(t.bytes for t in fixed_terms(job))
-    overhead = fixed + (allocated * slack_fraction(job)).astype(np.int64)
+    s = basis[:, 1]
+    excess = _excess(job, basis[:, 2] // s, s)
+    overhead = fixed + excess
     total = allocated + overhead
     headroom = job.cluster.usable_bytes - total
     return {
         "allocated_bytes": allocated,
+        "reserved_bytes": allocated + excess,
         "overhead_bytes": overhead,
         "total_bytes": total,
         "headroom_bytes": headroom,

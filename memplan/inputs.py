@@ -69,7 +69,15 @@ def _explicit_model(request: ModelRequest) -> ModelSpec:
 
 
 def resolve_cluster(
-    *, gpus=1, gpus_per_node=0, gpu_mem=None, gpu=None, headroom=0.05, precision="mixed-bf16", float8=False
+    *,
+    gpus=1,
+    gpus_per_node=0,
+    gpu_mem=None,
+    gpu=None,
+    headroom=0.05,
+    precision="mixed-bf16",
+    float8=False,
+    alloc_conf="",
 ) -> ClusterSpec:
     """The GPUs a ``ClusterRequest`` names, for a step at ``precision`` (with float8 training or not)."""
     name, mem = "custom", 80 * 2**30
@@ -80,7 +88,14 @@ def resolve_cluster(
         name, mem = spec.name, spec.memory_bytes
     elif gpu_mem is not None:
         mem = parse_bytes(gpu_mem, what="gpu_mem")
-    return ClusterSpec(gpus=gpus, gpus_per_node=gpus_per_node or 0, gpu_mem_bytes=mem, gpu_name=name, headroom=headroom)
+    return ClusterSpec(
+        gpus=gpus,
+        gpus_per_node=gpus_per_node or 0,
+        gpu_mem_bytes=mem,
+        gpu_name=name,
+        headroom=headroom,
+        alloc_conf=alloc_conf,
+    )
 
 
 def _default_seq_len(model: ModelSpec, train: TrainSpec, *, given: bool) -> tuple[TrainSpec, tuple[str, ...]]:
@@ -125,6 +140,7 @@ def build_jobs(request: Request | None = None, /, **inputs) -> tuple[ModelChoice
         headroom=c.headroom,
         precision=train.precision,
         float8=train.float8,
+        alloc_conf=c.alloc_conf,
     )
     train, context = _default_seq_len(choice.spec, train, given=request.training.seq_len is not None)
     choice = replace(choice, assumptions=context + _gpu_alias(c.gpu))

@@ -592,6 +592,8 @@ def reason_text(r: Reason, restricted_by: str | None = None) -> str:
         return f"searched only {_strategies_named(r.strategies)}" + (f" ({restricted_by})" if restricted_by else "")
     if r.code == "nothing_fits":
         return f"none of the {r.num_options} options fits; the closest: {_given(r.option).label()}"
+    if r.code == "skipped":
+        return f"skipped {r.num_options} combinations the model cannot estimate, e.g. {r.why}"
     if r.code == "ranked":
         return f"{r.num_fitting} of {r.num_options} options fit; ranked by {r.priority}"
     if r.code == "fits":
@@ -708,6 +710,8 @@ def _fix_dict(f: Fix) -> dict:
 def _reason_dict(r: Reason, restricted_by: str | None) -> dict:
     """A reason's code and numbers (its sentence is in ``reasons``, at the same index)."""
     out: dict = {"code": r.code}
+    if r.code == "skipped":
+        out.update(num_options=r.num_options, why=r.why)
     if r.code in ("assumed_gpu", "predicted"):
         basis = _given(r.basis)
         out.update(

@@ -1,6 +1,7 @@
-"""Exact integer searches over the exact ``estimate``: the largest micro-batch that fits and
-the fewest GPUs on which some strategy fits. Exponential search for a bracket, then bisection
-(for the micro-batch, starting from where each moment's straight line says it stops fitting).
+"""Exact integer searches over the exact ``totals.final`` (the replayed reserved included): the
+largest micro-batch that fits and the fewest GPUs on which some strategy fits. Exponential
+search for a bracket, then bisection (for the micro-batch, starting from where each moment's
+straight line says it stops fitting).
 
 Memory is non-decreasing in the micro-batch (every activation term is linear in it). In the
 GPU count it is non-increasing for every strategy: sharded terms divide by the shard degree,
@@ -18,12 +19,25 @@ from dataclasses import dataclass, replace
 from .breakdown import Estimate
 from .catalog import decision_setting
 from .errors import MemplanError
-from .memory import estimate
 from .specs import Job
 from .strategies import STRATEGIES
+from .totals import bound, final
+from .totals import fits as _fits
+from .totals import headrooms as _headrooms
+
+
+def _bound_headrooms(job: Job) -> tuple[int, ...]:
+    return bound(job).moment_headrooms
+
+
+def _bound_fits(job: Job) -> bool:
+    return bound(job).fits
+
 
 MICRO_BATCH_LIMIT = 1_000_000  # TrainSpec refuses more
 GPU_LIMIT = 1_000_000  # ClusterSpec refuses more
+SCAN = 16
+"""GPU counts past the bound's answer tried one by one before bisecting."""
 
 
 def _default_node() -> int:
@@ -48,17 +62,43 @@ def _first_true(pred, hi_limit: int) -> int | None:
     return hi
 
 
-def _fits(job: Job) -> bool:
-    return estimate(job).fits
-
-
-def _headrooms(job: Job) -> tuple[int, ...]:
-    return estimate(job).moment_headrooms
-
-
 def max_micro_batch(
-    job: Job, *, limit: int = MICRO_BATCH_LIMIT, headrooms: Callable[[Job], tuple[int, ...]] = _headrooms
+    job: Job,
+    *,
+    limit: int = MICRO_BATCH_LIMIT,
+    headrooms: Callable[[Job], tuple[int, ...]] = _headrooms,
+    bound: Callable[[Job], tuple[int, ...]] | None = None,
 ) -> int:
+    """Largest micro-batch ≤ limit at which ``job`` fits by ``headrooms``; bounded, then confirmed:
+    ``bound`` (headrooms never below ``headrooms``': without the allocator's replayed excess)
+    gives the most it can be at no replay's cost; there the exact headrooms decide, and where
+    they do not fit, the bound shifted down by the excess found there guesses again, each guess
+    confirmed exactly (``_max_micro_batch`` where both miss). ``bound`` None: ``totals.bound``'s
+    for the default ``headrooms``, none for others (a calibration's may lie below it)."""
+    if bound is None and headrooms is _headrooms:
+        bound = _bound_headrooms
+    if bound is None:
+        return _max_micro_batch(job, limit=limit, headrooms=headrooms)
+    most = _max_micro_batch(job, limit=limit, headrooms=bound)
+    if most == 0:
+        return 0
+
+    def room(b: int) -> int:
+        return min(headrooms(job.with_(micro_batch=b)))
+
+    excess = min(bound(job.with_(micro_batch=most))) - room(most)
+    if excess <= 0:
+        return most
+    guess = _max_micro_batch(job, limit=most, headrooms=lambda j: tuple(r - excess for r in bound(j)))
+    if guess == 0 or room(guess) < 0:
+        upper = most - 1 if guess == 0 else guess - 1
+        return _max_micro_batch(job, limit=upper, headrooms=headrooms) if upper >= 1 else 0
+    while guess < most and room(guess + 1) >= 0:
+        guess += 1
+    return guess
+
+
+def _max_micro_batch(job: Job, *, limit: int, headrooms: Callable[[Job], tuple[int, ...]]) -> int:
     """Largest micro-batch ≤ limit at which ``job`` fits (the least of ``headrooms`` ≥ 0: the
     analytic moments', or calibrated ones); 0 when not even 1 does.
 
@@ -122,15 +162,37 @@ class MinGpus:
 
 
 def min_gpus_for(
-    job: Job, *, gpus_per_node: int = 0, limit: int = GPU_LIMIT, fits: Callable[[Job], bool] = _fits
+    job: Job,
+    *,
+    gpus_per_node: int = 0,
+    limit: int = GPU_LIMIT,
+    fits: Callable[[Job], bool] = _fits,
+    bound_fits: Callable[[Job], bool] | None = None,
 ) -> int | None:
-    """Fewest GPUs (1..node size, then whole nodes) on which ``job``'s own strategy fits."""
+    """Fewest GPUs (1..node size, then whole nodes) on which ``job``'s own strategy fits.
+
+    Bounded, then confirmed: the bound (``totals.bound``: no allocator excess; monotone in the GPU
+    count as the module says) is bisected to the fewest GPUs it allows; no fewer can fit. From
+    there the counts are tried in order with ``fits`` (the replayed excess, fragmentation, is
+    not monotone in the GPU count), the first ``SCAN`` one by one, then by bisection.
+    ``bound_fits`` None: ``totals.bound``'s for the default ``fits``, ``fits`` itself for others."""
     count, node = gpu_counts(gpus_per_node)
     limit = min(limit, STRATEGIES[job.plan.strategy].max_gpus or limit)  # "single": one GPU at most
     # the number of counts ≤ limit: 1..limit below a node, else count(index_limit - 1) = node · (limit // node)
     index_limit = limit if limit < node else node + limit // node - 1
-    i = _first_true(lambda i: fits(with_gpus(job, count(i), gpus_per_node)), index_limit)
-    return None if i is None else count(i)
+    if bound_fits is None:
+        bound_fits = _bound_fits if fits is _fits else fits
+    first = _first_true(lambda i: bound_fits(with_gpus(job, count(i), gpus_per_node)), index_limit)
+    if first is None:
+        return None
+    for i in range(first, min(first + SCAN, index_limit)):
+        if fits(with_gpus(job, count(i), gpus_per_node)):
+            return count(i)
+    rest = first + SCAN
+    if rest >= index_limit:
+        return None
+    found = _first_true(lambda i: fits(with_gpus(job, count(rest + i), gpus_per_node)), index_limit - rest)
+    return None if found is None else count(rest + found)
 
 
 def min_gpus(
@@ -140,11 +202,15 @@ def min_gpus(
     gpus_per_node: int = 0,
     limit: int = GPU_LIMIT,
     fits: Callable[[Job], bool] = _fits,
+    bound_fits: Callable[[Job], bool] | None = None,
 ) -> MinGpus:
     """Fewest GPUs for which some strategy of ``strategies`` fits, and which (the first listed wins a tie)."""
     one = with_gpus(job, 1, gpus_per_node)  # every strategy runs on one GPU
     by = {
-        s: min_gpus_for(with_strategy(one, s), gpus_per_node=gpus_per_node, limit=limit, fits=fits) for s in strategies
+        s: min_gpus_for(
+            with_strategy(one, s), gpus_per_node=gpus_per_node, limit=limit, fits=fits, bound_fits=bound_fits
+        )
+        for s in strategies
     }
     found = [(n, s) for s, n in by.items() if n is not None]
     if not found:
@@ -153,4 +219,4 @@ def min_gpus(
         )
     gpus, strategy = min(found, key=lambda t: t[0])
     best = with_gpus(with_strategy(job, strategy), gpus, gpus_per_node)
-    return MinGpus(gpus=gpus, strategy=strategy, estimate=estimate(best), by_strategy=by)
+    return MinGpus(gpus=gpus, strategy=strategy, estimate=final(best), by_strategy=by)

@@ -450,6 +450,13 @@ class TrainSpec:
             self.recipe,
         )
 
+    def with_ac(self, policy: str, **changes) -> TrainSpec:
+        """A copy under AC ``policy`` (and ``changes``): the every-N-th-block setting kept for a
+        policy, reset to every block for none (which checkpoints no block at all), so a search
+        over policies never builds AC none with the user's ac-every."""
+        every = self.ac_every if policy != "none" else 1
+        return replace(self, activation_checkpointing=policy, ac_every=every, **changes)
+
     @property
     def tuning(self):
         """What is trained, as a ``finetune.Tuning``."""
@@ -473,6 +480,8 @@ class ClusterSpec:
     gpu_name: str = "custom"
     headroom: float = 0.05
     """Fraction of each GPU's memory kept free."""
+    alloc_conf: str = ""
+    """The ``PYTORCH_CUDA_ALLOC_CONF`` the job runs with: what the allocator's replay follows."""
 
     def __post_init__(self):
         _check_positive(self, "gpus", "gpu_mem_bytes")
@@ -643,6 +652,8 @@ class Job:
         unknown = next((key for key in changes if key not in _PART_OF), None)
         if unknown is not None:
             raise MemplanError(f"unknown setting {unknown!r}")
+        if changes.get("activation_checkpointing") == "none" and "ac_every" not in changes:
+            changes = {**changes, "ac_every": 1}  # as TrainSpec.with_ac: no block checkpointed
         # every change applied before any check: a part is validated with all of its changes
         return Job(
             model=_changed(self.model, changes),

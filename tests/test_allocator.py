@@ -428,3 +428,30 @@ def test_the_written_out_replay_loop_is_the_rules_event_by_event(events, conf, l
     # CachingAllocator.replay runs _replay_fixed_segments where neither expandable segments nor
     # garbage collection are on; after every prefix of the trace its state is the rules' state
     _same_event_by_event(events, conf, limit)
+
+
+def test_the_loss_backward_makes_its_gradients_one_tensor_at_a_time():
+    """torch's cross-entropy backward on fp32 logits, recorded: each b·s·V gradient is its own
+    allocation of the log_softmax output's size, as the synthesized trace emits the
+    ``loss.gradients`` term (one tensor of their sum could not reuse the loss forward's blocks)."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    from calibrate.alloctrace import Recorder
+    from memplan.alloctrace import _loss_backward
+    from memplan.breakdown import Component, Term
+
+    b, s, V = 2, 16, 1000
+    logits = torch.randn(b, s, V, dtype=torch.bfloat16, requires_grad=True)
+    loss = F.cross_entropy(logits.float().view(-1, V), torch.randint(0, V, (b * s,)))
+    recorder = Recorder()
+    with recorder:
+        loss.backward()
+    fp32 = 4 * b * s * V
+    recorded = [e.size for e in recorder.events if isinstance(e, Alloc) and e.size >= fp32]
+    assert len(recorded) >= 2 and set(recorded) == {fp32}  # several, each one b·s·V in fp32, none larger
+    terms = [
+        Term(Component.ACTIVATIONS, "log_softmax output (fp32)", "4·b·s·V", fp32, "loss.log_softmax"),
+        Term(Component.ACTIVATIONS, "loss gradients (nll, log_softmax)", "2·4·b·s·V", 2 * fp32, "loss.gradients"),
+    ]
+    assert _loss_backward(terms) == [fp32] * 3

@@ -209,8 +209,9 @@ def test_errors_name_the_keyword_in_python_and_the_flag_in_the_command(inputs, f
 
 
 def test_min_gpus_searches_whole_nodes_of_gpus_per_node():
-    _, per_node = memplan.min_gpus(params=60e9, gpu="a100-80gb", gpus_per_node=4, calibration=None)
-    _, default = memplan.min_gpus(params=60e9, gpu="a100-80gb", calibration=None)
+    # 50B: past one node under both (the replayed totals put 66B on 120 GPUs either way)
+    _, per_node = memplan.min_gpus(params=50e9, gpu="a100-80gb", gpus_per_node=4, calibration=None)
+    _, default = memplan.min_gpus(params=50e9, gpu="a100-80gb", calibration=None)
     assert per_node.gpus % 4 == 0 and default.gpus % 8 == 0 and per_node.gpus != default.gpus
 
 

@@ -11,9 +11,9 @@ from memplan.decide import FRAMEWORKS, PRIORITIES, framework_strategies, recomme
 from memplan.decide.options import ranked
 from memplan.errors import MemplanError
 from memplan.inputs import build_jobs
-from memplan.memory import estimate
 from memplan.strategies import STRATEGIES, strategies_on
 from memplan.throughput import default, flops_per_token, relative_to_ddp
+from memplan.totals import final as estimate
 
 CLAIMS = {row["id"]: row for row in catalog.read_table("rules.csv")}
 
@@ -26,6 +26,8 @@ def _claimed(rule_id: str, column: str) -> float | None:
 # params, gpus, gpu -> (strategy, ac, offload, micro-batch) recommended by speed, and
 # {rule id: verdict code} for rules the arithmetic contradicts (the numbers: _check_verdict).
 SCENARIOS = [
+    # the picks on the replayed totals (totals.final), as every command reports them; where the
+    # notes below give another pick or micro-batch, it was the flat 10 % slack's (issue 28)
     # 7B (6.74e9) on 8×A100-40: FSDP FULL_SHARD; the seeds' 15-25 % FSDP penalty is hidden here:
     # all-gathers (7/8)·6·6.74e9 B = 35.4e9 B / 300 GB/s = 0.118 s < 0.5 × 0.637 s compute.
     ("7e9", 8, "a100-40gb", ("fsdp-full-shard", "none", "none", 1), {"s002-fsdp-penalty": "outside_claim"}),
@@ -46,7 +48,7 @@ SCENARIOS = [
         "13e9",
         8,
         "a100-40gb",
-        ("fsdp-full-shard", "full", "none", 7),
+        ("fsdp-full-shard", "full", "none", 5),
         {"s003-10-30b-40gb-sgo": "slower", "s003-13-70b-limited-sgo": "slower"},
     ),
     # 13B on 8×H100: DDP does not fit; '13B+ → FSDP + CPU offload' fits but the CPU AdamW step
@@ -62,12 +64,18 @@ SCENARIOS = [
     # 70B (68.98e9) on 8×A100-80: 16 B/param / 8 = 128.5 GiB of states per GPU without offload;
     # only ZeRO-3/FSDP with everything offloaded fit. The '~45 % offload penalty' is not what the
     # arithmetic gives at the large micro-batch the offloaded option runs.
-    ("70e9", 8, "a100-80gb", ("zero3", "full", "all", 18), {"s003-zero3-offload-penalty": "outside_claim"}),
-    ("70e9", 8, "h100-sxm", ("zero3", "full", "all", 17), {"s003-zero3-offload-penalty": "outside_claim"}),
+    (
+        "70e9",
+        8,
+        "a100-80gb",
+        ("fsdp-full-shard", "full", "params", 17),
+        {"s003-zero3-offload-penalty": "outside_claim"},
+    ),
+    ("70e9", 8, "h100-sxm", ("fsdp-full-shard", "full", "params", 17), {"s003-zero3-offload-penalty": "outside_claim"}),
     ("70e9", 8, "a100-40gb", ("zero3", "full", "all", 8), {"s003-13-70b-limited-sgo": "does_not_fit"}),
     # 175B on 8 nodes × 8 H100: HYBRID_SHARD shards over 8 GPUs only: 16 B × 175.1e9 / 8 = 326 GiB
     # of states, so it needs params offloaded and is slower than FULL_SHARD over all 64.
-    ("175e9", 64, "h100-sxm", ("fsdp-full-shard", "full", "none", 4), {"s003-100b-multinode-hybrid": "slower"}),
+    ("175e9", 64, "h100-sxm", ("fsdp-full-shard", "full", "none", 3), {"s003-100b-multinode-hybrid": "slower"}),
 ]
 
 

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from memplan.errors import MemplanError
 from memplan.grid import sweep
 from memplan.inputs import build_jobs
-from memplan.memory import estimate
+from memplan.overheads import reserved_bytes
+from memplan.totals import final as estimate
 
 PRECISIONS = ["fp32", "amp-bf16", "mixed-bf16", "bf16"]
 
@@ -18,13 +19,15 @@ PRECISIONS = ["fp32", "amp-bf16", "mixed-bf16", "bf16"]
     [("sdpa", "cuda", "foreach"), ("eager", "cpu", "single"), ("sdpa", "cuda", "fused")],
 )
 def test_random_rows_equal_the_scalar_path(attention, device, optimizer_impl):
+    # on a GPU every row replays the allocator (one replay a row): a smaller grid there
+    cuda = device == "cuda"
     grid = sweep(
         params=[1.3e9, 7e9],
         gpus=[2, 8, 24],
-        precision=PRECISIONS,
-        ac=["none", "selective", "full"],
-        micro_batch=[1, 3, 8],
-        seq_len=[128, 1000, 4096],
+        precision=PRECISIONS[::2] if cuda else PRECISIONS,
+        ac=["none", "full"] if cuda else ["none", "selective", "full"],
+        micro_batch=[1, 3] if cuda else [1, 3, 8],
+        seq_len=[128, 1000] if cuda else [128, 1000, 4096],
         gpu="a100-80gb",
         attention=attention,
         device=device,
@@ -56,8 +59,9 @@ def test_random_rows_equal_the_scalar_path(attention, device, optimizer_impl):
             optimizer_impl=optimizer_impl,
         )
         est = estimate(jobs[0])
-        assert (row.allocated_bytes, row.total_bytes, row.phase, row.fits) == (
+        assert (row.allocated_bytes, row.reserved_bytes, row.total_bytes, row.phase, row.fits) == (
             est.allocated_bytes,
+            reserved_bytes(est),
             est.total_bytes,
             est.phase,
             est.fits,
@@ -68,7 +72,7 @@ def _subset(values, max_size=2):
     return st.lists(st.sampled_from(values), min_size=1, max_size=max_size, unique=True)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     params=_subset([1.3e9, 7e9, 30e9]),
     gpus=_subset([1, 2, 3, 8, 24, 64], 3),

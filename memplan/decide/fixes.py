@@ -61,7 +61,11 @@ def _more_gpus(job: Job, base_fixed: dict, strategies: list[str], basis: Basis) 
     try:
         multi_node = job.cluster.gpus > job.cluster.gpus_per_node
         found = search.min_gpus(
-            sized, strategies, fits=basis.fits, gpus_per_node=job.cluster.gpus_per_node if multi_node else 0
+            sized,
+            strategies,
+            fits=basis.fits,
+            bound_fits=basis.bound_fits,
+            gpus_per_node=job.cluster.gpus_per_node if multi_node else 0,
         )
     except MemplanError as exc:  # its message names the limit
         return Fix(axis="gpus", value=None, option=None, fits=False, from_gpus=job.cluster.gpus, error=str(exc))

@@ -9,10 +9,11 @@ from dataclasses import dataclass, replace
 
 from ..breakdown import Estimate
 from ..layout import Layout
-from ..memory import estimate
+from ..overheads import fixed_terms
 from ..parallel.step import worst_estimate
 from ..specs import Job
 from ..throughput import Link, StepTime, bubble_fraction, default, step_time
+from ..totals import final
 
 DP_STRATEGIES = ("fsdp-full-shard", "fsdp-hybrid-shard", "ddp")
 """The data-parallel dimension as torchtitan runs it: FSDP2, HSDP or DDP."""
@@ -28,18 +29,20 @@ MICROBATCHES_PER_STAGE = 4
 
 @dataclass(frozen=True, kw_only=True)
 class LayoutOption:
-    """One layout with its strategy and step settings, estimated on its worst rank and timed."""
+    """One layout with its strategy and step settings, estimated on its worst rank and timed.
+    Its bytes are ``totals.final``'s (the replayed reserved included), replayed when first read
+    or when the bound (the worst rank without the allocator's excess) fits."""
 
-    estimate: Estimate
+    job: Job
     step: StepTime
 
     @property
-    def job(self) -> Job:
-        return self.estimate.job
+    def estimate(self) -> Estimate:
+        return final(self.job)
 
     @property
     def fits(self) -> bool:
-        return self.estimate.fits
+        return _bound_fits(self.job) and self.estimate.fits
 
     def describe(self) -> str:
         job = self.job
@@ -132,15 +135,44 @@ def _layouts(job: Job) -> list[Layout]:
     return out
 
 
+def _bound_fits(job: Job) -> bool:
+    """The worst rank's allocated peak and the overheads outside the allocator fit: without it,
+    nothing does (``totals.bound``, from the three ranks ``worst_estimate`` weighs)."""
+    est = worst_estimate(job)
+    return est.allocated_bytes + sum(t.bytes for t in fixed_terms(job)) <= est.usable_bytes
+
+
 def _option(job: Job, link: Link) -> LayoutOption:
-    found = estimate(job) if job.layout.pp == 1 else worst_estimate(job)
-    return LayoutOption(estimate=found, step=step_time(job, link))
+    return LayoutOption(job=job, step=step_time(job, link))
 
 
 def _rank(option: LayoutOption) -> tuple:
     """A layout with the safe margin of headroom first (as ``options.rank`` prefers), then the fastest."""
-    tight = option.estimate.headroom_bytes < default("safe_headroom_fraction") * option.estimate.usable_bytes
-    return (tight, -option.step.tokens_per_s)
+    return (tight(option.estimate), -option.step.tokens_per_s)
+
+
+def tight(estimate: Estimate) -> bool:
+    """Less than the safe margin of headroom (``options.rank``'s and ``_rank``'s preference)."""
+    return estimate.headroom_bytes < default("safe_headroom_fraction") * estimate.usable_bytes
+
+
+def layout_matters(job: Job) -> bool:
+    """Whether a layout can matter for ``job``: more than one node, or data parallel alone
+    (FSDP over every GPU, AC full, micro-batch 1) keeps less than the safe margin free."""
+    if job.cluster.num_nodes > 1:
+        return True
+    smallest = job.with_(strategy="fsdp-full-shard", activation_checkpointing="full", micro_batch=1, offload="none")
+    return tight(final(replace(smallest, layout=Layout())))
+
+
+def prefer_layout(pick: LayoutPick, best_tokens_per_s: float | None, best_tight: bool) -> bool:
+    """Whether the layout search's pick beats data parallel's (None: nothing fits there) by the
+    layouts' own rank: the safe margin of headroom first, then tokens/s."""
+    if pick.best is None:
+        return False
+    if best_tokens_per_s is None:
+        return True
+    return (_rank(pick.best) < (best_tight, -best_tokens_per_s)) and pick.best.job.layout != Layout()
 
 
 def _settings() -> list[tuple[str, int]]:
@@ -153,7 +185,7 @@ def _with(job: Job, layout: Layout, strategy: str, ac: str, micro: int) -> Job:
     return replace(
         job,
         plan=replace(job.plan, strategy=strategy),
-        train=replace(job.train, activation_checkpointing=ac, micro_batch=micro),
+        train=job.train.with_ac(ac, micro_batch=micro),
         layout=layout,
     )
 
@@ -186,7 +218,7 @@ def search_layouts(job: Job, link: Link) -> LayoutPick:
                 candidate = replace(
                     job,
                     plan=replace(job.plan, strategy=strategy),
-                    train=replace(job.train, activation_checkpointing=ac, micro_batch=micro),
+                    train=job.train.with_ac(ac, micro_batch=micro),
                     layout=layout,
                 )
                 searched += 1
@@ -198,7 +230,7 @@ def search_layouts(job: Job, link: Link) -> LayoutPick:
     baseline_job = replace(
         job,
         plan=replace(job.plan, strategy="fsdp-full-shard"),
-        train=replace(job.train, activation_checkpointing="full", micro_batch=1),
+        train=job.train.with_ac("full", micro_batch=1),
         layout=Layout(),
     )
     best = min(fitting, key=_rank, default=None)

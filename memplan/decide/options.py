@@ -4,18 +4,18 @@ and timed on one ``Basis`` (links and, where one applies, a calibration), then r
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
-from functools import cache
+from dataclasses import dataclass, field, replace
+from functools import cache, cached_property, total_ordering
 
 from .. import catalog, search
 from ..breakdown import Estimate, Fit
 from ..calibration import Calibration, Corrected, Correction, apply, resolve
 from ..errors import MemplanError
-from ..memory import estimate
 from ..moe import allows_ep
 from ..specs import AC_MODES, OFFLOADS, Job
 from ..strategies import STRATEGIES, strategies_on
 from ..throughput import Link, StepTime, default, link_for, relative_to_ddp, step_time
+from ..totals import bound, final
 
 PRIORITIES = ("speed", "memory", "simplicity")
 AXES = ("strategy", "precision", "ac", "offload", "micro_batch")
@@ -53,18 +53,27 @@ def allowed_strategies(framework: str | None, strategies=None) -> tuple[str, ...
 
 @dataclass(frozen=True, kw_only=True)
 class Option(Fit):
-    """One configuration, estimated and timed."""
+    """One configuration, timed; its bytes are ``totals.final``'s, replayed when first read
+    (where the bound does not fit, whether it fits needs no replay)."""
 
-    estimate: Estimate
-    corrected: Corrected | None = None
-    """The estimate with the calibration applied, where one applies: its total decides."""
+    job: Job
+    basis: Basis = field(repr=False, compare=False)
     step: StepTime
     relative_throughput: float
     """Tokens/s over DDP's at the same settings (DDP fitting or not)."""
 
+    @cached_property
+    def estimate(self) -> Estimate:
+        return final(self.job)
+
+    @cached_property
+    def corrected(self) -> Corrected | None:
+        """The estimate with the calibration applied, where one applies: its total decides."""
+        return self.basis.corrected(self.estimate)
+
     @property
-    def job(self) -> Job:
-        return self.estimate.job
+    def fits(self) -> bool:
+        return self.basis.bound(self.job).fits and self.final.fits
 
     @property
     def final(self) -> Estimate | Corrected:
@@ -127,21 +136,33 @@ class Basis:
         return apply(est, self.correction, device_matches=self.device_matches) if self.correction else None
 
     def final(self, job: Job) -> Estimate | Corrected:
-        est = estimate(job)
+        est = final(job)
         return self.corrected(est) or est
 
+    def bound(self, job: Job) -> Estimate | Corrected:
+        """``final``'s lower bound: no allocator excess (``totals.bound``)."""
+        est = bound(job)
+        return self.corrected(est) or est
+
+    def bound_fits(self, job: Job) -> bool:
+        return self.bound(job).fits
+
+    def bound_headrooms(self, job: Job) -> tuple[int, ...]:
+        return self.bound(job).moment_headrooms
+
     def headrooms(self, job: Job) -> tuple[int, ...]:
-        """Per moment, as ``Estimate.moment_headrooms``: their least is the headroom."""
-        return self.final(job).moment_headrooms
+        """Per moment, as ``Estimate.moment_headrooms``: their least is the headroom (the bound's
+        where it does not fit: no replay needed to say so)."""
+        rooms = self.bound(job).moment_headrooms
+        return rooms if min(rooms) < 0 else self.final(job).moment_headrooms
 
     def fits(self, job: Job) -> bool:
-        return self.final(job).fits
+        return self.bound(job).fits and self.final(job).fits
 
     def evaluate(self, job: Job) -> Option:
-        est = estimate(job)
         return Option(
-            estimate=est,
-            corrected=self.corrected(est),
+            job=job,
+            basis=self,
             step=self.step(job),
             relative_throughput=relative_to_ddp(job, self.step),
         )
@@ -158,11 +179,25 @@ def basis_for(
     return Basis(link=link, calibration=loaded, correction=correction, device_matches=same)
 
 
+@total_ordering
+class _Total:
+    """An option's total in a sort key, read (replayed) only when the key's earlier items tie."""
+
+    def __init__(self, option: Option):
+        self.option = option
+
+    def __eq__(self, other) -> bool:
+        return self.option.total_bytes == other.option.total_bytes
+
+    def __lt__(self, other) -> bool:
+        return self.option.total_bytes < other.option.total_bytes
+
+
 def rank(option: Option, priority: str) -> tuple:
     """The sort key of ``option`` by ``priority``: the least is the best."""
     speed = -option.step.tokens_per_s
     simple = simplicity_ranks()[option.job.plan.strategy]
-    mem = option.total_bytes
+    mem = _Total(option)
     if priority == "memory":
         return (mem, speed, simple)
     if priority == "simplicity":
@@ -174,7 +209,7 @@ def rank(option: Option, priority: str) -> tuple:
             mem,
         )
     # equal to speed_significant_figures: as fast; then an option with a safe margin, then the simpler
-    tight = option.headroom_bytes < default("safe_headroom_fraction") * option.usable_bytes
+    tight = not option.fits or option.headroom_bytes < default("safe_headroom_fraction") * option.usable_bytes
     digits = int(catalog.decision_setting("speed_significant_figures"))
     return (-float(f"{-speed:.{digits}g}"), tight, simple, mem)
 
@@ -187,30 +222,60 @@ def ranked(options: list[Option], priority: str) -> list[Option]:
 def _precisions(job: Job) -> tuple[str, ...]:
     """Precisions tried when the user fixed none: the mixed policy first (the safe default);
     fp32 and autocast use more memory and are never faster; pure bf16 (no master copy)
-    changes the numerics, so it is tried only when asked for."""
+    changes the numerics of what is trained, so it is tried only when asked for, or where only
+    adapters are trained (LoRA, QLoRA: the frozen base has no master copy to keep; a plain loop
+    runs no mixed policy, so without it a one-GPU adapter search had autocast's fp32 weights)."""
     gpu_name = job.cluster.gpu_name
     has_bf16 = gpu_name == "custom" or catalog.gpu(gpu_name).peak_bf16_flops is not None
-    return ("mixed-bf16", "amp-bf16", "fp32") if has_bf16 else ("mixed-fp16", "amp-fp16", "fp32")
+    if not has_bf16:
+        return ("mixed-fp16", "amp-fp16", "fp32")
+    adapters = job.train.finetune in ("lora", "qlora")
+    return ("mixed-bf16", "amp-bf16", "fp32", *(("bf16",) if adapters else ()))
+
+
+def unmodelled(job: Job) -> str | None:
+    """Why ``job`` cannot be estimated (what its model does not cover), None where it can."""
+    try:
+        bound(job)
+    except MemplanError as error:
+        return str(error)
+    return None
+
+
+def skipped_jobs(job: Job, fixed: dict, allowed: tuple[str, ...] | None = None) -> list[str]:
+    """Why each searched combination of ``_combinations`` the model cannot estimate: a search
+    skips them and says so; only what the user chose explicitly is refused."""
+    return [why for j, why in _combinations(job, fixed, allowed) if why is not None]
 
 
 def candidate_jobs(job: Job, fixed: dict, allowed: tuple[str, ...] | None = None) -> list[Job]:
     """Every strategy × precision × AC × offload allowed by ``fixed`` (axis -> value) and among
     the strategies ``allowed`` (None: all), at micro-batch 1 (the micro-batch is searched
-    afterwards)."""
+    afterwards), but those the model cannot estimate (``skipped_jobs``)."""
+    return [j for j, why in _combinations(job, fixed, allowed) if why is None]
+
+
+def _combinations(job: Job, fixed: dict, allowed: tuple[str, ...] | None) -> list[tuple[Job, str | None]]:
+    """Each combination searched, with why the model cannot estimate it (None: it can)."""
+    jobs: list[tuple[Job, str | None]] = []
     strategies = [fixed["strategy"]] if "strategy" in fixed else strategies_on(job.cluster.gpus)
     if allowed is not None:
         strategies = [s for s in strategies if s in allowed]
     precisions = [fixed["precision"]] if "precision" in fixed else list(_precisions(job))
     acs = [fixed["ac"]] if "ac" in fixed else list(AC_MODES)
     offloads = [fixed["offload"]] if "offload" in fixed else list(OFFLOADS)
-    jobs = []
     for s, p, a, o in itertools.product(strategies, precisions, acs, offloads):
         if not STRATEGIES[s].supports_offload(o) or not allows_ep(STRATEGIES[s], job.plan.ep):
             continue
         if not STRATEGIES[s].runs_natively(p) and not {"strategy", "precision"} <= set(fixed):
             continue  # a recommendation must be launchable: searched options only where native
-        train = replace(job.train, precision=p, activation_checkpointing=a, micro_batch=1)
-        jobs.append(replace(job, train=train, plan=replace(job.plan, strategy=s, offload=o)))
+        try:
+            train = job.train.with_ac(a, precision=p, micro_batch=1)
+            candidate = replace(job, train=train, plan=replace(job.plan, strategy=s, offload=o))
+        except MemplanError as error:
+            jobs.append((job, str(error)))
+            continue
+        jobs.append((candidate, unmodelled(candidate)))
     return jobs
 
 
@@ -232,7 +297,9 @@ def search_options(
             mb = fixed["micro_batch"]
         else:
             limit = search.MICRO_BATCH_LIMIT if micro_batch_max else cap
-            found = search.max_micro_batch(candidate, limit=limit, headrooms=basis.headrooms)
+            found = search.max_micro_batch(
+                candidate, limit=limit, headrooms=basis.headrooms, bound=basis.bound_headrooms
+            )
             mb = 1 if found == 0 or (priority == "memory" and not micro_batch_max) else found
         options.append(basis.evaluate(candidate.with_(micro_batch=mb)))
     return options
@@ -251,17 +318,20 @@ class Rejected:
     option: Option
     code: str
     best: Option | None
-    over_by_bytes: int | None = None
-    """does_not_fit: total minus usable."""
     slower_fraction: float | None = None
     """Every code but does_not_fit: 1 - its tokens/s over the best's."""
     extra_bytes: int | None = None
     """more_memory: its total minus the best's."""
 
+    @property
+    def over_by_bytes(self) -> int | None:
+        """does_not_fit: total minus usable (the option's replay, read here)."""
+        return -self.option.headroom_bytes if self.code == "does_not_fit" else None
+
 
 def reject(option: Option, best: Option | None, priority: str) -> Rejected:
     if not option.fits:
-        return Rejected(option=option, code="does_not_fit", best=best, over_by_bytes=-option.headroom_bytes)
+        return Rejected(option=option, code="does_not_fit", best=best)
     assert best is not None  # an option that fits is ranked, so there is a best
     slower = slower_fraction(option, best)
     if priority == "memory":

@@ -24,6 +24,7 @@ from .options import (
     ranked,
     reject,
     search_options,
+    skipped_jobs,
 )
 from .rules import RuleVerdict, judge, rules, size_class
 
@@ -41,6 +42,7 @@ class Reason:
     - fits: ``option`` (the pick) fits
     - predicted: ``option``'s step time over ``basis.link``
     - runner_up: ``rejected`` is the next best
+    - skipped: ``num_options`` combinations searched were not estimated: ``why`` (the first's)
     """
 
     code: str
@@ -52,6 +54,7 @@ class Reason:
     num_fitting: int | None = None
     priority: str | None = None
     rejected: Rejected | None = None
+    why: str | None = None
 
     def __str__(self) -> str:
         from ..report import reason_text
@@ -100,6 +103,9 @@ def _check(job: Job, fixed: dict, priority: str, allowed: tuple[str, ...] | None
     if fixed.get("strategy", allowed[0]) not in allowed:
         raise MemplanError(f"strategy {fixed['strategy']} is not among the strategies searched: {', '.join(allowed)}")
     if not candidate_jobs(job, fixed, allowed):
+        skipped = skipped_jobs(job, fixed, allowed)
+        if skipped:  # nothing else to search: the user's own choices are what cannot be modelled
+            raise MemplanError(skipped[0])
         raise MemplanError(
             f"no strategy searched ({', '.join(allowed)}) runs on {job.cluster.gpus} GPUs with the choices given"
         )
@@ -167,6 +173,9 @@ def recommend_job(
     )
     verdicts = tuple(v for v in judged if v is not None)
     reasons = _reasons(best, fitting, options, priority, basis, fixed, allowed)
+    skipped = skipped_jobs(job, fixed, allowed)
+    if skipped:
+        reasons += (Reason(code="skipped", num_options=len(skipped), why=skipped[0]),)
     found = tuple(fixes(job, fixed, priority, basis, allowed)) if best is None else ()
     return Recommendation(
         priority=priority,

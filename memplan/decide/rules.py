@@ -10,7 +10,6 @@ from functools import cache
 from .. import catalog
 from ..errors import MemplanError
 from ..layout import Layout
-from ..memory import estimate
 from ..specs import Job
 from ..strategies import STRATEGIES
 from ..throughput import StepTime, bubble_fraction, default, model_parallel_seconds, relative_to_ddp
@@ -380,6 +379,6 @@ def _judge_overhead(rule: Rule, ref: Job, basis: Basis) -> RuleVerdict | None:
         value=value,
         unit="fraction",
         tolerance=close,
-        layout=LayoutOption(estimate=estimate(job), step=basis.step(job)),
+        layout=LayoutOption(job=job, step=basis.step(job)),
         interconnect=basis.link.interconnect,
     )
