@@ -96,9 +96,14 @@ def max_micro_batch(
             lo, guess = guess, guess + 1
             continue
         hi, excess = guess, min(bound(job.with_(micro_batch=guess))) - found
-        shifted = _max_micro_batch(job, limit=hi - 1, headrooms=lambda j: tuple(r - excess for r in bound(j)))
+        shifted = _max_micro_batch(job, limit=hi - 1, headrooms=_less(bound, excess))
         guess = min(max(shifted, lo + 1), hi - 1)
     return lo
+
+
+def _less(headrooms: Callable[[Job], tuple[int, ...]], excess: int) -> Callable[[Job], tuple[int, ...]]:
+    """``headrooms`` less ``excess`` at every moment."""
+    return lambda job: tuple(r - excess for r in headrooms(job))
 
 
 def _max_micro_batch(job: Job, *, limit: int, headrooms: Callable[[Job], tuple[int, ...]]) -> int:

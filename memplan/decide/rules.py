@@ -195,7 +195,7 @@ def _own_terms(claims: dict, strategy: str, fixed: dict) -> dict:
 
 
 def _axis_value(option: Option, axis: str) -> str:
-    j = option.job
+    j = option.settings
     return {"ac": j.train.activation_checkpointing, "offload": j.plan.offload, "precision": j.train.precision}[axis]
 
 
@@ -207,7 +207,7 @@ def _rule_options(
     mine = [
         o
         for o in options
-        if o.job.plan.strategy in rule.strategies
+        if o.settings.plan.strategy in rule.strategies
         and all(v is None or v == _axis_value(o, k) for k, v in rule.claims.items())
     ]
     overridden = any(v is not None and k in fixed and fixed[k] != v for k, v in rule.claims.items())
@@ -217,7 +217,7 @@ def _rule_options(
         o
         for strategy in rule.strategies
         for o in search_options(job, _own_terms(rule.claims, strategy, fixed), priority, basis)
-        if STRATEGIES[strategy].supports_offload(o.job.plan.offload)
+        if STRATEGIES[strategy].supports_offload(o.settings.plan.offload)
     ]
 
 
