@@ -310,6 +310,22 @@ class Ranked(Sequence):
         return bool(self._upto(1))
 
 
+def smallest(options: list[Option]) -> Option:
+    """The option of the least total (the first listed among equal ones), as ``min`` finds it,
+    confirming (replaying) them in the order of their bound's total at their least micro-batch
+    (no more than their total: the bound's is, and memory grows with the micro-batch) until
+    none left can be smaller."""
+    bounds = sorted((o.basis.bound(o.settings).total_bytes, i, o) for i, o in enumerate(options))
+    best: tuple[int, int, Option] | None = None
+    for low, i, option in bounds:
+        if best is not None and best[:2] < (low, i):
+            break
+        found = (option.total_bytes, i, option)
+        best = found if best is None or found[:2] < best[:2] else best
+    assert best is not None, "no options"
+    return best[2]
+
+
 def ranked(options: list[Option], priority: str) -> Ranked:
     """The options that fit, best first, confirmed as they are read (``Ranked``)."""
     return Ranked(options, priority)

@@ -27,6 +27,7 @@ from .options import (
     reject,
     search_options,
     skipped_jobs,
+    smallest,
 )
 from .rules import RuleVerdict, judge, rules, size_class
 
@@ -219,7 +220,7 @@ def _reasons(
     if allowed is not None:
         out.append(Reason(code="restricted", strategies=allowed))
     if best is None:
-        closest = min(options, key=lambda o: o.total_bytes)
+        closest = smallest(options)
         return (*out, Reason(code="nothing_fits", num_options=len(options), option=closest))
     out += [
         Reason(code="ranked", fitting=fitting, num_options=len(options), priority=priority),

@@ -14,7 +14,7 @@ from ..specs import Job
 from ..strategies import STRATEGIES
 from ..throughput import StepTime, bubble_fraction, default, model_parallel_seconds, relative_to_ddp
 from .layouts import MICROBATCHES_PER_STAGE, LayoutOption, best_of_layout, tp_within_node
-from .options import Basis, Option, ranked, search_options, slower_fraction
+from .options import Basis, Option, ranked, search_options, slower_fraction, smallest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,15 +230,15 @@ def _judge_recommend(
         return None  # no option of the rule's under the user's choices (e.g. DDP with --offload all)
     fitting = ranked(candidates, priority)
     if not fitting:
-        smallest = min(candidates, key=lambda o: o.total_bytes)
+        least = smallest(candidates)
         return RuleVerdict(
             rule=rule,
             agrees=False,
             code="does_not_fit",
             metric="total_bytes",
-            value=smallest.total_bytes,
+            value=least.total_bytes,
             unit="bytes",
-            option=smallest,
+            option=least,
         )
     mine = fitting[0]
     if best is None or mine.key == best.key:
