@@ -309,6 +309,12 @@ class Ranked(Sequence):
     def __bool__(self) -> bool:
         return bool(self._upto(1))
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Ranked) and self._upto(None) == other._upto(None)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._upto(None)))
+
 
 def smallest(options: list[Option]) -> Option:
     """The option of the least total (the first listed among equal ones), as ``min`` finds it,
