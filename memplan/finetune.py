@@ -179,6 +179,13 @@ def _block_tensors(model) -> list[tuple[int, ...]]:
     return shapes + 2 * norm
 
 
+def _block_params_at(model, index: int) -> int:
+    """Block ``index``'s parameters: a sparse block's, or a dense one's where an MoE model has them."""
+    from .moe import is_moe_layer
+
+    return model.block_params() if is_moe_layer(model, index) else sum(model.block_param_counts().values())
+
+
 def _root_tensors(model) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
     """(input embedding, final norm + head) tensors of a decoder, or of a ViT (patch conv and
     its bias, class token, positions; the classifier and its bias)."""
@@ -234,7 +241,9 @@ def trained(model, tuning: Tuning) -> Trained:
         # the final norm and the head; a tied head is the frozen embedding (head_params has it not)
         root = model.head_params()
         tensors = tuple(head + block_tensors * (L - n))
-        trainable = root + (L - n) * model.block_params()
+        # an MoE model's blocks differ: its leading dense ones (first_dense_layers) are smaller
+        blocks = tuple(0 if i < n else _block_params_at(model, i) for i in range(L))
+        trainable = root + sum(blocks)
         return Trained(
             total=P,
             trainable=trainable,
@@ -242,7 +251,7 @@ def trained(model, tuning: Tuning) -> Trained:
             quantized=0,
             root=root,
             embedding=0,
-            blocks=(0,) * n + (model.block_params(),) * (L - n),
+            blocks=blocks,
             tensors=tensors,
             adapters=False,
             head_trained=not model.tied_embeddings,

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import HealthCheck, Phase, assume, currently_in_test_context, example, given, note, settings
+from hypothesis import HealthCheck, assume, currently_in_test_context, example, given, note, settings
 from hypothesis import strategies as st
 
 from memplan import layout, loop, specs
@@ -48,12 +48,10 @@ GPUS = ("a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200", "l40s
 FULL_SHARD = ("fsdp-full-shard", "zero3")
 
 
-def examples(n: int, *, shrink: bool = True) -> settings:
-    """n examples (times MEMPLAN_PROPERTY_SCALE); shrink=False for the expected failures (xfail),
-    which stop at their first failing example."""
+def examples(n: int) -> settings:
+    """n examples (times MEMPLAN_PROPERTY_SCALE)."""
     return settings(
         max_examples=max(1, int(n * SCALE)),
-        phases=list(Phase) if shrink else [Phase.explicit, Phase.generate],
         deadline=None,
         derandomize=True,
         database=None,
@@ -455,15 +453,7 @@ def test_fsdp_units_under_tp_are_the_ranks_local_shards():
     assert out is not None and out["estimates"][0]["bytes"]["buffers"] >= 0
 
 
-AC_EVERY_SEARCH = pytest.mark.xfail(
-    strict=False,
-    reason="estimate's search builds AC-none options with the user's --ac-every and refuses the job "
-    "explain answers: issue 28 item 2, fixed on the onebytes branch",
-)
-
-
-@AC_EVERY_SEARCH
-@examples(60, shrink=False)
+@examples(60)
 @given(args=jobs())
 def test_explain_and_estimate_give_the_same_bytes(args):
     """The job ``explain`` answers, ``estimate`` answers too, with its allocated and total."""
@@ -475,11 +465,6 @@ def test_explain_and_estimate_give_the_same_bytes(args):
     assert out is not None, "estimate refuses what explain answers"
     assert out["estimates"][0]["bytes"]["allocated"] == totals["allocated"]
     assert out["estimates"][0]["bytes"]["total"] == totals["total"]
-
-
-ONEBYTES = pytest.mark.xfail(
-    strict=False, reason="recommendation/search bytes: issue 28 item 3, fixed on the onebytes branch"
-)
 
 
 def _monotone(args: list[str], flag: str, larger) -> None:
@@ -528,8 +513,7 @@ def test_more_gpus_under_full_shard_never_more_state_bytes(args, shard):
     assert sum(b[k] for k in states) <= sum(a[k] for k in states)
 
 
-@ONEBYTES
-@examples(50, shrink=False)
+@examples(50)
 @given(args=jobs(with_layout=False))
 def test_micro_batch_max_fits_and_one_more_does_not(args):
     """``--micro-batch max``: the micro-batch it names fits (unless none does: then 1), one more does not."""
@@ -577,8 +561,7 @@ def _without(args: list[str], *flags: str) -> list[str]:
     return out
 
 
-@ONEBYTES
-@examples(40, shrink=False)
+@examples(40)
 @given(args=jobs(strategy="all", with_layout=False))
 def test_recommendation_reasked_with_estimate_gives_the_same_bytes(args):
     """``recommend``'s pick, given back to ``estimate`` as flags: the same total."""
@@ -594,8 +577,7 @@ def test_recommendation_reasked_with_estimate_gives_the_same_bytes(args):
     assert total == rec["total_bytes"], f"recommend says {rec['total_bytes']:,} B, estimate {total:,} B"
 
 
-@ONEBYTES
-@examples(40, shrink=False)
+@examples(40)
 @given(args=jobs(strategy="all", with_layout=False))
 def test_estimate_table_and_its_recommendation_give_the_same_bytes(args):
     """The recommendation under ``estimate``'s table, where it picks a row's option: that row's total."""

@@ -167,6 +167,9 @@ def recommend_job(
     _check(job, fixed, priority, allowed)
     basis = basis_for(job, interconnect=interconnect, bw_gbs=bw_gbs, calibration=calibration)
     options = search_options(job, fixed, priority, basis, micro_batch_max=micro_batch_max, allowed=allowed)
+    if not options:
+        skipped = skipped_jobs(job, fixed, allowed)
+        raise MemplanError(f"nothing to search: {skipped[0] if skipped else 'no strategy runs these settings'}")
     fitting = ranked(options, priority)
     best = fitting[0] if fitting else None
     size, ddp_fits = size_class(job.model.num_params), _ddp_fits(job, fixed, options, basis)
