@@ -72,8 +72,9 @@ def max_micro_batch(
     """Largest micro-batch ≤ limit at which ``job`` fits by ``headrooms``; bounded, then confirmed:
     ``bound`` (headrooms never below ``headrooms``': without the allocator's replayed excess)
     gives the most it can be at no replay's cost; there the exact headrooms decide, and where
-    they do not fit, the bound shifted down by the excess found there guesses again, each guess
-    confirmed exactly (``_max_micro_batch`` where both miss). ``bound`` None: ``totals.bound``'s
+    they do not fit, the bound shifted down by the excess found there guesses again below, each
+    guess confirmed exactly, until a micro-batch that fits sits next to one that does not (one
+    or two replays where the excess changes little with the micro-batch). ``bound`` None: ``totals.bound``'s
     for the default ``headrooms``, none for others (a calibration's may lie below it)."""
     if bound is None and headrooms is _headrooms:
         bound = _bound_headrooms
@@ -86,16 +87,23 @@ def max_micro_batch(
     def room(b: int) -> int:
         return min(headrooms(job.with_(micro_batch=b)))
 
-    excess = min(bound(job.with_(micro_batch=most))) - room(most)
-    if excess <= 0:
-        return most
-    guess = _max_micro_batch(job, limit=most, headrooms=lambda j: tuple(r - excess for r in bound(j)))
-    if guess == 0 or room(guess) < 0:
-        upper = most - 1 if guess == 0 else guess - 1
-        return _max_micro_batch(job, limit=upper, headrooms=headrooms) if upper >= 1 else 0
-    while guess < most and room(guess + 1) >= 0:
-        guess += 1
-    return guess
+    # lo fits, hi does not (above ``most`` the bound already does not fit): confirm ``most``; each
+    # miss shifts the bound down by the excess found there to guess again below it, each fit steps up
+    lo, hi, guess = 0, most + 1, most
+    while hi - lo > 1:
+        found = room(guess)
+        if found >= 0:
+            lo, guess = guess, guess + 1
+            continue
+        hi, excess = guess, min(bound(job.with_(micro_batch=guess))) - found
+        shifted = _max_micro_batch(job, limit=hi - 1, headrooms=_less(bound, excess))
+        guess = min(max(shifted, lo + 1), hi - 1)
+    return lo
+
+
+def _less(headrooms: Callable[[Job], tuple[int, ...]], excess: int) -> Callable[[Job], tuple[int, ...]]:
+    """``headrooms`` less ``excess`` at every moment."""
+    return lambda job: tuple(r - excess for r in headrooms(job))
 
 
 def _max_micro_batch(job: Job, *, limit: int, headrooms: Callable[[Job], tuple[int, ...]]) -> int:

@@ -9,7 +9,7 @@ from .. import search
 from ..errors import MemplanError
 from ..specs import Job
 from ..strategies import STRATEGIES
-from .options import Basis, Option, candidate_jobs, ranked
+from .options import Basis, Option, candidate_jobs, ranked, smallest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +48,7 @@ def _smallest(
     if not opts:
         return Fix(axis=axis, value=value, option=None, fits=False, blocked_by=blocked_by)
     fitting = ranked(opts, priority)
-    pick = fitting[0] if fitting else min(opts, key=lambda o: o.total_bytes)
+    pick = fitting[0] if fitting else smallest(opts)
     return Fix(axis=axis, value=value, option=pick, fits=pick.fits)
 
 

@@ -3,7 +3,9 @@ and timed on one ``Basis`` (links and, where one applies, a calibration), then r
 
 from __future__ import annotations
 
+import heapq
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache, cached_property, total_ordering
 
@@ -54,13 +56,41 @@ def allowed_strategies(framework: str | None, strategies=None) -> tuple[str, ...
 @dataclass(frozen=True, kw_only=True)
 class Option(Fit):
     """One configuration, timed; its bytes are ``totals.final``'s, replayed when first read
-    (where the bound does not fit, whether it fits needs no replay)."""
+    (where the bound does not fit, whether it fits needs no replay). Its micro-batch is the
+    settings' own, or (``limit``) the largest that fits up to ``limit`` (1 where none does),
+    searched when first read: an option the ranking never reaches is never replayed."""
 
-    job: Job
+    settings: Job
+    """The job but, where ``limit`` is set, its micro-batch."""
     basis: Basis = field(repr=False, compare=False)
-    step: StepTime
-    relative_throughput: float
-    """Tokens/s over DDP's at the same settings (DDP fitting or not)."""
+    limit: int = 0
+    """0: the micro-batch is the settings'; else searched up to this (``search.max_micro_batch``)."""
+
+    @cached_property
+    def job(self) -> Job:
+        if not self.limit:
+            return self.settings
+        b = self.basis
+        found = search.max_micro_batch(self.settings, limit=self.limit, headrooms=b.headrooms, bound=b.bound_headrooms)
+        return self.settings.with_(micro_batch=max(found, 1))
+
+    @cached_property
+    def step(self) -> StepTime:
+        return self.basis.step(self.job)
+
+    @cached_property
+    def relative_throughput(self) -> float:
+        """Tokens/s over DDP's at the same settings (DDP fitting or not)."""
+        return relative_to_ddp(self.job, self.basis.step)
+
+    def micro_batches(self) -> range:
+        """The micro-batches ``job`` can have where it fits, by the bound (no replay): none where
+        it cannot fit."""
+        if not self.limit:
+            fits = self.basis.bound(self.settings).fits
+            return range(self.settings.train.micro_batch, self.settings.train.micro_batch + fits)
+        most = search.max_micro_batch(self.settings, limit=self.limit, headrooms=self.basis.bound_headrooms)
+        return range(1, most + 1)
 
     @cached_property
     def estimate(self) -> Estimate:
@@ -159,13 +189,9 @@ class Basis:
     def fits(self, job: Job) -> bool:
         return self.bound(job).fits and self.final(job).fits
 
-    def evaluate(self, job: Job) -> Option:
-        return Option(
-            job=job,
-            basis=self,
-            step=self.step(job),
-            relative_throughput=relative_to_ddp(job, self.step),
-        )
+    def evaluate(self, job: Job, *, limit: int = 0) -> Option:
+        """``job`` as an option; ``limit``: at the largest micro-batch up to it that fits."""
+        return Option(settings=job, basis=self, limit=limit)
 
 
 def basis_for(
@@ -210,13 +236,105 @@ def rank(option: Option, priority: str) -> tuple:
         )
     # equal to speed_significant_figures: as fast; then an option with a safe margin, then the simpler
     tight = not option.fits or option.headroom_bytes < default("safe_headroom_fraction") * option.usable_bytes
+    return (_as_fast(speed), tight, simple, mem)
+
+
+def _as_fast(speed: float) -> float:
+    """``speed`` (negative tokens/s) to speed_significant_figures: equal is as fast."""
     digits = int(catalog.decision_setting("speed_significant_figures"))
-    return (-float(f"{-speed:.{digits}g}"), tight, simple, mem)
+    return -float(f"{-speed:.{digits}g}")
 
 
-def ranked(options: list[Option], priority: str) -> list[Option]:
-    """The options that fit, best first."""
-    return sorted((o for o in options if o.fits), key=lambda o: rank(o, priority))
+BOUNDED_MICRO_BATCHES = 256
+"""Past this many micro-batches the bound allows, an option's best rank is not bounded (it is confirmed)."""
+
+
+def rank_bound(option: Option, priority: str) -> tuple:
+    """A key no later than ``rank(option, priority)`` from the bound alone (no replay): the most
+    tokens/s at any micro-batch the bound allows (tokens/s is not always monotone in the
+    micro-batch), a safe margin, and the total left off (a tuple's prefix sorts before it);
+    ``()`` (before all) where it is not bounded: by memory, or where the bound allows none (its
+    confirmation then needs no replay either)."""
+    batches = option.micro_batches()
+    if priority == "memory" or not batches or len(batches) > BOUNDED_MICRO_BATCHES:
+        return ()
+    settings = option.settings
+    speed = -max(option.basis.step(settings.with_(micro_batch=b)).tokens_per_s for b in batches)
+    simple = simplicity_ranks()[settings.plan.strategy]
+    if priority == "simplicity":
+        ac = _AC_ORDER[settings.train.activation_checkpointing]
+        return (settings.plan.offload != "none", simple, ac, speed)
+    return (_as_fast(speed), False, simple)
+
+
+class Ranked(Sequence):
+    """The options that fit, best first (``rank``; ties in the order given), confirmed only as far
+    as they are read: the options are taken in the order of their ``rank_bound`` and each is
+    confirmed (its micro-batch searched, replayed); the best confirmed is next once no option left
+    can rank before it. Reading the length confirms them all."""
+
+    def __init__(self, options: list[Option], priority: str):
+        self.priority = priority
+        self._out: list[Option] = []
+        self._confirmed: list[tuple] = []  # a heap of (rank, index, option)
+        bounds = [(rank_bound(o, priority), i, o) for i, o in enumerate(options)]
+        self._pending = sorted(bounds, key=lambda t: t[:2], reverse=True)  # the next is the last
+
+    def _next(self) -> bool:
+        pending, confirmed = self._pending, self._confirmed
+        while pending and not (confirmed and confirmed[0][:2] < pending[-1][:2]):
+            _, i, option = pending.pop()
+            if option.fits:
+                heapq.heappush(confirmed, (rank(option, self.priority), i, option))
+        if not confirmed:
+            return False
+        self._out.append(heapq.heappop(confirmed)[2])
+        return True
+
+    def _upto(self, n: int | None) -> list[Option]:
+        """The first ``n`` (None: all)."""
+        while (n is None or len(self._out) < n) and self._next():
+            pass
+        return self._out
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            ahead = i.step is None and (i.start or 0) >= 0 and i.stop is not None and i.stop >= 0
+            return self._upto(i.stop if ahead else None)[i]
+        return self._upto(i + 1 if i >= 0 else None)[i]
+
+    def __len__(self) -> int:
+        return len(self._upto(None))
+
+    def __bool__(self) -> bool:
+        return bool(self._upto(1))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Ranked) and self._upto(None) == other._upto(None)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._upto(None)))
+
+
+def smallest(options: list[Option]) -> Option:
+    """The option of the least total (the first listed among equal ones), as ``min`` finds it,
+    confirming (replaying) them in the order of their bound's total at their least micro-batch
+    (no more than their total: the bound's is, and memory grows with the micro-batch) until
+    none left can be smaller."""
+    bounds = sorted((o.basis.bound(o.settings).total_bytes, i, o) for i, o in enumerate(options))
+    best: tuple[int, int, Option] | None = None
+    for low, i, option in bounds:
+        if best is not None and best[:2] < (low, i):
+            break
+        found = (option.total_bytes, i, option)
+        best = found if best is None or found[:2] < best[:2] else best
+    assert best is not None, "no options"
+    return best[2]
+
+
+def ranked(options: list[Option], priority: str) -> Ranked:
+    """The options that fit, best first, confirmed as they are read (``Ranked``)."""
+    return Ranked(options, priority)
 
 
 def _precisions(job: Job) -> tuple[str, ...]:
@@ -289,20 +407,16 @@ def search_options(
     allowed: tuple[str, ...] | None = None,
 ) -> list[Option]:
     """Each candidate of ``candidate_jobs`` at its micro-batch: the one fixed, else the largest
-    that fits up to the cap (``--micro-batch max``: without it), 1 when ranked by memory."""
-    cap = int(default("micro_batch_cap"))
-    options = []
-    for candidate in candidate_jobs(job, fixed, allowed):
-        if "micro_batch" in fixed and not micro_batch_max:
-            mb = fixed["micro_batch"]
-        else:
-            limit = search.MICRO_BATCH_LIMIT if micro_batch_max else cap
-            found = search.max_micro_batch(
-                candidate, limit=limit, headrooms=basis.headrooms, bound=basis.bound_headrooms
-            )
-            mb = 1 if found == 0 or (priority == "memory" and not micro_batch_max) else found
-        options.append(basis.evaluate(candidate.with_(micro_batch=mb)))
-    return options
+    that fits up to the cap (``--micro-batch max``: without it; searched when first read), 1
+    when ranked by memory."""
+    if micro_batch_max:
+        limit = search.MICRO_BATCH_LIMIT
+    elif "micro_batch" in fixed or priority == "memory":
+        limit = 0
+    else:
+        limit = int(default("micro_batch_cap"))
+    mb = fixed.get("micro_batch", 1) if not micro_batch_max else 1
+    return [basis.evaluate(c.with_(micro_batch=mb), limit=limit) for c in candidate_jobs(job, fixed, allowed)]
 
 
 def slower_fraction(option: Option, than: Option) -> float:

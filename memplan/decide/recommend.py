@@ -4,7 +4,9 @@ result is data; ``memplan.report`` writes the sentences."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..errors import MemplanError
 from ..specs import Job
@@ -25,6 +27,7 @@ from .options import (
     reject,
     search_options,
     skipped_jobs,
+    smallest,
 )
 from .rules import RuleVerdict, judge, rules, size_class
 
@@ -51,10 +54,15 @@ class Reason:
     strategies: tuple[str, ...] = ()
     option: Option | None = None
     num_options: int | None = None
-    num_fitting: int | None = None
+    fitting: Sequence[Option] | None = None
+    """ranked: the options that fit, best first (``options.Ranked``: counted when read)."""
     priority: str | None = None
     rejected: Rejected | None = None
     why: str | None = None
+
+    @property
+    def num_fitting(self) -> int | None:
+        return None if self.fitting is None else len(self.fitting)
 
     def __str__(self) -> str:
         from ..report import reason_text
@@ -71,7 +79,6 @@ class Recommendation:
     best: Option | None
     """None: nothing fits; see ``fixes``."""
     reasons: tuple[Reason, ...]
-    rejected: tuple[Rejected, ...]
     rules: tuple[RuleVerdict, ...]
     fixes: tuple[Fix, ...]
     options: tuple[Option, ...]
@@ -80,6 +87,15 @@ class Recommendation:
     """The strategies the search was restricted to (None: all that run on the GPUs)."""
     fixed_axes: tuple[str, ...] = ()
     """The axes given explicitly (options.AXES); the others were searched."""
+
+    @cached_property
+    def rejected(self) -> tuple[Rejected, ...]:
+        """Every option but the pick, the fitting ones best first (each confirmed here, when read)."""
+        return tuple(
+            reject(o, self.best, self.priority)
+            for o in sorted(self.options, key=lambda o: (not o.fits, rank(o, self.priority)))
+            if self.best is None or o.key != self.best.key
+        )
 
     @property
     def link(self) -> Link:
@@ -114,7 +130,7 @@ def _check(job: Job, fixed: dict, priority: str, allowed: tuple[str, ...] | None
 def _ddp_fits(job: Job, fixed: dict, options: list[Option], basis: Basis) -> bool:
     """Whether DDP fits at the user's settings: from the options searched, or — DDP not among
     them (another strategy fixed, another framework) — on its own."""
-    ddp = [o for o in options if o.job.plan.strategy == "ddp"]
+    ddp = [o for o in options if o.settings.plan.strategy == "ddp"]
     if ddp:
         return any(o.fits for o in ddp)
     return any(basis.fits(j) for j in candidate_jobs(job, {**fixed, "strategy": "ddp", "offload": "none"}))
@@ -156,11 +172,6 @@ def recommend_job(
         raise MemplanError(f"nothing to search: {skipped[0] if skipped else 'no strategy runs these settings'}")
     fitting = ranked(options, priority)
     best = fitting[0] if fitting else None
-    rejected = tuple(
-        reject(o, best, priority)
-        for o in sorted(options, key=lambda o: (not o.fits, rank(o, priority)))
-        if best is None or o.key != best.key
-    )
     size, ddp_fits = size_class(job.model.num_params), _ddp_fits(job, fixed, options, basis)
     judged = (
         judge(r, options, best, job, basis, priority, fixed)
@@ -185,7 +196,6 @@ def recommend_job(
         basis=basis,
         best=best,
         reasons=reasons,
-        rejected=rejected,
         rules=verdicts,
         fixes=found,
         options=tuple(options),
@@ -196,7 +206,7 @@ def recommend_job(
 
 def _reasons(
     best: Option | None,
-    fitting: list[Option],
+    fitting: Sequence[Option],
     options: list[Option],
     priority: str,
     basis: Basis,
@@ -213,13 +223,13 @@ def _reasons(
     if allowed is not None:
         out.append(Reason(code="restricted", strategies=allowed))
     if best is None:
-        closest = min(options, key=lambda o: o.total_bytes)
+        closest = smallest(options)
         return (*out, Reason(code="nothing_fits", num_options=len(options), option=closest))
     out += [
-        Reason(code="ranked", num_fitting=len(fitting), num_options=len(options), priority=priority),
+        Reason(code="ranked", fitting=fitting, num_options=len(options), priority=priority),
         Reason(code="fits", option=best),
         Reason(code="predicted", option=best, basis=basis),
     ]
-    if len(fitting) > 1:
+    if fitting[1:2]:
         out.append(Reason(code="runner_up", rejected=reject(fitting[1], best, priority)))
     return tuple(out)

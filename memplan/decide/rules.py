@@ -14,7 +14,7 @@ from ..specs import Job
 from ..strategies import STRATEGIES
 from ..throughput import StepTime, bubble_fraction, default, model_parallel_seconds, relative_to_ddp
 from .layouts import MICROBATCHES_PER_STAGE, LayoutOption, best_of_layout, tp_within_node
-from .options import Basis, Option, ranked, search_options, slower_fraction
+from .options import Basis, Option, ranked, search_options, slower_fraction, smallest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,7 +195,7 @@ def _own_terms(claims: dict, strategy: str, fixed: dict) -> dict:
 
 
 def _axis_value(option: Option, axis: str) -> str:
-    j = option.job
+    j = option.settings
     return {"ac": j.train.activation_checkpointing, "offload": j.plan.offload, "precision": j.train.precision}[axis]
 
 
@@ -207,7 +207,7 @@ def _rule_options(
     mine = [
         o
         for o in options
-        if o.job.plan.strategy in rule.strategies
+        if o.settings.plan.strategy in rule.strategies
         and all(v is None or v == _axis_value(o, k) for k, v in rule.claims.items())
     ]
     overridden = any(v is not None and k in fixed and fixed[k] != v for k, v in rule.claims.items())
@@ -217,7 +217,7 @@ def _rule_options(
         o
         for strategy in rule.strategies
         for o in search_options(job, _own_terms(rule.claims, strategy, fixed), priority, basis)
-        if STRATEGIES[strategy].supports_offload(o.job.plan.offload)
+        if STRATEGIES[strategy].supports_offload(o.settings.plan.offload)
     ]
 
 
@@ -230,15 +230,15 @@ def _judge_recommend(
         return None  # no option of the rule's under the user's choices (e.g. DDP with --offload all)
     fitting = ranked(candidates, priority)
     if not fitting:
-        smallest = min(candidates, key=lambda o: o.total_bytes)
+        least = smallest(candidates)
         return RuleVerdict(
             rule=rule,
             agrees=False,
             code="does_not_fit",
             metric="total_bytes",
-            value=smallest.total_bytes,
+            value=least.total_bytes,
             unit="bytes",
-            option=smallest,
+            option=least,
         )
     mine = fitting[0]
     if best is None or mine.key == best.key:
