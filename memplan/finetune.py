@@ -216,14 +216,15 @@ def trained(model, tuning: Tuning) -> Trained:
     L, P = model.num_layers, model.num_params
     block_tensors = _block_tensors(model)
     if tuning.mode == "full":
+        blocks = tuple(_block_params_at(model, i) for i in range(L))
         return Trained(
             total=P,
             trainable=P,
             frozen=0,
             quantized=0,
-            root=P - L * model.block_params(),
+            root=P - sum(blocks),
             embedding=model.embedding_params() - (model.vocab_size * model.hidden if model.tied_embeddings else 0),
-            blocks=(model.block_params(),) * L,
+            blocks=blocks,
             tensors=(),
             adapters=False,
             head_trained=True,

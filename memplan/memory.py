@@ -786,8 +786,9 @@ class Step:
         own = self.own_block_grads() if full else (trained.blocks[0] if self.framework.block_grads_after_reduce else 0)
         last = self.root_params if full else trained.root
         if model.num_experts and not own:  # a sparse block peaks in its expert loop, before any of
-            # its own gradients, and the last one's before the input embedding's (measured, DDP)
-            own, last = self.block_params, self.root_params - pending
+            # its own gradients, and the last one's before the input embedding's (measured, DDP);
+            # a fine-tune's first block has only what it trains
+            own, last = (self.block_params if full else trained.blocks[0]), last - pending
         if model.arch == "bert":  # an encoder's input embeddings get theirs only after the first
             # block (a tied MLM decoder's V·h has it from the head): the head's alone (measured)
             last -= pending
