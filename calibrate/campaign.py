@@ -585,8 +585,9 @@ def campaign_record(case: Case, outcome: dict, *, wall_s: float, gpu: str) -> di
     record = records.make_record(case.run, **outcome, wall_s=wall_s)
     if record["estimate"] is not None:
         from memplan.overheads import reserved_bytes
+        from memplan.totals import final
 
-        record["estimate"]["reserved_bytes"] = reserved_bytes(estimate(case.run.job))
+        record["estimate"]["reserved_bytes"] = reserved_bytes(final(case.run.job))
     record["campaign"] = {
         "name": case.name,
         "axis": case.axis,
@@ -731,7 +732,8 @@ def accuracy(found: list[dict]) -> list[Errors]:
     allocator replayed), and corrected by the fit of the other half (records alternately
     assigned), so that no record judges a fit it took part in."""
     from memplan.calibration import apply
-    from memplan.overheads import allocator_bytes, reserved_bytes, with_replayed_allocator
+    from memplan.overheads import allocator_bytes, reserved_bytes
+    from memplan.totals import final
 
     from .fit import fit, observations
 
@@ -743,7 +745,7 @@ def accuracy(found: list[dict]) -> list[Errors]:
         for record in half:
             m = record["measurement"]
             measured = (m["peak_allocated_bytes"], m["peak_reserved_bytes"], m["device_used_bytes"])
-            est = with_replayed_allocator(estimate(records.job_from_spec(record["spec"])))
+            est = final(records.job_from_spec(record["spec"]))
             fixed = apply(est, correction, device_matches=True)
             before = (est.allocated_bytes, reserved_bytes(est), est.total_bytes)
             after = (fixed.allocated_bytes, fixed.allocated_bytes + allocator_bytes(est), fixed.total_bytes)
