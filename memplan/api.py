@@ -214,7 +214,8 @@ def min_gpus(
 class Result:
     """What ``memplan.estimate`` returns, all that ``memplan estimate`` prints: the model it
     understood, one estimate per strategy, the calibration applied (where one does), each
-    strategy's throughput relative to DDP and the recommendation (both computed when first read)."""
+    strategy's throughput relative to DDP, the what-ifs printed under the table and the
+    recommendation (these three computed when first read)."""
 
     request: Request
     choice: ModelChoice
