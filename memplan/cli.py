@@ -387,10 +387,11 @@ def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
     if fmt == "csv":
         click.echo(report.render_csv(estimates, result.applied), nl=False)
         return
-    render = report.render_json if fmt == "json" else report.render_table
-    click.echo(
-        render(result.choice, estimates, result.applied, list(result.relative_throughputs), result.recommendation)
-    )
+    shown = (result.choice, estimates, result.applied, list(result.relative_throughputs), result.recommendation)
+    if fmt == "json":
+        click.echo(report.render_json(*shown))
+    else:
+        click.echo(report.render_table(*shown, whatifs=result.whatifs))
 
 
 @main.command()
@@ -528,7 +529,7 @@ def explain(**flags):
     from . import api, report
 
     result = api.estimate(_request(flags), calibration=None)
-    click.echo(report.render_explain(result.choice, result.estimates[0]))
+    click.echo(report.render_explain(result.choice, result.estimates[0], result.whatifs))
 
 
 if __name__ == "__main__":

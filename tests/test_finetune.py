@@ -157,16 +157,18 @@ def test_live_measurement_matches_the_record(recs):
 
 
 def test_recommend_on_one_gpu_weighs_the_fine_tune_modes():
+    from memplan.decide import finetune_modes
     from memplan.finetune import modes_compared
     from memplan.report import finetune_lines
 
     job = Job(model=LLAMA, train=TrainSpec(finetune="qlora", seq_len=512))
-    lines = finetune_lines(job)
+    lines = finetune_lines(finetune_modes(job))
     compared = modes_compared(job)
     assert [mode for mode, _ in compared] == ["full", "lora", "qlora"]
     assert compared[2][1].allocated_bytes < compared[1][1].allocated_bytes < compared[0][1].allocated_bytes
     assert all(any(line.startswith(f"  - {mode}: ") for line in lines) for mode, _ in compared)
-    assert finetune_lines(job.with_(finetune="full")) == [] == finetune_lines(job.with_(gpus=2, strategy="ddp"))
+    assert finetune_modes(job.with_(finetune="full")) == () == finetune_modes(job.with_(gpus=2, strategy="ddp"))
+    assert finetune_lines(()) == []
 
 
 @pytest.mark.parametrize(
