@@ -7,12 +7,15 @@ downstream trusts them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
 from typing import Any, TypeVar
 
 from .errors import InputError, MemplanError
 from .layout import Layout, check_layout
+from .loop import AC_POLICIES, Loop
+from .settings import check_choice as _check_choice
+from .settings import check_positive as _check_positive
 
 ARCHS = ("llama", "gpt2", "neox", "vit", "bert")
 ACTIVATIONS = ("silu", "gelu", "gelu_new")
@@ -40,27 +43,6 @@ ATTENTIONS = ("sdpa", "eager")
 DEVICES = ("cuda", "cpu")
 OFFLOADS = ("none", "optimizer", "params", "all")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
-
-
-def _check_choice(value, choices, what):
-    if value not in choices:
-        raise MemplanError(f"{what} {value!r} is not one of: {', '.join(choices)}")
-
-
-def _check_positive(obj, *names):
-    for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise _not_positive(name, value)
-
-
-def _not_positive(name: str, value) -> InputError:
-    return InputError(
-        lambda n: f"{n.word(name)} must be a positive integer, got {value!r}",
-        field=name,
-        value=value,
-        accepted="a positive integer",
-    )
 
 
 def _square_grid_plus_one(n: int) -> bool:
@@ -329,35 +311,16 @@ class ModelSpec:
 
 
 @lru_cache(maxsize=256)
-def _loop(
-    logits,
-    loss,
-    loss_chunks,
-    ac,
-    ac_every,
-    compile,
-    float8,
-    offload_activations,
-    optimizer_in_backward,
-    zero_grad,
-    recipe,
-):
-    """A step's ``loop.Loop``, built once per distinct loop (the step's hot path reads it)."""
-    from .loop import Loop
+def _loop(settings: tuple[tuple[str, Any], ...]) -> Loop:
+    """A step's ``loop.Loop`` by its settings' names, built once per distinct loop (the step's hot
+    path reads it)."""
+    return Loop(**dict(settings))
 
-    return Loop(
-        logits=logits,
-        loss=loss,
-        loss_chunks=loss_chunks,
-        ac=ac,
-        ac_every=ac_every,
-        compile=compile,
-        float8=float8,
-        offload_activations=offload_activations,
-        optimizer_in_backward=optimizer_in_backward,
-        zero_grad=zero_grad,
-        recipe=recipe,
-    )
+
+_LOOP_AS = {"ac": "activation_checkpointing"}
+"""The TrainSpec field of a Loop setting where the names differ (the rest share theirs)."""
+_LOOP_FIELDS = tuple((f.name, _LOOP_AS.get(f.name, f.name)) for f in fields(Loop))
+"""(Loop setting, TrainSpec field) of every Loop field."""
 
 
 @lru_cache(maxsize=1024)
@@ -379,21 +342,21 @@ class TrainSpec:
     optimizer: str = "adamw"
     optimizer_impl: str | None = None
     """foreach | fused | single; None means torch's default on the device."""
-    activation_checkpointing: str = "none"
+    activation_checkpointing: str = Loop.ac
     """none | selective | op | full (``loop.Loop.ac``)."""
     attention: str = "sdpa"
     device: str = "cuda"
     # the training loop's conventions (``loop.Loop``, whose docstrings say what each does)
-    logits: str = "kept"
-    loss: str = "ce"
-    loss_chunks: int = 8
-    ac_every: int = 1
-    compile: bool = False
-    float8: bool = False
-    offload_activations: bool = False
-    optimizer_in_backward: bool = False
-    zero_grad: str = "none"
-    recipe: str = "plain"
+    logits: str = Loop.logits
+    loss: str = Loop.loss
+    loss_chunks: int = Loop.loss_chunks
+    ac_every: int = Loop.ac_every
+    compile: bool = Loop.compile
+    float8: bool = Loop.float8
+    offload_activations: bool = Loop.offload_activations
+    optimizer_in_backward: bool = Loop.optimizer_in_backward
+    zero_grad: str = Loop.zero_grad
+    recipe: str = Loop.recipe
     """The recipe the loop's conventions were resolved from (``loop.resolve``)."""
     kv_copies: bool | None = None
     """Whether the model's attention copies k and v to every query head before attention;
@@ -409,8 +372,6 @@ class TrainSpec:
         _check_positive(self, "seq_len", "micro_batch", "grad_accum")
         _check_choice(self.precision, PRECISIONS, "precision")
         _check_choice(self.optimizer, OPTIMIZERS, "optimizer")
-        from .loop import AC_POLICIES
-
         _check_choice(self.activation_checkpointing, AC_POLICIES, "activation checkpointing")
         self.loop  # noqa: B018 -- the loop's conventions checked
         self.tuning  # noqa: B018 -- the fine-tuning mode checked
@@ -436,19 +397,7 @@ class TrainSpec:
     @property
     def loop(self):
         """The training loop's conventions as a ``loop.Loop``."""
-        return _loop(
-            self.logits,
-            self.loss,
-            self.loss_chunks,
-            self.activation_checkpointing,
-            self.ac_every,
-            self.compile,
-            self.float8,
-            self.offload_activations,
-            self.optimizer_in_backward,
-            self.zero_grad,
-            self.recipe,
-        )
+        return _loop(tuple((name, getattr(self, attr)) for name, attr in _LOOP_FIELDS))
 
     def with_ac(self, policy: str, **changes) -> TrainSpec:
         """A copy under AC ``policy`` (and ``changes``): the every-N-th-block setting kept for a
@@ -672,8 +621,8 @@ def _fields_of(part) -> dict:
 
 
 def _changed(part: _Part, changes: dict) -> _Part:
-    fields = _fields_of(part)
-    mine = {key: value for key, value in changes.items() if key in fields}
+    own = _fields_of(part)
+    mine = {key: value for key, value in changes.items() if key in own}
     return replace(part, **mine) if mine else part
 
 
