@@ -670,7 +670,6 @@ def run(
     steps: int = 2,
     warmup: int = 1,
     adapt=None,
-    zero_grad: str = "none",
     hf_overrides: dict | None = None,
 ) -> Measurement:
     """Build the HF model, wrap it as the job's strategy, and train ``steps`` steps with the
@@ -678,8 +677,8 @@ def run(
     ``compile`` the CPU allocator's, ``_AllocatorPeak``). ``adapt`` changes the model after AC
     and before wrapping (calibrate.finetune's peft adapters). The job's TrainSpec turns on
     float8, compile, optimizer in backward and ac-every, applied in torchtitan's order:
-    float8, AC, compile, FSDP. ``zero_grad``: how the gradients are cleared after each step,
-    none ``optimizer.zero_grad(set_to_none=True)`` or zeros (``set_to_none=False``: they stay
+    float8, AC, compile, FSDP, and how the gradients are cleared after each step (``Loop.zero_grad``:
+    none ``optimizer.zero_grad(set_to_none=True)``, zeros ``set_to_none=False``, so they stay
     allocated through the next forward). ``hf_overrides``: transformers config keys beyond the
     spec's shapes."""
     from torch.profiler import record_function
@@ -754,7 +753,7 @@ def run(
             with record_function("memplan.optimizer" if measured else "warmup"):
                 if optimizer is not None:
                     optimizer.step()
-                    optimizer.zero_grad(set_to_none=zero_grad == "none")
+                    optimizer.zero_grad(set_to_none=train.zero_grad == "none")
             times.append(time.perf_counter() - start)
             if measured:
                 phase_peaks["optimizer"] = meter.peak()
