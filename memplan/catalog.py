@@ -11,7 +11,7 @@ from .csvtables import TABLES_DIR as TABLES_DIR  # where callers look for the ta
 from .csvtables import read_table
 from .errors import InputError, MemplanError
 from .precision import POLICIES
-from .specs import ModelSpec
+from .specs import MLA_FIELDS, ModelSpec
 
 _MIB = 2**20
 _TFLOPS = 10**12
@@ -125,8 +125,6 @@ def head_dims() -> dict[str, int]:
 @cache
 def latent_attention() -> dict[str, dict[str, Any]]:
     """The presets with DeepSeek's multi-head latent attention, their MLA shapes (tables/mla.csv)."""
-    from .mla import MLA_FIELDS
-
     return {row["name"]: {f: int(row[f]) for f in MLA_FIELDS} for row in read_table("mla.csv")}
 
 

@@ -54,9 +54,10 @@ def field_docs(cls: type) -> dict[str, str]:
             continue
         body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
         for node, after in itertools.pairwise(body):
-            named = isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-            if named and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
-                docs[node.target.id] = after.value.value
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+                continue
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                docs[node.target.id] = str(after.value.value)
     docs = {name: _plain(text) for name, text in docs.items()}
     for f in fields(cls):
         if DECLARED_IN in f.metadata:
