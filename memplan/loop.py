@@ -11,14 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .csvtables import read_table
 from .errors import InputError, MemplanError
 from .settings import check_choice, check_choices, check_positive, setting, show
-
-if TYPE_CHECKING:
-    from .specs import TrainSpec
 
 LOGITS = ("kept", "freed")
 LOSSES = ("ce", "chunked-ce", "fused-linear-ce", "cce-compile")
@@ -202,7 +199,18 @@ def resolve(recipe: str = "plain", **explicit) -> Resolved:
     return Resolved(loop=Loop(recipe=recipe, **values), conventions=tuple(conventions), elsewhere=elsewhere)
 
 
-def in_force(train: TrainSpec, searched: tuple[str, ...] = ()) -> Resolved:
+class Step(Protocol):
+    """What ``in_force`` reads of a step: a ``specs.TrainSpec`` (its loop, and the recipe settings
+    it carries outside the loop, read by name)."""
+
+    @property
+    def loop(self) -> Loop: ...
+
+    @property
+    def recipe(self) -> str: ...
+
+
+def in_force(train: Step, searched: tuple[str, ...] = ()) -> Resolved:
     """The conventions of a step's loop and where each came from: its recipe's, or explicit
     where the value differs from the recipe's, or ``searched`` (settings a search chose)."""
     loop, table = train.loop, recipe_rows()[train.recipe]
