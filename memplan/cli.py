@@ -1,4 +1,8 @@
-"""The `memplan` command: parse flags, call the library, render. Nothing else."""
+"""The `memplan` command: parse flags, call the library, render. Nothing else.
+
+The job options are built from the request's fields (``memplan.request``, ``memplan.settings``).
+The commands import the library inside their bodies, so that ``memplan --help`` and a bad flag
+load no estimate code (start-up time): those are this package's deferred imports."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from typing import ClassVar
 import click
 
 from .errors import FLAGS, MemplanError
-from .request import FIELDS, PARTS
+from .request import FIELDS, PARTS, Request
 from .settings import DEFAULT_HELP, choices, field_docs
 from .strategies import STRATEGIES
 
@@ -45,33 +49,50 @@ _TYPES = (("str", str), ("float", float), ("int", int))
 text as given ("13B", "80GB": the request part parses it)."""
 
 
-def _option(keyword: str, f: Field, doc: str):
+class _FieldOption(click.Option):
+    """An option whose help is its request field's docstring (``settings.field_docs``), read when
+    help is shown rather than at start-up."""
+
+    def __init__(self, *args, part: type, default_help: str = "", **kwargs):
+        self._doc_of, self._default_help = part, default_help
+        super().__init__(*args, **kwargs)
+
+    @property
+    def help(self) -> str:
+        doc = field_docs(self._doc_of)[self.name or ""]
+        return f"{doc} [default: {self._default_help}]" if self._default_help else doc
+
+    @help.setter
+    def help(self, value) -> None:
+        """Click sets it from ``help=``, which these options do not take."""
+
+
+def _option(keyword: str, f: Field, part: type):
     """The option of one request field: its flag, type, choices, default and help, all read off
     the field (``settings.setting``) and its docstring."""
     flag, kind, accepted = "--" + keyword.replace("_", "-"), str(f.type), choices(f)
-    default_help = f.metadata.get(DEFAULT_HELP)
-    help_text = f"{doc} [default: {default_help}]" if default_help else doc
+    default_help = f.metadata.get(DEFAULT_HELP, "")
     shown = f.default is not None and f.default != "" and not default_help
+    common = {"cls": _FieldOption, "part": part, "default_help": default_help, "show_default": shown}
     if kind.startswith("bool"):
-        return click.option(f"{flag}/--no-{flag[2:]}", default=f.default, show_default=shown, help=help_text)
+        return click.option(f"{flag}/--no-{flag[2:]}", keyword, default=f.default, **common)
     if accepted:
         kind_of = _choice(accepted)
     elif "Literal" in kind:
         kind_of = MicroBatch()
     else:
         kind_of = next(t for name, t in _TYPES if name in kind)
-    return click.option(flag, keyword, type=kind_of, default=f.default, show_default=shown, help=help_text)
+    return click.option(flag, keyword, type=kind_of, default=f.default, **common)
 
 
 def _request_options(strategy=None) -> list:
     """Every request field the command line can spell (text, a number, a switch), as options in
     field order (``strategy``: the command's own --strategy in place of the field's)."""
     options = []
-    for keyword, (_, f) in FIELDS.items():
+    for keyword, (part, f) in FIELDS.items():
         if not any(name in str(f.type) for name in ("str", "float", "int", "bool")):
             continue  # a Python value (a ZeroConfig): the API's alone
-        doc = field_docs(PARTS[FIELDS[keyword][0]])[keyword]
-        options.append(strategy if keyword == "strategy" and strategy else _option(keyword, f, doc))
+        options.append(strategy if keyword == "strategy" and strategy else _option(keyword, f, PARTS[part]))
     return options
 
 
@@ -151,8 +172,6 @@ def decision_options(f):
 def _request(flags: dict):
     """The request the job flags describe (each flag is the input of the same name), over the
     ``--from`` file's inputs where one is given (the flags given explicitly win)."""
-    from .request import Request
-
     source, explain = flags.pop("from_file", None), flags.pop("explain_config", False)
     if source is None:
         if explain:

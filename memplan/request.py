@@ -14,7 +14,9 @@ from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from .allocator import parse_alloc_conf
 from .errors import InputError, UnknownKeywordError
+from .infer import parse_params
 from .layout import PP_SCHEDULES, Layout
 from .loop import RECIPES, Loop, resolve
 from .settings import optional, setting
@@ -81,8 +83,6 @@ class ModelRequest:
                 accepted="one of params, model, config, arch with shapes",
             )
         if given == ["params"]:
-            from .infer import parse_params
-
             parse_params(self.params)
         missing = self.missing_shapes() if given == ["arch"] else []
         if missing:
@@ -224,8 +224,6 @@ class ClusterRequest:
     caching allocator's replay follows for ``reserved``."""
 
     def __post_init__(self):
-        from .allocator import parse_alloc_conf
-
         parse_alloc_conf(self.alloc_conf)
         if self.gpu is not None and self.gpu_mem is not None:
             raise InputError(

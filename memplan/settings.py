@@ -10,10 +10,9 @@ of the stack: it imports nothing of memplan but its errors.
 from __future__ import annotations
 
 import ast
-import inspect
 import itertools
 import re
-import textwrap
+import sys
 from dataclasses import MISSING, Field, field, fields
 from functools import cache
 from typing import Any
@@ -43,16 +42,21 @@ def choices(f: Field) -> tuple:
 
 
 @cache
+def _class_bodies(path: str) -> dict[str, list[ast.stmt]]:
+    """The top-level classes of a source file, by name (each file parsed once)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    return {node.name: node.body for node in tree.body if isinstance(node, ast.ClassDef)}
+
+
+@cache
 def field_docs(cls: type) -> dict[str, str]:
     """Each field's docstring (the string literal under it in the class body, or under the field
     it repeats), as one line of plain text (reST ``code`` marks dropped)."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError):
-            continue
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        path = getattr(sys.modules.get(klass.__module__), "__file__", None)
+        body = _class_bodies(path).get(klass.__name__, []) if path else []
         for node, after in itertools.pairwise(body):
             if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
                 continue
