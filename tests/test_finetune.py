@@ -11,9 +11,9 @@ from click.testing import CliRunner
 
 from memplan.cli import main
 from memplan.errors import MemplanError
-from memplan.finetune import NF4_BYTES_PER_PARAM, trained, tuning
+from memplan.finetune import NF4_BYTES_PER_PARAM, trained
 from memplan.memory import estimate
-from memplan.specs import Job, ModelSpec, TrainSpec
+from memplan.specs import Job, ModelSpec, TrainSpec, tuning
 
 pytest.importorskip("torch")
 from calibrate import finetune, heldout, records
