@@ -164,15 +164,34 @@ def classify(path: str, fmt: str, tree: dict, prefix: str = "") -> list[FieldUse
 
 
 def _formats():
-    from . import deepspeed
+    from . import deepspeed, torchtune
 
-    return {"deepspeed": deepspeed.read}
+    return {"deepspeed": deepspeed.read, "torchtune": torchtune.read}
+
+
+def _detect_yaml(path: Path, text: str) -> str | None:
+    """torchtune's recipe configs name their model builder (``model._component_``)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise InputError(
+            f"{path}: not YAML ({str(exc).splitlines()[0]})", field="from", value=str(path), accepted="a YAML file"
+        ) from None
+    if isinstance(data, dict) and isinstance(data.get("model"), dict) and "_component_" in data["model"]:
+        return "torchtune"
+    return None
 
 
 def detect(path: Path) -> str:
     """The format of a file by its content: JSON with zero_optimization or DeepSpeed's batch keys
-    is DeepSpeed's."""
+    is DeepSpeed's; YAML with a ``model._component_`` is torchtune's."""
     text = path.read_text(encoding="utf-8")
+    if path.suffix in (".yaml", ".yml"):
+        found = _detect_yaml(path, text)
+        if found:
+            return found
     if path.suffix == ".json":
         try:
             data = json.loads(text)

@@ -1,0 +1,269 @@
+"""memplan.readers beyond DeepSpeed (issue 27): torchtune's recipe YAML and Hugging Face's
+TrainingArguments JSON, read against the frameworks' own files and sources.
+
+torchtune: every config its 0.6.1 wheel ships for the four fine-tuning recipes (its recipe registry,
+read from the installed file) is read, or refused naming a field; the fields its recipes read
+(``cfg.X`` / ``cfg.get("X")`` in their source) are all classified; each model builder the table maps
+is built on the meta device and has its preset's shapes and parameter count."""
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from memplan.catalog import model_preset
+from memplan.errors import InputError
+from memplan.readers import field_table, read
+from memplan.readers import torchtune as tt
+
+TORCHTUNE = importlib.util.find_spec("torchtune")
+SITE = Path(TORCHTUNE.origin).parent.parent if TORCHTUNE else None
+CONFIGS = SITE / "recipes" / "configs" if SITE else None
+needs_torchtune = pytest.mark.skipif(TORCHTUNE is None, reason="torchtune is not installed")
+FINETUNE_RECIPES = (
+    "full_finetune_single_device",
+    "full_finetune_distributed",
+    "lora_finetune_single_device",
+    "lora_finetune_distributed",
+)
+
+
+def _registry():
+    """torchtune/_recipe_registry.py, loaded alone (importing torchtune needs torch)."""
+    spec = importlib.util.spec_from_file_location("_tt_registry", SITE / "torchtune" / "_recipe_registry.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [(r.name, c.file_path) for r in module.get_all_recipes() if r.name in FINETUNE_RECIPES for c in r.configs]
+
+
+def _shipped():
+    return _registry() if TORCHTUNE else []
+
+
+@needs_torchtune
+@pytest.mark.parametrize(("recipe", "config"), _shipped(), ids=lambda x: x)
+def test_every_shipped_torchtune_config_is_read_or_refused_naming_a_field(recipe, config):
+    """Read: the strategy it infers is the registry's recipe's (or left to --strategy). Refused:
+    the field is one the table says memplan does not model, or a builder/optimizer it lacks."""
+    import yaml
+
+    data = yaml.safe_load((CONFIGS / config).read_text())
+    try:
+        got = read(CONFIGS / config)
+    except InputError as err:
+        table = field_table("torchtune")
+        assert err.field in table and str(CONFIGS / config) in str(err)
+        row = table[err.field]
+        assert row["status"] in ("default-only", "at-least") or err.field.endswith("_component_"), err
+        return
+    want = "single" if recipe.endswith("single_device") else "fsdp-full-shard"
+    assert got.inputs.get("strategy", want) == want
+    assert ("strategy" in got.deferred) == ("strategy" not in got.inputs)
+    assert got.inputs["micro_batch"] == data["batch_size"]
+    assert got.inputs["grad_accum"] == data["gradient_accumulation_steps"]
+    assert got.inputs["ac"] == ("full" if data.get("enable_activation_checkpointing") else "none")
+    assert got.inputs["finetune"] if recipe.startswith("lora") else "finetune" not in got.inputs
+
+
+@needs_torchtune
+def test_most_shipped_torchtune_configs_are_read():
+    read_ok = 0
+    for _, config in _registry():
+        try:
+            read(CONFIGS / config)
+            read_ok += 1
+        except InputError:
+            pass
+    assert read_ok >= 40
+
+
+@needs_torchtune
+def test_every_field_the_torchtune_recipes_read_is_classified():
+    """``cfg.X`` and ``cfg.get("X", ...)`` in the installed recipes' source."""
+    names = set()
+    for recipe in FINETUNE_RECIPES:
+        text = (SITE / "recipes" / f"{recipe}.py").read_text()
+        names |= set(re.findall(r"\bcfg\.get\(\s*\"([a-z_]+)\"", text))
+        names |= {n for n in re.findall(r"\bcfg\.([a-z_]+)\b", text) if n != "get"}
+    table = field_table("torchtune")
+    top = {f.split(".")[0] for f in table}
+    assert sorted(names - top) == []
+
+
+@needs_torchtune
+def test_each_mapped_builder_has_its_preset_s_shapes():
+    """The builder built on the meta device: layers, hidden, heads, kv heads, ffn, vocab, parameters."""
+    import importlib
+
+    import torch
+
+    from calibrate.loops import import_torchtune
+
+    import_torchtune()
+    families = ("llama3_1", "llama3_2", "llama3_3", "llama3", "llama2", "mistral", "qwen2_5", "phi3", "phi4")
+    for component, preset in tt.presets().items():
+        family = next(f for f in families if component.startswith(f + "_"))
+        with torch.device("meta"):
+            model = getattr(importlib.import_module(f"torchtune.models.{family}"), component)()
+        spec, block = model_preset(preset), model.layers[0]
+        shapes = (
+            len(model.layers),
+            model.tok_embeddings.embedding_dim,
+            block.attn.num_heads,
+            block.attn.num_kv_heads,
+            block.mlp.w1.out_features,
+            model.tok_embeddings.num_embeddings,
+            sum(p.numel() for p in model.parameters()),
+        )
+        want = (
+            spec.num_layers,
+            spec.hidden,
+            spec.num_heads,
+            spec.num_kv_heads or spec.num_heads,
+            spec.ffn_hidden,
+            spec.vocab_size,
+            spec.num_params,
+        )
+        assert shapes == want, component
+
+
+def _yaml(tmp_path, data: dict, name="my_config.yaml") -> Path:
+    import yaml
+
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+LORA = {
+    "model": {
+        "_component_": "torchtune.models.llama3_2.lora_llama3_2_1b",
+        "lora_attn_modules": ["q_proj", "k_proj", "v_proj"],
+        "apply_lora_to_mlp": False,
+        "lora_rank": 16,
+        "lora_alpha": 32,
+    },
+    "tokenizer": {"_component_": "torchtune.models.llama3.llama3_tokenizer", "max_seq_len": 1024},
+    "batch_size": 3,
+    "gradient_accumulation_steps": 2,
+    "dtype": "bf16",
+    "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-4, "foreach": False},
+    "loss": {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss", "num_output_chunks": 4},
+    "enable_activation_checkpointing": True,
+    "enable_activation_offloading": True,
+    "compile": True,
+    "fsdp_cpu_offload": True,
+}
+
+
+def test_a_torchtune_lora_config_sets_each_input_it_names(tmp_path):
+    got = read(_yaml(tmp_path, LORA))
+    assert got.format == "torchtune" and got.deferred == ()
+    assert got.inputs == {
+        "recipe": "torchtune",
+        "model": "llama-3.2-1b",
+        "finetune": "lora",
+        "lora_targets": "q,k,v",
+        "lora_rank": 16,
+        "lora_alpha": 32,
+        "strategy": "fsdp-full-shard",  # fsdp_cpu_offload: the distributed recipe's key
+        "seq_len": 1024,
+        "micro_batch": 3,
+        "grad_accum": 2,
+        "precision": "bf16",
+        "optimizer": "adamw",
+        "optimizer_impl": "single",
+        "loss": "chunked-ce",
+        "loss_chunks": 4,
+        "compile": True,
+        "offload_activations": True,
+        "optimizer_in_backward": False,
+        "ac": "full",
+        "offload": "all",
+    }
+
+
+def test_the_file_s_job_is_the_estimate_of_the_same_flags(tmp_path):
+    from memplan import api
+
+    path = _yaml(tmp_path, LORA | {"fsdp_cpu_offload": False, "enable_activation_offloading": False})
+    inputs = read(path).inputs
+    via_file = api.estimate(gpus=4, calibration=None, **inputs)
+    flags = dict(inputs, optimizer_impl="single")
+    assert via_file.estimates[0].allocated_bytes == api.estimate(gpus=4, calibration=None, **flags).estimates[0].allocated_bytes
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"model": {"_component_": "torchtune.models.gemma.gemma_2b"}}, "model._component_"),
+        ({"model": LORA["model"] | {"use_dora": True}}, "model.use_dora"),
+        ({"model": LORA["model"] | {"apply_lora_to_output": True}}, "model.apply_lora_to_output"),
+        ({"model": LORA["model"] | {"lora_attn_modules": ["qkv"]}}, "model.lora_attn_modules"),
+        ({"custom_sharded_layers": ["tok_embeddings", "output"]}, "custom_sharded_layers"),
+        ({"fsdp_reshard_after_forward": False}, "fsdp_reshard_after_forward"),
+        ({"tensor_parallel_dim": 2}, "tensor_parallel_dim"),
+        ({"dtype": "fp16"}, "dtype"),
+        ({"optimizer": {"_component_": "bitsandbytes.optim.PagedAdamW"}}, "optimizer._component_"),
+        ({"loss": {"_component_": "torchtune.modules.loss.ForwardKLLoss"}}, "loss._component_"),
+        ({"ac_mode": "selective"}, "ac_mode"),
+        ({"no_such_key": 1}, "no_such_key"),
+    ],
+)
+def test_a_torchtune_field_memplan_does_not_model_is_refused_naming_it(tmp_path, change, field):
+    path = _yaml(tmp_path, LORA | change)
+    with pytest.raises(InputError) as err:
+        read(path)
+    assert err.value.field == field and str(path) in str(err.value)
+
+
+def test_the_strategy_comes_from_the_config_s_name_or_is_left_to_the_flags(tmp_path):
+    plain = {k: v for k, v in LORA.items() if k != "fsdp_cpu_offload"}
+    assert read(_yaml(tmp_path, plain, "8B_lora_single_device.yaml")).inputs["strategy"] == "single"
+    other = read(_yaml(tmp_path, plain, "mine.yaml"))
+    assert "strategy" not in other.inputs and "strategy" in other.deferred
+
+
+def test_torchtune_format_is_detected_or_named(tmp_path):
+    path = _yaml(tmp_path, LORA)
+    assert read(f"torchtune:{path}").inputs == read(path).inputs
+
+
+# --- the command line ----------------------------------------------------------------
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from memplan.cli import main
+
+    return CliRunner().invoke(main, list(args))
+
+
+@needs_torchtune
+def test_explain_config_of_a_shipped_torchtune_config():
+    result = _cli("estimate", "--from", str(CONFIGS / "llama3_1" / "8B_lora_single_device.yaml"), "--explain-config")
+    assert result.exit_code == 0, result.output
+    assert "model._component_" in result.stdout and "→ model" in result.stdout
+    assert "ignored (no memory effect)" in result.stdout and "profiler" in result.stdout
+
+
+@needs_torchtune
+def test_a_shipped_single_device_config_estimates_with_the_sequence_length_alone():
+    result = _cli(
+        "estimate", "--format", "json", "--calibration", "none", "--seq-len", "2048",
+        "--from", str(CONFIGS / "llama3_2" / "1B_full_single_device.yaml"),
+    )
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.stdout)["estimates"]
+    assert row["strategy"] == "single"
+    assert "seq-len" in result.stderr
+
+
+def test_a_refused_torchtune_field_is_one_line_and_exit_2(tmp_path):
+    path = _yaml(tmp_path, LORA | {"fsdp_reshard_after_forward": False})
+    result = _cli("estimate", "--from", str(path))
+    assert result.exit_code == 2 and result.output.count("\n") == 1
+    assert "fsdp_reshard_after_forward" in result.output and "Traceback" not in result.output
