@@ -164,9 +164,9 @@ def classify(path: str, fmt: str, tree: dict, prefix: str = "") -> list[FieldUse
 
 
 def _formats():
-    from . import deepspeed, torchtune
+    from . import deepspeed, hf_trainer, torchtune
 
-    return {"deepspeed": deepspeed.read, "torchtune": torchtune.read}
+    return {"deepspeed": deepspeed.read, "torchtune": torchtune.read, "hf-trainer": hf_trainer.read}
 
 
 def _detect_yaml(path: Path, text: str) -> str | None:
@@ -186,7 +186,7 @@ def _detect_yaml(path: Path, text: str) -> str | None:
 
 def detect(path: Path) -> str:
     """The format of a file by its content: JSON with zero_optimization or DeepSpeed's batch keys
-    is DeepSpeed's; YAML with a ``model._component_`` is torchtune's."""
+    is DeepSpeed's; JSON with TrainingArguments' batch, optim or output_dir is the Trainer's; YAML with a ``model._component_`` is torchtune's."""
     text = path.read_text(encoding="utf-8")
     if path.suffix in (".yaml", ".yml"):
         found = _detect_yaml(path, text)
@@ -203,6 +203,8 @@ def detect(path: Path) -> str:
             {"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size"} & set(data)
         ):
             return "deepspeed"
+        if isinstance(data, dict) and {"per_device_train_batch_size", "optim", "output_dir"} & set(data):
+            return "hf-trainer"
     formats = ", ".join(f"{f}:FILE" for f in _formats())
     raise InputError(
         f"{path}: cannot tell its format; name it ({formats})", field="from", value=str(path), accepted=formats
