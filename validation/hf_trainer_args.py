@@ -17,6 +17,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ROOT / "tests" / "data" / "hf_trainer"
@@ -24,7 +25,7 @@ OUT = ROOT / "docs" / "hf_trainer_args_matrix_cpu.jsonl"
 STEPS = 3
 """Trainer steps per case: the last one measured (the optimizer states exist from the first)."""
 
-CASES = {
+CASES: dict[str, tuple[dict[str, Any], int]] = {
     # file stem: (TrainingArguments keywords, sequence length)
     "fp32_adamw": (dict(per_device_train_batch_size=2, optim="adamw_torch"), 256),
     "bf16_ac_fused_accum2": (
@@ -80,7 +81,9 @@ def measure(stem: str) -> dict:
 
     _, seq_len = CASES[stem]
     spec = _model_spec()
-    (args,) = HfArgumentParser(TrainingArguments).parse_json_file(str(FILES / f"{stem}.json"))
+    parser = HfArgumentParser(TrainingArguments)  # type: ignore[arg-type]
+    (args,) = parser.parse_json_file(str(FILES / f"{stem}.json"))
+    assert isinstance(args, TrainingArguments)
     args.output_dir = tempfile.mkdtemp(prefix="memplan-trainer-")
     torch.manual_seed(0)
     rows = args.per_device_train_batch_size * args.gradient_accumulation_steps * (STEPS + 1)
@@ -106,7 +109,7 @@ def measure(stem: str) -> dict:
             meter.new_step()
             return micro_step(*a, **k)
 
-        trainer.training_step = each_micro_batch
+        trainer.training_step = each_micro_batch  # type: ignore[method-assign]
         trainer.train()
     return {
         "case": stem,

@@ -186,7 +186,8 @@ def _detect_yaml(path: Path, text: str) -> str | None:
 
 def detect(path: Path) -> str:
     """The format of a file by its content: JSON with zero_optimization or DeepSpeed's batch keys
-    is DeepSpeed's; JSON with TrainingArguments' batch, optim or output_dir is the Trainer's; YAML with a ``model._component_`` is torchtune's."""
+    is DeepSpeed's; JSON with TrainingArguments' batch, optim or output_dir is the Trainer's; YAML
+    with a ``model._component_`` is torchtune's."""
     text = path.read_text(encoding="utf-8")
     if path.suffix in (".yaml", ".yml"):
         found = _detect_yaml(path, text)

@@ -111,6 +111,9 @@ def parse(data: dict, path: Path | str = "<arguments>") -> FileConfig:
         "ac": _ac(where, data),
         "compile": bool(data.get("torch_compile", False)),
     }
+    for field, accepted in (("torch_compile_backend", (None, "inductor")), ("torch_compile_mode", (None, "default"))):
+        if data.get(field) not in accepted:
+            raise refuse(where, field, data[field], " or ".join(json.dumps(a) for a in accepted))
     optim = str(data.get("optim", "adamw_torch_fused"))
     if optim not in OPTIMIZERS:
         raise refuse(where, "optim", optim, ", ".join(OPTIMIZERS))
