@@ -410,3 +410,176 @@ def test_a_trainer_run_from_its_arguments_file_is_estimated_live():
     record = measure("fp32_adamw")
     error = (estimate(record) - record["measured_peak_bytes"]) / record["measured_peak_bytes"]
     assert abs(error) <= 0.01, f"{100 * error:+.2f} %"
+
+
+# --- accelerate config YAML ----------------------------------------------------------
+
+ACCELERATE = importlib.util.find_spec("accelerate")
+needs_accelerate = pytest.mark.skipif(ACCELERATE is None, reason="accelerate is not installed")
+
+
+@needs_accelerate
+def test_every_accelerate_config_field_is_classified():
+    """ClusterConfig's fields, and every fsdp_config / deepspeed_config / dynamo_config key that
+    ``accelerate config`` writes (commands/config/cluster.py), have rows."""
+    import dataclasses
+
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    table = field_table("accelerate")
+    names = {f.name for f in dataclasses.fields(ClusterConfig)}
+    source = (Path(ACCELERATE.origin).parent / "commands" / "config" / "cluster.py").read_text()
+    for section in ("fsdp_config", "deepspeed_config"):
+        names |= {f"{section}.{k}" for k in re.findall(section + r'\["([a-z_0-9]+)"\]', source)}
+    names |= {f"dynamo_config.dynamo_{k}" for k in re.findall(r'dynamo_config\[prefix \+ "([a-z_]+)"\]', source)}
+    assert sorted(names - set(table)) == []
+
+
+def _accelerate_file(tmp_path, data: dict) -> Path:
+    import yaml
+
+    path = tmp_path / "default_config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+BASE = {"compute_environment": "LOCAL_MACHINE", "machine_rank": 0, "num_machines": 1, "use_cpu": False}
+
+
+@pytest.mark.parametrize(
+    ("config", "want"),
+    [
+        (dict(distributed_type="MULTI_GPU", mixed_precision="bf16", num_processes=4), ("ddp", "amp-bf16", 4)),
+        (dict(distributed_type="NO", mixed_precision="no", num_processes=1), ("single", "fp32", 1)),
+        (
+            dict(
+                distributed_type="FSDP",
+                mixed_precision="bf16",
+                num_processes=8,
+                fsdp_config={"fsdp_version": 2, "fsdp_reshard_after_forward": False},
+            ),
+            ("fsdp-shard-grad-op", "mixed-bf16", 8),
+        ),
+        (
+            dict(
+                distributed_type="FSDP",
+                mixed_precision="fp16",
+                num_processes=8,
+                fsdp_config={"fsdp_version": 1, "fsdp_sharding_strategy": "HYBRID_SHARD"},
+            ),
+            ("fsdp-hybrid-shard", "mixed-fp16", 8),
+        ),
+        (
+            dict(
+                distributed_type="DEEPSPEED",
+                mixed_precision="bf16",
+                num_processes=8,
+                deepspeed_config={"zero_stage": 3, "offload_optimizer_device": "cpu"},
+            ),
+            ("zero3", "mixed-bf16", 8),
+        ),
+    ],
+)
+def test_an_accelerate_config_sets_strategy_precision_and_world(tmp_path, config, want):
+    got = read(_accelerate_file(tmp_path, BASE | config)).inputs
+    assert (got["strategy"], got["precision"], got["gpus"]) == want
+    assert got["recipe"] == "accelerate"
+
+
+def test_accelerate_deepspeed_plugin_is_deepspeed_s_defaults(tmp_path):
+    """No deepspeed_config_file: the plugin's config has the stage and offload alone, so DeepSpeed's
+    default buckets (overlap_comm on for stage 3 only)."""
+    config = BASE | dict(distributed_type="DEEPSPEED", num_processes=8, deepspeed_config={"zero_stage": 2})
+    got = read(_accelerate_file(tmp_path, config)).inputs
+    assert got["zero"] == read(DATA_DS / "zero2_stage_only.json").inputs["zero"]
+    assert got["offload"] == "none"
+
+
+def test_accelerate_names_a_deepspeed_file_read_by_the_deepspeed_reader(tmp_path):
+    ds = DATA_DS / "zero3_user_buckets.json"
+    config = BASE | dict(
+        distributed_type="DEEPSPEED", num_processes=8, deepspeed_config={"deepspeed_config_file": str(ds)}
+    )
+    got = read(_accelerate_file(tmp_path, config)).inputs
+    want = read(ds).inputs
+    assert {k: got[k] for k in want} == want
+
+
+DATA_DS = Path(__file__).resolve().parent / "data" / "deepspeed"
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        (dict(distributed_type="MEGATRON_LM"), "distributed_type"),
+        (dict(distributed_type="MULTI_GPU", mixed_precision="fp8"), "mixed_precision"),
+        (
+            dict(distributed_type="FSDP", fsdp_config={"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"}),
+            "fsdp_config.fsdp_auto_wrap_policy",
+        ),
+        (
+            dict(distributed_type="FSDP", fsdp_config={"fsdp_forward_prefetch": True}),
+            "fsdp_config.fsdp_forward_prefetch",
+        ),
+        (
+            dict(distributed_type="FSDP", fsdp_config={"fsdp_backward_prefetch": "NO_PREFETCH"}),
+            "fsdp_config.fsdp_backward_prefetch",
+        ),
+        (
+            dict(distributed_type="FSDP", fsdp_config={"fsdp_sharding_strategy": "HYBRID_SHARD_ZERO2"}),
+            "fsdp_config.fsdp_sharding_strategy",
+        ),
+        (dict(distributed_type="DEEPSPEED", deepspeed_config={"zero_stage": 0}), "deepspeed_config.zero_stage"),
+        (
+            dict(distributed_type="DEEPSPEED", deepspeed_config={"zero_stage": 3, "offload_param_device": "nvme"}),
+            "deepspeed_config.offload_param_device",
+        ),
+        (
+            dict(distributed_type="NO", dynamo_config={"dynamo_backend": "INDUCTOR", "dynamo_mode": "reduce-overhead"}),
+            "dynamo_config.dynamo_mode",
+        ),
+        (dict(distributed_type="NO", parallelism_config={"parallelism_config_tp_size": 2}), "parallelism_config"),
+    ],
+)
+def test_an_accelerate_field_memplan_does_not_model_is_refused_naming_it(tmp_path, config, field):
+    path = _accelerate_file(tmp_path, BASE | config)
+    with pytest.raises(InputError) as err:
+        read(path)
+    assert err.value.field == field and str(path) in str(err.value)
+
+
+ROUND_TRIP = [
+    (s, p)
+    for s in ("single", "ddp", "fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-no-shard", "zero1", "zero2", "zero3")
+    for p in ("fp32", "mixed-bf16", "mixed-fp16", "amp-bf16", "amp-fp16")
+    # the emitted file says what accelerate runs only for: fp32; FSDP / DeepSpeed with mixed-* (FSDP's
+    # MixedPrecisionPolicy, DeepSpeed's bf16 / fp16 modes); single / DDP with amp-* (accelerate's autocast)
+    if p == "fp32" or (p.startswith("mixed") == (s.startswith(("fsdp", "zero"))))
+]
+
+
+@pytest.mark.parametrize(("strategy", "precision"), ROUND_TRIP)
+def test_an_emitted_accelerate_config_reads_back_to_the_same_estimate(tmp_path, strategy, precision):
+    """``--emit accelerate`` then ``--from`` on its output: the same job and estimate (the DeepSpeed
+    plugin's buckets are DeepSpeed's defaults, which the emitted file does not set: compared without)."""
+    import dataclasses
+
+    from memplan.emit import emit
+    from memplan.inputs import build_jobs
+    from memplan.memory import estimate
+    from memplan.request import Request
+
+    gpus = 1 if strategy == "single" else 8
+    ac = "none" if strategy in ("single", "ddp") or strategy.startswith("zero") else "full"
+    request = Request.of(
+        model="llama-2-7b", gpus=gpus, strategy=strategy, precision=precision, ac=ac, recipe="accelerate"
+    )
+    (job,) = build_jobs(request)[1]
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(emit(job, "accelerate"))
+    inputs = read(path).inputs
+    (back,) = build_jobs(Request.of(model="llama-2-7b", **({"ac": ac} | inputs)))[1]
+    if strategy.startswith("zero"):
+        back = dataclasses.replace(back, plan=dataclasses.replace(back.plan, zero=job.plan.zero))
+    assert back.plan == job.plan and back.train == job.train and back.cluster == job.cluster
+    assert estimate(back).allocated_bytes == estimate(job).allocated_bytes
