@@ -392,12 +392,13 @@ RECORDS = Path(__file__).resolve().parent.parent / "docs" / "hf_trainer_args_mat
 )
 def test_the_recorded_trainer_runs_are_estimated_from_their_files(record):
     """validation/hf_trainer_args.py's record: Trainer.train() from each file on CPU, against
-    ``--from FILE``. fp32 cases within 1 %; the bf16 autocast case is under by 5.0 % (recorded
-    before any model change; left open)."""
+    ``--from FILE``. Within 1 %, but the bf16 + checkpointing + accumulation case, 5.0 % under
+    (recorded before any model change; left open: its activations are 4.06 MiB over the estimate's,
+    about one fp32 logits tensor, while bf16 without checkpointing is +0.4 %)."""
     from validation.hf_trainer_args import estimate
 
     error = (estimate(record) - record["measured_peak_bytes"]) / record["measured_peak_bytes"]
-    tolerance = 0.06 if "bf16" in record["case"] else 0.01
+    tolerance = 0.055 if record["case"] == "bf16_ac_fused_accum2" else 0.01
     assert abs(error) <= tolerance, f"{record['case']}: {100 * error:+.2f} %"
 
 

@@ -7,7 +7,7 @@ step's start to its end: forward, backward, optimizer step, zero_grad) against
 ``memplan estimate --from FILE`` on the same model and sequence length (one process: strategy single).
 
     python -m validation.hf_trainer_args --write-files   # the argument files, from TrainingArguments
-    python -m validation.hf_trainer_args                 # measure every case, write the record
+    python -m validation.hf_trainer_args                 # measure every case not yet recorded
     python -m validation.hf_trainer_args --report        # measured, estimated today, error %
 """
 
@@ -39,6 +39,7 @@ CASES: dict[str, tuple[dict[str, Any], int]] = {
         ),
         256,
     ),
+    "bf16_adamw": (dict(per_device_train_batch_size=2, bf16=True, optim="adamw_torch"), 256),
     "fp32_ac_adafactor": (
         dict(per_device_train_batch_size=4, activation_checkpointing=True, optim="adafactor"),
         128,
@@ -157,9 +158,11 @@ def main(argv=None) -> None:
     if "--report" in argv:
         print(report(load()))
         return
-    records = [measure(stem) for stem in CASES]
-    OUT.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
-    print(report(records))
+    done = {r["case"] for r in load()} if OUT.exists() else set()
+    records = [measure(stem) for stem in CASES if stem not in done]  # every case not yet recorded
+    with OUT.open("a") as out:
+        out.writelines(json.dumps(r, sort_keys=True) + "\n" for r in records)
+    print(report(load()))
 
 
 if __name__ == "__main__":
