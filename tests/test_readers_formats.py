@@ -584,3 +584,19 @@ def test_an_emitted_accelerate_config_reads_back_to_the_same_estimate(tmp_path, 
         back = dataclasses.replace(back, plan=dataclasses.replace(back.plan, zero=job.plan.zero))
     assert back.plan == job.plan and back.train == job.train and back.cluster == job.cluster
     assert estimate(back).allocated_bytes == estimate(job).allocated_bytes
+
+
+@needs_accelerate
+@pytest.mark.parametrize("name", ["default_config.yaml", "default_config.json"])
+def test_accelerate_s_own_default_config_is_read(tmp_path, name):
+    """``accelerate config default`` (accelerate.utils.write_basic_config) writes JSON, under either name."""
+    from accelerate.utils import write_basic_config
+
+    path = tmp_path / name
+    write_basic_config(mixed_precision="bf16", save_location=str(path))
+    data = json.loads(path.read_text())
+    got = read(path)
+    assert got.format == "accelerate"
+    want_strategy = "single" if data["num_processes"] == 1 else "ddp"
+    assert got.inputs["strategy"] == want_strategy and got.inputs["gpus"] == data["num_processes"]
+    assert got.inputs["precision"] == "amp-bf16"  # accelerate's autocast over fp32 parameters

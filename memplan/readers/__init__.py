@@ -214,6 +214,8 @@ def detect(path: Path) -> str:
             return "deepspeed"
         if isinstance(data, dict) and {"per_device_train_batch_size", "optim", "output_dir"} & set(data):
             return "hf-trainer"
+        if isinstance(data, dict) and {"distributed_type", "compute_environment"} & set(data):
+            return "accelerate"  # accelerate's write_basic_config and `accelerate config` write JSON too
     formats = ", ".join(f"{f}:FILE" for f in _formats())
     raise InputError(
         f"{path}: cannot tell its format; name it ({formats})", field="from", value=str(path), accepted=formats
