@@ -140,8 +140,8 @@ def classify(path: str, fmt: str, tree: dict, prefix: str = "") -> list[FieldUse
     table, uses = field_table(fmt), []
     for key, value in tree.items():
         name = f"{prefix}{key}"
-        row = table.get(name)
-        if row is None and isinstance(value, dict) and any(f.startswith(name + ".") for f in table):
+        row = table.get(name)  # a section's own row says what its absence (null) means
+        if isinstance(value, dict) and any(f.startswith(name + ".") for f in table):
             uses += classify(path, fmt, value, name + ".")
             continue
         row = row or table.get(f"{prefix}*")
@@ -164,15 +164,43 @@ def classify(path: str, fmt: str, tree: dict, prefix: str = "") -> list[FieldUse
 
 
 def _formats():
-    from . import deepspeed
+    from . import accelerate, deepspeed, hf_trainer, torchtune
 
-    return {"deepspeed": deepspeed.read}
+    return {
+        "deepspeed": deepspeed.read,
+        "torchtune": torchtune.read,
+        "hf-trainer": hf_trainer.read,
+        "accelerate": accelerate.read,
+    }
+
+
+def _detect_yaml(path: Path, text: str) -> str | None:
+    """torchtune's recipe configs name their model builder (``model._component_``); accelerate's
+    say their ``distributed_type`` / ``compute_environment``."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise InputError(
+            f"{path}: not YAML ({str(exc).splitlines()[0]})", field="from", value=str(path), accepted="a YAML file"
+        ) from None
+    if isinstance(data, dict) and isinstance(data.get("model"), dict) and "_component_" in data["model"]:
+        return "torchtune"
+    if isinstance(data, dict) and {"distributed_type", "compute_environment"} & set(data):
+        return "accelerate"
+    return None
 
 
 def detect(path: Path) -> str:
     """The format of a file by its content: JSON with zero_optimization or DeepSpeed's batch keys
-    is DeepSpeed's."""
+    is DeepSpeed's; JSON with TrainingArguments' batch, optim or output_dir is the Trainer's; YAML
+    with a ``model._component_`` is torchtune's, with ``distributed_type`` accelerate's."""
     text = path.read_text(encoding="utf-8")
+    if path.suffix in (".yaml", ".yml"):
+        found = _detect_yaml(path, text)
+        if found:
+            return found
     if path.suffix == ".json":
         try:
             data = json.loads(text)
@@ -184,6 +212,10 @@ def detect(path: Path) -> str:
             {"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size"} & set(data)
         ):
             return "deepspeed"
+        if isinstance(data, dict) and {"per_device_train_batch_size", "optim", "output_dir"} & set(data):
+            return "hf-trainer"
+        if isinstance(data, dict) and {"distributed_type", "compute_environment"} & set(data):
+            return "accelerate"  # accelerate's write_basic_config and `accelerate config` write JSON too
     formats = ", ".join(f"{f}:FILE" for f in _formats())
     raise InputError(
         f"{path}: cannot tell its format; name it ({formats})", field="from", value=str(path), accepted=formats

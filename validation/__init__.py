@@ -1,0 +1,1 @@
+"""memplan's accuracy harness: the measured matrices and their records (not installed)."""
