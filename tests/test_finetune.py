@@ -1,4 +1,4 @@
-"""Fine-tuning (memplan.finetune) against the fine-tune matrix (docs/finetune_matrix_cpu.jsonl:
+"""Fine-tuning (memplan.finetune) against the fine-tune matrix (validation/records/finetune_matrix_cpu.jsonl:
 peft LoRA, bitsandbytes QLoRA, frozen blocks, Adafactor and 8-bit AdamW measured on CPU), and
 its inputs and reports."""
 
@@ -16,7 +16,8 @@ from memplan.memory import estimate
 from memplan.specs import Job, ModelSpec, TrainSpec
 
 pytest.importorskip("torch")
-from calibrate import finetune, heldout, records
+from calibrate import finetune, records
+from validation import heldout
 
 RECORDS = Path(__file__).resolve().parent.parent / finetune.OUT
 TOLERANCE_PCT = 2.0

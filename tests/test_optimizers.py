@@ -150,7 +150,8 @@ def test_the_table_says_how_much_paged_state_is_outside():
 def test_live_optimizer_case_matches_its_record(case_id):
     """The harness still steps the library's optimizer as recorded (the measurement's repeatability)."""
     pytest.importorskip("torch")
-    from calibrate import finetune, heldout, records
+    from calibrate import finetune, records
+    from validation import heldout
 
     record = next(r for r in heldout.latest(records.read([finetune.OUT])) if r["case"] == case_id)
     outcome = heldout.measure_case(finetune.BY_ID[case_id])
