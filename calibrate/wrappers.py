@@ -5,7 +5,7 @@ engine owns the step (``engine.backward``, ``engine.step``), so it runs in its o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -151,7 +151,7 @@ def apply_tp(model: nn.Module, mesh, *, sp: bool) -> None:
         if sp:
             top["norm"] = SequenceParallel()
     parallelize_module(model, mesh, top)
-    for block in model.layers:
+    for block in cast(nn.ModuleList, model.layers):
         plan: dict = {
             "attn.q_proj": ColwiseParallel(),
             "attn.k_proj": ColwiseParallel(),

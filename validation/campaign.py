@@ -85,7 +85,7 @@ intermediate 4864, vocab 151936, tied embeddings; Qwen2 attention has q/k/v bias
 ENCODER = "vit-large-patch16-224"
 """The encoder: a ViT (transformers' ViTForImageClassification from its config), which the
 campaign's ``Run`` workloads build. BERT and RoBERTa are measured on CPU through
-calibrate/loops.py's Hugging Face loop (calibrate/finetune.py's encoder cases), not a ``Run``
+calibrate/loops.py's Hugging Face loop (validation/finetune_matrix.py's encoder cases), not a ``Run``
 workload, so the campaign does not run them."""
 
 
