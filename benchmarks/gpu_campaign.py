@@ -2,14 +2,14 @@
 
     python benchmarks/gpu_campaign.py --dry-run                  # the runs, their estimated time, the total
     python benchmarks/gpu_campaign.py --out campaign_out --resume --budget-s 480
-    python benchmarks/gpu_campaign.py --out docs/gpu/h200-torch2.11.0-cu130 \
+    python benchmarks/gpu_campaign.py --out validation/records/gpu/h200-torch2.11.0-cu130 \
         --report tables/calibration/h200-torch2.11.0-cu130.jsonl   # the accuracy table
 
 Every run is a child process killed past its own timeout; its record (or its OOM, crash or
 timeout) is appended to OUT/records.jsonl before the next starts. ``--budget-s`` stops
 starting runs that would end past that many seconds of this call: run the same command
-again with ``--resume`` to go on. docs/gpu_campaign.md says how to run it on a lent device
-and how its records are shipped. The plan lives in calibrate/campaign.py.
+again with ``--resume`` to go on. validation/records/gpu_campaign.md says how to run it on a lent device
+and how its records are shipped. The plan lives in validation/campaign.py.
 """
 
 import sys
@@ -19,8 +19,8 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from calibrate import campaign
 from memplan.errors import MemplanError
+from validation import campaign
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

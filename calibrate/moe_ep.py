@@ -3,7 +3,7 @@ expert parallelism on real gloo ranks.
 
 torchtitan 0.3.0's own MoE and ``ExpertParallel`` are DTensor / grouped-mm code written for
 CUDA meshes; what decides EP's memory is reproduced here on transformers' experts instead
-(the ground truth of docs/moe_matrix_cpu.jsonl's EP cases): each rank keeps E/ep experts'
+(the ground truth of validation/records/moe_matrix_cpu.jsonl's EP cases): each rank keeps E/ep experts'
 slices of ``gate_up_proj`` / ``down_proj``, and the experts' forward becomes torchtitan's
 ``AllToAllTokenDispatcher`` (models/common/token_dispatcher.py): sort the k·T routed copies
 by expert, exchange the per-expert counts, ``all_to_all_single`` (autograd) the rows to the

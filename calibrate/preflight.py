@@ -117,7 +117,7 @@ def check_runs(runs: list[Run], *, machine: Machine, mode: str) -> None:
             missing = "" if machine.deepspeed else f"; DeepSpeed is not installed for {machine.python} either"
             raise MemplanError(
                 f"{what}: {strategy.id} runs under DeepSpeed, which `memplan calibrate run` does not drive "
-                f"(it drives DDP and FSDP2; python -m calibrate.dsmatrix measures ZeRO){missing}"
+                f"(it drives DDP and FSDP2; python -m validation.dsmatrix measures ZeRO){missing}"
             )
         if not strategy.runs_natively(job.train.precision):
             native = ", ".join(strategy.adapter.native_precisions)

@@ -59,7 +59,7 @@ def execute(run: Run, *, max_host_mem_bytes: int | None = None) -> dict:
         if run.mode in ("emulate", "local") and not job.layout.is_data_parallel:
             raise measure.Unsupported(
                 f"--mode {run.mode} runs DDP and FSDP2 over the whole world, not {job.layout.describe()}; "
-                "--mode trace runs TP (calibrate.parallel measures the CPU layouts)"
+                "--mode trace runs TP (validation.parallel_matrix measures the CPU layouts)"
             )
         if run.mode == "emulate":
             return launch.emulate(job, world_size=world, **kwargs)

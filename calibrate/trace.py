@@ -136,7 +136,7 @@ def fake_world(world_size: int) -> Iterator[Recorder]:
 @contextlib.contextmanager
 def _tensor_parallel(job: Job, workload: str) -> Iterator[None]:
     """Under ``--tp``: ``measure.run`` builds the model without AC and wraps it as torchtitan's
-    parallelize_llama does, in its order: the TP plan (``calibrate.parallel.apply_tp``: colwise
+    parallelize_llama does, in its order: the TP plan (``wrappers.apply_tp``: colwise
     q/k/v/gate/up, rowwise o/down, SP norms, vocabulary-parallel embedding and head), then AC
     on each block, then FSDP2 over the data-parallel mesh dimension (``wrappers._fsdp``'s units
     and mixed precision); the loss runs under ``loss_parallel`` (the logits stay sharded over
@@ -150,7 +150,7 @@ def _tensor_parallel(job: Job, workload: str) -> Iterator[None]:
     import torch.distributed.device_mesh as device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from . import parallel, workloads, wrappers
+    from . import workloads, wrappers
 
     ac = job.train.activation_checkpointing
     mesh = device_mesh.init_device_mesh("cpu", (job.dp, layout.tp), mesh_dim_names=("dp", "tp"))
@@ -162,7 +162,7 @@ def _tensor_parallel(job: Job, workload: str) -> Iterator[None]:
         )
 
     def wrap(model, job, emulated):
-        parallel.apply_tp(model, mesh["tp"], sp=layout.sp)
+        wrappers.apply_tp(model, mesh["tp"], sp=layout.sp)
         layers = model.layers
         for i, layer in enumerate(layers):
             if ac == "full":

@@ -1,11 +1,11 @@
 """How the harness wraps a model with each framework, keyed by the framework ids of
 ``memplan.frameworks`` (memplan itself never imports torch). DeepSpeed has no entry here: its
 engine owns the step (``engine.backward``, ``engine.step``), so it runs in its own loop,
-``calibrate.dsmatrix``, with the config memplan emits."""
+``validation.dsmatrix``, with the config memplan emits."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -114,7 +114,7 @@ def wrap(model: nn.Module, job: Job, emulated: bool) -> nn.Module:
     if strategy.framework not in WRAPPERS:
         raise Unsupported(
             f"{strategy.id} needs {FRAMEWORKS[strategy.framework].label}, which this harness does not wrap "
-            "(DeepSpeed runs in calibrate.dsmatrix)"
+            "(DeepSpeed runs in validation.dsmatrix)"
         )
     if not strategy.runs_natively(policy.id):
         raise Unsupported(f"{policy.id} under {strategy.id} has no native torch implementation")
@@ -127,3 +127,47 @@ def wrap(model: nn.Module, job: Job, emulated: bool) -> nn.Module:
 
         apply_expert_parallel(model, job.plan.ep)
     return WRAPPERS[strategy.framework](model, job, emulated)
+
+
+def apply_tp(model: nn.Module, mesh, *, sp: bool) -> None:
+    """torchtitan's apply_tp (llama3/parallelize.py) on the reference llama's module names (or a
+    pipeline stage of it: the embedding and head where the stage has them)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    stream = Shard(1) if sp else Replicate()
+    top: dict = {}
+    if getattr(model, "embed_tokens", None) is not None:
+        top["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+    if getattr(model, "lm_head", None) is not None:
+        # loss parallel: the logits stay sharded over the vocabulary
+        top["lm_head"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
+        if sp:
+            top["norm"] = SequenceParallel()
+    parallelize_module(model, mesh, top)
+    for block in cast(nn.ModuleList, model.layers):
+        plan: dict = {
+            "attn.q_proj": ColwiseParallel(),
+            "attn.k_proj": ColwiseParallel(),
+            "attn.v_proj": ColwiseParallel(),
+            "attn.o_proj": RowwiseParallel(output_layouts=stream),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=stream),
+        }
+        if sp:
+            plan |= {
+                "input_norm": SequenceParallel(),
+                "post_attention_norm": SequenceParallel(),
+                "attn": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            }
+        parallelize_module(block, mesh, plan)

@@ -7,9 +7,9 @@ from memplan.precision import POLICIES
 from memplan.specs import ModelSpec, TrainSpec
 
 torch = pytest.importorskip("torch")
-from calibrate.saved import saved_bytes  # noqa: E402
 from calibrate.workloads import Block, hf_config, make_batch, rotary_tables  # noqa: E402
 from calibrate.wrappers import DTYPES  # noqa: E402
+from validation.saved import saved_bytes  # noqa: E402
 
 
 def measured_block_saved(model: ModelSpec, train: TrainSpec) -> int:

@@ -525,7 +525,7 @@ def _refused(monkeypatch, machine, *args):
             dataclasses.replace(CPU_ONLY, deepspeed=False),
             ("--strategy", "zero3"),
             "Error: zero3 fp32 llama 2L h64 b2×s32 emulate×2: zero3 runs under DeepSpeed, which `memplan calibrate "
-            "run` does not drive (it drives DDP and FSDP2; python -m calibrate.dsmatrix measures ZeRO); DeepSpeed is "
+            "run` does not drive (it drives DDP and FSDP2; python -m validation.dsmatrix measures ZeRO); DeepSpeed is "
             f"not installed for {sys.executable} either",
         ),
     ],

@@ -34,7 +34,7 @@ SCENARIOS = [
     # 7B on 8×A100-80: '7-13B on 8×80GB: use DDP' — DDP (autocast: its own mixed precision) needs
     # 16 B/param of states alone > 76 GiB usable. ZeRO-1 fits at micro-batch 3, as fast as
     # SHARD_GRAD_OP, and is picked: its reduce buckets come with the first gradient's hook and its
-    # bit16 gradients are freed before the step (measured, docs/deepspeed_config_matrix_cpu.md).
+    # bit16 gradients are freed before the step (measured, validation/records/deepspeed_config_matrix_cpu.md).
     (
         "7e9",
         8,
@@ -208,7 +208,7 @@ def test_memory_priority_picks_the_smallest_total():
 def test_simplicity_priority_prefers_no_offload_then_simpler_strategies():
     _, rec = api.recommend(params="13e9", gpus=8, gpu="h100-sxm", priority="simplicity")
     # ddp and fsdp-no-shard do not fit without offload; zero1 (rank 2) does under AC full, since
-    # ZeRO-1 frees the bf16 gradients before its step (measured: docs/deepspeed_config_matrix_cpu.md)
+    # ZeRO-1 frees the bf16 gradients before its step (measured: validation/records/deepspeed_config_matrix_cpu.md)
     assert (rec.best.job.plan.strategy, rec.best.job.plan.offload) == ("zero1", "none")
     unfit = {o.job.plan.strategy for o in rec.options if o.job.plan.offload == "none"} - {
         o.job.plan.strategy for o in rec.options if o.fits and o.job.plan.offload == "none"

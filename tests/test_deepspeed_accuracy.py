@@ -1,5 +1,5 @@
-"""memplan's DeepSpeed ZeRO model against DeepSpeed run on CPU (docs/deepspeed_matrix_cpu.jsonl,
-calibrate.dsmatrix): every record's estimate, with the loop that ran it, within 2 % of the
+"""memplan's DeepSpeed ZeRO model against DeepSpeed run on CPU (validation/records/deepspeed_matrix_cpu.jsonl,
+validation.dsmatrix): every record's estimate, with the loop that ran it, within 2 % of the
 measured peak; one case re-run live on 2 real ranks."""
 
 import importlib.util
@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from calibrate import dsmatrix, heldout, records
+from calibrate import records
 from memplan import catalog
 from memplan.frameworks.deepspeed import tensor_numels
 from memplan.memory import estimate
+from validation import dsmatrix, heldout
 
 TOLERANCE = 0.02
 RECORDS = Path(__file__).resolve().parent.parent / dsmatrix.OUT

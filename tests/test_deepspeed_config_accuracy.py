@@ -1,5 +1,5 @@
-"""memplan's DeepSpeed model on configs as their users write them (docs/deepspeed_config_matrix_cpu.jsonl,
-calibrate.dsconfig): Hugging Face's documented ZeRO-2 / ZeRO-3 configs with the Trainer's
+"""memplan's DeepSpeed model on configs as their users write them (validation/records/deepspeed_config_matrix_cpu.jsonl,
+validation.dsconfig): Hugging Face's documented ZeRO-2 / ZeRO-3 configs with the Trainer's
 ``"auto"`` values, user bucket sizes and thresholds, DeepSpeed's defaults with the stage alone.
 Each record's estimate, with its config read by memplan's reader, within 2 % of the measured peak;
 one case re-run live."""
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from calibrate import dsconfig, heldout, records
+from calibrate import records
 from memplan.memory import estimate
+from validation import dsconfig, heldout
 
 TOLERANCE = 0.02
 RECORDS = Path(__file__).resolve().parent.parent / dsconfig.OUT

@@ -61,9 +61,9 @@ def measured_bert_saved(model, train, hf_type: str) -> tuple[int, int]:
     it (parameters, buffers, the input ids and the labels excluded)."""
     torch = pytest.importorskip("torch")
     from calibrate.loops import LoopLM
-    from calibrate.saved import saved_bytes
     from calibrate.wrappers import DTYPES
     from memplan.precision import POLICIES
+    from validation.saved import saved_bytes
 
     policy = POLICIES[train.precision]
     dtype = DTYPES[policy.param_dtype]

@@ -1,4 +1,4 @@
-"""Fine-tuning (memplan.finetune) against the fine-tune matrix (docs/finetune_matrix_cpu.jsonl:
+"""Fine-tuning (memplan.finetune) against the fine-tune matrix (validation/records/finetune_matrix_cpu.jsonl:
 peft LoRA, bitsandbytes QLoRA, frozen blocks, Adafactor and 8-bit AdamW measured on CPU), and
 its inputs and reports."""
 
@@ -16,9 +16,10 @@ from memplan.memory import estimate
 from memplan.specs import Job, ModelSpec, TrainSpec, tuning
 
 pytest.importorskip("torch")
-from calibrate import finetune, heldout, records
+from calibrate import records
+from validation import finetune_matrix, heldout
 
-RECORDS = Path(__file__).resolve().parent.parent / finetune.OUT
+RECORDS = Path(__file__).resolve().parent.parent / finetune_matrix.OUT
 TOLERANCE_PCT = 2.0
 """The matrix's bar: every case within 2 % of the measured peak of live tensors."""
 RELATIVE_TOLERANCE = 0.005
@@ -31,15 +32,15 @@ def recs() -> list[dict]:
 
 
 def test_every_case_has_an_ok_record_that_rebuilds_it(recs):
-    assert len(finetune.CASES) >= 12
-    assert {r["case"] for r in recs} == set(finetune.BY_ID)
+    assert len(finetune_matrix.CASES) >= 12
+    assert {r["case"] for r in recs} == set(finetune_matrix.BY_ID)
     for record in recs:
         assert record["status"] == "ok", record["error"]
-        assert records.job_from_spec(record["spec"]) == finetune.BY_ID[record["case"]].job
+        assert records.job_from_spec(record["spec"]) == finetune_matrix.BY_ID[record["case"]].job
         assert "peft" in record["libraries"] or record["spec"]["train"].get("finetune", "full") in ("full", "frozen:1")
 
 
-@pytest.mark.parametrize("case", finetune.CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", finetune_matrix.CASES, ids=lambda c: c.id)
 def test_estimate_within_tolerance_of_the_measurement(case, recs):
     record = next(r for r in recs if r["case"] == case.id)
     measured = record["measurement"]["peak_allocated_bytes"]
@@ -48,7 +49,7 @@ def test_estimate_within_tolerance_of_the_measurement(case, recs):
 
 
 def _cases_by_mode(mode: str) -> list:
-    return [c for c in finetune.CASES if c.job.train.tuning.mode == mode]
+    return [c for c in finetune_matrix.CASES if c.job.train.tuning.mode == mode]
 
 
 @pytest.mark.parametrize("case", _cases_by_mode("lora")[:1] + _cases_by_mode("qlora")[:1] + _cases_by_mode("frozen"))
@@ -147,7 +148,7 @@ def test_cli_bad_mode_is_one_line():
 
 @pytest.mark.slow
 def test_live_measurement_matches_the_record(recs):
-    case = finetune.BY_ID["llama-h256-lora-attention-r8-single-fp32-adamw-g1-b2s256"]
+    case = finetune_matrix.BY_ID["llama-h256-lora-attention-r8-single-fp32-adamw-g1-b2s256"]
     record = next(r for r in recs if r["case"] == case.id)
     outcome = heldout.measure_case(case)
     assert outcome["status"] == "ok", outcome["error"]
@@ -197,7 +198,7 @@ def test_tied_embedding_gradients_are_summed_out_of_place_outside_fsdp():
     the qwen2 bf16 full torch-adafactor case)."""
     from memplan.memory import Step
 
-    tied = finetune.QWEN
+    tied = finetune_matrix.QWEN
     job = Job(model=tied, train=TrainSpec(precision="bf16", seq_len=32, device="cpu")).with_(strategy="single")
     moment = next(m for m in estimate(job).moments if m.label.startswith("backward of the tied"))
     summed = sum(t.bytes for t in moment.terms if t.key == "grads.tied_sum")

@@ -1,4 +1,4 @@
-"""The GPU campaign's plan, its record writing and resume (calibrate.campaign), its child's
+"""The GPU campaign's plan, its record writing and resume (validation.campaign), its child's
 pieces that run on CPU (chunked loss, per-op AC, snapshot conversion), and the CLI's dry run.
 No GPU numbers: the runs here are CPU runs of tiny models, or outcomes without a measurement."""
 
@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from calibrate import alloctrace, campaign, records
-from calibrate.campaign import BUDGET_S, Case, design, estimated_s, make_case, sweep, timeout_s
+from calibrate import alloctrace, records
 from memplan.allocator import Alloc, Free
 from memplan.errors import MemplanError
 from memplan.memory import estimate
 from memplan.specs import ModelSpec
+from validation import campaign
+from validation.campaign import BUDGET_S, Case, design, estimated_s, make_case, sweep, timeout_s
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ModelSpec(

@@ -1,5 +1,5 @@
 """The GPU record set shipped from the campaign on an H200 (tables/calibration/h200-*.jsonl,
-docs/gpu_campaign_h200.md): today's model against every record, the allocator replay against
+validation/records/gpu_campaign_h200.md): today's model against every record, the allocator replay against
 each snapshot run's own events, and the accuracy page regenerated."""
 
 import json
@@ -7,16 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from calibrate import alloctrace, campaign, records
+from calibrate import alloctrace, records
 from memplan.allocator import replay
 from memplan.calibration import shipped
 from memplan.memory import estimate
 from memplan.overheads import _context_bytes
+from validation import campaign
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDS = ROOT / "tables" / "calibration" / "h200-torch2.11.0-cu130.jsonl"
-TRACES = ROOT / "docs" / "gpu" / "h200-torch2.11.0-cu130"
-PAGE = ROOT / "docs" / "gpu_campaign_h200.md"
+TRACES = ROOT / "validation" / "records" / "gpu" / "h200-torch2.11.0-cu130"
+PAGE = ROOT / "validation" / "records" / "gpu_campaign_h200.md"
 
 KNOWN_MISSES = {
     # inductor's saved tensors on CUDA (5)

@@ -1,6 +1,6 @@
 """A head_dim apart from hidden / heads (Qwen3-0.6B/4B, Mistral-Nemo) and Qwen3-MoE: the spec's
 rules, the presets' counts against transformers, and the measured head-dim matrix
-(docs/headdim_matrix_cpu.jsonl)."""
+(validation/records/headdim_matrix_cpu.jsonl)."""
 
 from pathlib import Path
 
@@ -103,20 +103,20 @@ def test_qwen3_presets_with_wide_heads_count_what_transformers_builds(name):
     assert sum(tensor_numels(spec)) == spec.num_params
 
 
-# -- the measured matrix (docs/headdim_matrix_cpu.jsonl) --------------------------------------
+# -- the measured matrix (validation/records/headdim_matrix_cpu.jsonl) --------------------------------------
 
 TOLERANCE = 0.02
 
 
 def _records() -> list[dict]:
-    from calibrate import headdim_matrix, heldout
+    from validation import headdim_matrix, heldout
 
     return heldout.latest_ok(Path(__file__).resolve().parent.parent / headdim_matrix.OUT)
 
 
 def test_the_matrix_covers_wide_and_narrow_heads_and_qwen3_moe():
     recs = _records()
-    from calibrate import headdim_matrix
+    from validation import headdim_matrix
 
     assert {r["id"] for r in recs} == {headdim_matrix.record_id(c) for c in headdim_matrix.CASES}
     widths = {
@@ -133,7 +133,7 @@ def test_the_matrix_covers_wide_and_narrow_heads_and_qwen3_moe():
     } <= plans
 
 
-# held out, measured after the model (docs/headdim_matrix_cpu.md): none over 2 % now (the one-GPU full-AC
+# held out, measured after the model (validation/records/headdim_matrix_cpu.md): none over 2 % now (the one-GPU full-AC
 # qwen3 case, +2.4 %, fixed by the first block's backward as two instants: memory.FIRST_BLOCK_END)
 _MISSED: dict[str, str] = {}
 
@@ -147,8 +147,8 @@ _MISSED: dict[str, str] = {}
     ids=lambda r: r["case"],
 )
 def test_estimate_within_2_percent_of_the_measured_peak(record):
-    from calibrate import heldout
     from memplan.memory import estimate
+    from validation import heldout
 
     measured = record["measurement"]["peak_allocated_bytes"]
     est = estimate(heldout.loop_job(record)).allocated_bytes
@@ -156,7 +156,7 @@ def test_estimate_within_2_percent_of_the_measured_peak(record):
 
 
 def _one_case_per_model() -> list:
-    from calibrate import headdim_matrix
+    from validation import headdim_matrix
 
     return list({c.job.model.name: c for c in headdim_matrix.CASES}.values())
 
@@ -164,8 +164,8 @@ def _one_case_per_model() -> list:
 @pytest.mark.parametrize("case", _one_case_per_model(), ids=lambda c: c.job.model.name)
 def test_each_model_config_json_reads_as_its_spec(case):
     """What a user hands memplan (the model's config.json) is the spec the cases are estimated on."""
-    from calibrate import headdim_matrix
     from memplan.hfconfig import model_from_hf_config
+    from validation import headdim_matrix
 
     read = model_from_hf_config(headdim_matrix.config_json(case), name=case.job.model.name)
     assert read == case.job.model
@@ -174,7 +174,7 @@ def test_each_model_config_json_reads_as_its_spec(case):
 @pytest.mark.slow
 def test_live_moe_case_matches_its_record():
     """The Qwen3-MoE EP case re-measured on 2 gloo ranks: the record's peak again."""
-    from calibrate import headdim_matrix
+    from validation import headdim_matrix
 
     case = next(c for c in headdim_matrix.CASES if c.job.plan.ep == 2)
     record = next(r for r in _records() if r["case"] == case.id)

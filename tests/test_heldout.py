@@ -1,4 +1,4 @@
-"""The held-out matrix's records (docs/heldout_matrix_cpu.jsonl): every case recorded once
+"""The held-out matrix's records (validation/records/heldout_matrix_cpu.jsonl): every case recorded once
 at least, each record rebuilding into its case's Job and carrying the loop that ran it.
 The accuracy tolerance on these records comes with the loop-aware model (issue 12)."""
 
@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
-from calibrate import heldout, records
+from calibrate import records
 from calibrate.loops import LOOP_KEYS, LOOPS
+from validation import heldout
 
 RECORDS = Path(__file__).resolve().parent.parent / heldout.OUT
 RELATIVE_TOLERANCE = 0.005
@@ -116,9 +117,9 @@ def test_torchtune_layer_saves_k_and_v_per_query_head():
     import torch
 
     from calibrate.loops import TorchtuneLM
-    from calibrate.saved import saved_bytes
     from memplan.activations import block_saved
     from memplan.specs import TrainSpec
+    from validation.saved import saved_bytes
 
     spec = heldout.TUNE_A
     b, s = 2, 64

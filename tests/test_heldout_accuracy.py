@@ -1,5 +1,5 @@
-"""memplan against the held-out matrix (docs/heldout_matrix_cpu.jsonl), each record estimated
-with the loop that ran it (calibrate.heldout.loop_job): within 1 % of the measured peak. The
+"""memplan against the held-out matrix (validation/records/heldout_matrix_cpu.jsonl), each record estimated
+with the loop that ran it (validation.heldout.loop_job): within 1 % of the measured peak. The
 cases memplan does not yet meet are listed with what the measured categories show; each is
 a strict xfail, so a fixed one must leave the list, and holds to its documented error."""
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from calibrate import heldout
 from memplan.memory import estimate
+from validation import heldout
 
 TOLERANCE = 0.01
 RECORDS = Path(__file__).resolve().parent.parent / heldout.OUT

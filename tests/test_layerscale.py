@@ -19,7 +19,7 @@ def test_fit_is_exact_on_a_line_and_widens_with_noise():
 def test_sixteen_blocks_predicted_from_one_two_four_within_3_percent():
     pytest.importorskip("torch")
     from calibrate import launch
-    from calibrate.matrix import LLAMA, _job
+    from validation.accuracy_matrix import LLAMA, _job
 
     job = _job(replace(LLAMA, num_layers=16), strategy="fsdp-full-shard", precision="fp32", gpus=4)
 
@@ -34,7 +34,7 @@ def test_sixteen_blocks_predicted_from_one_two_four_within_3_percent():
 
 
 def test_depths_must_stay_below_the_model():
-    from calibrate.matrix import LLAMA, _job
+    from validation.accuracy_matrix import LLAMA, _job
 
     with pytest.raises(ValueError, match="below the model's 4 blocks"):
         measure_layer_scaled(_job(LLAMA, strategy="ddp", precision="fp32"), measure=None)

@@ -420,8 +420,8 @@ def test_compiled_block_saves_what_the_partitioner_keeps(precision, b, kv):
     """A torch.compile'd reference llama block (CPU inductor): the distinct storages its
     compiled autograd function saves, seen by saved-tensor hooks (MemTracker does not see
     inside a compiled region). About a minute per case on two cores."""
-    from calibrate.saved import saved_bytes
     from calibrate.workloads import Block, rotary_tables
+    from validation.saved import saved_bytes
 
     model = _model("llama", kv)
     train = TrainSpec(seq_len=64, micro_batch=b, precision=precision, device="cpu")
@@ -487,7 +487,7 @@ def test_compiled_chunked_loss_saves_the_logits_and_row_statistics(precision):
     chunked loss: inductor saves the logit chunks themselves (so `del logits` frees nothing
     until the loss's backward), two fp32 numbers per token, and the labels. About a
     minute on two cores."""
-    from calibrate.saved import saved_storages
+    from validation.saved import saved_storages
 
     model, train = _model(), TrainSpec(seq_len=64, micro_batch=2, precision=precision, device="cpu")
     loop = Loop(loss="chunked-ce", loss_chunks=4, compile=True, logits="freed")
@@ -544,9 +544,9 @@ def test_float8_training_keeps_what_bf16_keeps():
     high-precision input and weight and casts them again in backward, so a block's saved
     bytes do not change (measured: torchao 0.18 runs its float8 matmuls on CPU)."""
     float8 = pytest.importorskip("torchao.float8")
-    from calibrate.saved import saved_bytes
     from calibrate.workloads import Block, rotary_tables
     from memplan.activations import block_saved
+    from validation.saved import saved_bytes
 
     model = ModelSpec(num_layers=1, hidden=128, num_heads=8, num_kv_heads=2, ffn_hidden=384, vocab_size=512)
     train = TrainSpec(seq_len=64, micro_batch=2, precision="bf16", device="cpu")

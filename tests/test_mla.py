@@ -1,7 +1,7 @@
 """DeepSeek's multi-head latent attention (memplan.mla): the spec's rules, parameter counts and
 per-tensor lists against transformers' DeepseekV3ForCausalLM, one block's saved bytes against
 autograd, attention FLOPs, what is refused, and the measured MLA matrix
-(docs/mla_matrix_cpu.jsonl)."""
+(validation/records/mla_matrix_cpu.jsonl)."""
 
 from pathlib import Path
 
@@ -204,19 +204,19 @@ def test_block_saved_bytes_match_autograd(precision, q_lora_rank, v_head_dim):
     assert estimated == measured_block_saved(spec, precision, 2, 64)
 
 
-# -- the measured matrix (docs/mla_matrix_cpu.jsonl) ------------------------------------------
+# -- the measured matrix (validation/records/mla_matrix_cpu.jsonl) ------------------------------------------
 
 TOLERANCE = 0.02
 
 
 def _records() -> list[dict]:
-    from calibrate import heldout, mla_matrix
+    from validation import heldout, mla_matrix
 
     return heldout.latest_ok(Path(__file__).resolve().parent.parent / mla_matrix.OUT)
 
 
 def test_the_matrix_covers_q_lora_dense_first_moe_precisions_strategies_and_full_ac():
-    from calibrate import mla_matrix
+    from validation import mla_matrix
 
     recs = _records()
     assert {r["id"] for r in recs} == {mla_matrix.record_id(c) for c in mla_matrix.CASES}
@@ -231,8 +231,8 @@ def test_the_matrix_covers_q_lora_dense_first_moe_precisions_strategies_and_full
 
 @pytest.mark.parametrize("record", _records(), ids=lambda r: r["case"])
 def test_estimate_within_2_percent_of_the_measured_peak(record):
-    from calibrate import heldout
     from memplan.memory import estimate
+    from validation import heldout
 
     measured = record["measurement"]["peak_allocated_bytes"]
     est = estimate(heldout.loop_job(record)).allocated_bytes
@@ -240,14 +240,14 @@ def test_estimate_within_2_percent_of_the_measured_peak(record):
 
 
 def _one_case_per_model() -> list:
-    from calibrate import mla_matrix
+    from validation import mla_matrix
 
     return list({c.job.model.name: c for c in mla_matrix.CASES}.values())
 
 
 @pytest.mark.parametrize("case", _one_case_per_model(), ids=lambda c: c.job.model.name)
 def test_each_model_config_json_reads_as_its_spec(case):
-    from calibrate import mla_matrix
+    from validation import mla_matrix
 
     assert model_from_hf_config(mla_matrix.config_json(case), name=case.job.model.name) == case.job.model
 
@@ -255,7 +255,7 @@ def test_each_model_config_json_reads_as_its_spec(case):
 @pytest.mark.slow
 def test_live_case_matches_its_record_and_the_estimate():
     """The FSDP2 case without a q LoRA rank re-measured on 2 gloo ranks: the record's peak again."""
-    from calibrate import mla_matrix
+    from validation import mla_matrix
 
     case = next(c for c in mla_matrix.CASES if c.job.cluster.gpus == 2 and not c.job.model.q_lora_rank)
     record = next(r for r in _records() if r["case"] == case.id)

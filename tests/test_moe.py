@@ -173,9 +173,9 @@ def _measured_moe_saved(model_type: str, spec: ModelSpec, train) -> int:
     torch = pytest.importorskip("torch")
     tf = pytest.importorskip("transformers")
     from calibrate.moe_ep import hf_moe_kwargs
-    from calibrate.saved import saved_bytes
     from calibrate.wrappers import DTYPES
     from memplan.precision import POLICIES
+    from validation.saved import saved_bytes
 
     config = tf.AutoConfig.for_model(model_type, hidden_size=spec.hidden, **hf_moe_kwargs(spec, model_type))
     block_class = {
@@ -274,7 +274,7 @@ def test_moe_flops_count_active_parameters():
     )
 
 
-# -- the measured matrix (docs/moe_matrix_cpu.jsonl) ---------------------------------------
+# -- the measured matrix (validation/records/moe_matrix_cpu.jsonl) ---------------------------------------
 
 TOLERANCE = 0.02
 
@@ -282,7 +282,7 @@ TOLERANCE = 0.02
 def _matrix_records() -> list[dict]:
     from pathlib import Path
 
-    from calibrate import heldout, moe_matrix
+    from validation import heldout, moe_matrix
 
     return heldout.latest_ok(Path(__file__).resolve().parent.parent / moe_matrix.OUT)
 
@@ -296,8 +296,8 @@ def test_the_matrix_covers_the_asked_shapes():
 
 @pytest.mark.parametrize("record", _matrix_records(), ids=lambda r: r["case"])
 def test_moe_estimate_within_2_percent_of_the_measured_peak(record):
-    from calibrate import heldout
     from memplan.memory import estimate
+    from validation import heldout
 
     measured = record["measurement"]["peak_allocated_bytes"]
     est = estimate(heldout.loop_job(record)).allocated_bytes
@@ -307,7 +307,7 @@ def test_moe_estimate_within_2_percent_of_the_measured_peak(record):
 @pytest.mark.slow
 def test_live_ep_case_matches_its_record():
     """One EP case re-measured on 2 gloo ranks: the record's peak again."""
-    from calibrate import moe_matrix
+    from validation import moe_matrix
 
     case = moe_matrix.BY_ID["mixtral-h256-e4-plain-kept-fsdp-ep2-fp32-acnone-g2-b2s128"]
     record = next(r for r in _matrix_records() if r["case"] == case.id)

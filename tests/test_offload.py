@@ -65,8 +65,9 @@ def test_host_bytes_are_what_the_replica_copied(monkeypatch):
     """The held-out one-GPU offloading case run again: the bytes the replica copied to the host
     in the measured step are memplan's host RAM for it (the blocks' inputs, the final norm's
     packs, the input ids)."""
-    from calibrate import heldout, offload
+    from calibrate import offload
     from memplan.memory import estimate
+    from validation import heldout
 
     made, original = [], offload.offloading_context
 

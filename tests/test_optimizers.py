@@ -150,10 +150,11 @@ def test_the_table_says_how_much_paged_state_is_outside():
 def test_live_optimizer_case_matches_its_record(case_id):
     """The harness still steps the library's optimizer as recorded (the measurement's repeatability)."""
     pytest.importorskip("torch")
-    from calibrate import finetune, heldout, records
+    from calibrate import records
+    from validation import finetune_matrix, heldout
 
-    record = next(r for r in heldout.latest(records.read([finetune.OUT])) if r["case"] == case_id)
-    outcome = heldout.measure_case(finetune.BY_ID[case_id])
+    record = next(r for r in heldout.latest(records.read([finetune_matrix.OUT])) if r["case"] == case_id)
+    outcome = heldout.measure_case(finetune_matrix.BY_ID[case_id])
     assert outcome["status"] == "ok", outcome["error"]
     measured = outcome["measurement"]["peak_allocated_bytes"]
     assert measured == pytest.approx(record["measurement"]["peak_allocated_bytes"], rel=0.005)

@@ -1,5 +1,6 @@
 """What the wheel ships is the tree: every package under memplan/ and calibrate/, the data tables,
-and nothing of the tests, benchmarks or scripts (setuptools' own reading of setup.py + setup.cfg)."""
+and nothing of the tests, benchmarks, scripts or the accuracy harness (validation/), by setuptools'
+own reading of setup.py + setup.cfg (.ci/wheel checks the built wheel's files the same way)."""
 
 import importlib
 import os
@@ -49,3 +50,25 @@ def test_nothing_else_ships(distribution):
     allowed = _packages_in_tree() | {"memplan._tables"}
     assert set(distribution.packages) == allowed
     assert not {p for p in distribution.packages if p.split(".")[0] in ("tests", "benchmarks", "scripts", "notebooks")}
+
+
+def _harness_modules() -> set[str]:
+    return {py.stem for py in (ROOT / "validation").glob("*.py") if py.stem != "__init__"}
+
+
+def _shipped_modules(distribution) -> set[tuple[str, str]]:
+    """(package, module) of every .py file the wheel's build_py step copies."""
+    build_py = distribution.get_command_obj("build_py")
+    build_py.ensure_finalized()
+    return {(package, module) for package, module, _ in build_py.find_all_modules()}
+
+
+def test_the_accuracy_harness_does_not_ship(distribution):
+    harness = _harness_modules()
+    assert {"heldout", "dsmatrix", "campaign", "parallel_matrix", "peak_probe"} <= harness
+    shipped = _shipped_modules(distribution)
+    assert ("calibrate.cli", "cli") not in shipped and ("calibrate", "cli") in shipped  # the listing is real
+    assert not {p for p in distribution.packages if p.split(".")[0] == "validation"}
+    assert not {(p, m) for p, m in shipped if p.split(".")[0] == "validation"}
+    # no harness module under calibrate/ (nor a module of one name in both: which would import?)
+    assert not {m for p, m in shipped if p.split(".")[0] == "calibrate"} & harness

@@ -1,6 +1,6 @@
 """Tensor, sequence and pipeline parallel (issue 14): the layout's checks, the per-rank
 arithmetic against its sources, and the model against every record of the measured matrix
-(docs/parallel_matrix_cpu.jsonl, worst rank, within 2 %); the slow lane re-runs two cases live."""
+(validation/records/parallel_matrix_cpu.jsonl, worst rank, within 2 %); the slow lane re-runs two cases live."""
 
 import json
 from dataclasses import replace
@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from calibrate import parallel_cases
 from memplan.errors import MemplanError
 from memplan.layout import Layout
 from memplan.memory import estimate
@@ -16,6 +15,7 @@ from memplan.parallel import pipeline, tensor
 from memplan.parallel.step import estimate_layout, worst_estimate
 from memplan.report import verdict_detail
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
+from validation import parallel_cases
 
 TOLERANCE = 0.02
 RECORDS = Path(__file__).resolve().parent.parent / parallel_cases.OUT
@@ -222,10 +222,10 @@ def test_torchtitan_toml_uses_torchtitans_own_fields():
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["tp2-sp", "pp2-1f1b-m4", "cp2-fsdp", "dp2-tp2-fsdp-units"])
 def test_live_rerun_matches_the_record(case):
-    from calibrate import parallel
+    from validation import parallel_matrix
 
     rec = next(r for r in _records() if r["case"] == case)
-    ranks = parallel.measure(parallel_cases.CASES[case])
+    ranks = parallel_matrix.measure(parallel_cases.CASES[case])
     assert max(r["peak_allocated_bytes"] for r in ranks) == pytest.approx(rec["measured_bytes"], rel=0.005)
 
 
@@ -401,11 +401,11 @@ def test_fsdp_under_a_pipeline_accumulates_in_the_reduce_dtype():
 
 @pytest.mark.slow
 def test_fsdp_under_a_pipeline_reduces_only_after_the_last_backward():
-    """Measured per pipeline action (calibrate.pipeline_probe, FSDP2's own state): from the
+    """Measured per pipeline action (validation.pipeline_probe, FSDP2's own state): from the
     first backward to perform_reduce_grad a stage of P parameters holds 4·P of unsharded
     gradients and no sharded ones, and after the last backward every unit is gathered (4·P);
     the reduce leaves the 4·P/2 sharded gradients alone (fp32, dp 2)."""
-    from calibrate import pipeline_probe
+    from validation import pipeline_probe
 
     job = parallel_cases.CASES["dp2-pp2-fsdp-m4"]
     m = job.model

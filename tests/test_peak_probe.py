@@ -1,11 +1,12 @@
-"""calibrate.peak_probe names what FSDP2 holds at a held-out case's peak: re-run live, the
+"""validation.peak_probe names what FSDP2 holds at a held-out case's peak: re-run live, the
 composition adds up to the recorded peak and shows the instant memory.ROOT_REDUCE models."""
 
 from pathlib import Path
 
 import pytest
 
-from calibrate import heldout, records
+from calibrate import records
+from validation import heldout
 
 RECORDS = Path(__file__).resolve().parent.parent / heldout.OUT
 CASE = "llama-h384-plain-kept-fsdp-mixed-bf16-acnone-g2-b1s128"
@@ -13,7 +14,7 @@ CASE = "llama-h384-plain-kept-fsdp-mixed-bf16-acnone-g2-b1s128"
 
 @pytest.mark.slow
 def test_the_root_reduce_instant_is_the_llama_plain_kept_peak():
-    from calibrate import peak_probe
+    from validation import peak_probe
 
     measurement, probe = peak_probe.run(CASE, from_mib=90)
     [record] = [r for r in heldout.latest(records.read([RECORDS])) if r["case"] == CASE]

@@ -122,7 +122,7 @@ _BERT_BS4 = (
     "with the 2022 Trainer's zero-filled fp32 gradients (--zero-grad zeros: 1.25 GiB, 8.6-9.9 points of the "
     "16-21 % it missed before) 1.1-1.5 GiB more that grows with the batch (the batch-1 rows are within 5 %) is "
     "not found: the shape scaled down on CPU (eager, seq 512, batch 1 and 4) is within 0.5 % "
-    "(docs/finetune_matrix_cpu.md), so it is CUDA-side"
+    "(validation/records/finetune_matrix_cpu.md), so it is CUDA-side"
 )
 # rows memplan expresses but misses at their tolerance: (source, strategy, flags, what is off)
 _QWEN3_32B = dataclasses.replace(
@@ -155,7 +155,7 @@ MISSED = [
         ),
         "-46.6 % (44.8 GiB reserved against 83.9): torchtitan's compiled float8 blocks at 32,768 tokens, "
         "nothing of which is measured at that size here; on an H200 compile alone is -35.6 % at 4,096 tokens "
-        "(docs/gpu_campaign_h200.md)",
+        "(validation/records/gpu_campaign_h200.md)",
     ),
     (
         "PR #1690 '[Qwen3] Add 32b training configs'",

@@ -9,10 +9,10 @@ torch = pytest.importorskip("torch")
 
 from calibrate import trace  # noqa: E402
 from calibrate.alloctrace import Recorder  # noqa: E402
-from calibrate.matrix import LLAMA, _job  # noqa: E402
 from calibrate.records import Run, make_record  # noqa: E402
 from memplan.allocator import Alloc, Free, replay  # noqa: E402
 from memplan.layout import Layout  # noqa: E402
+from validation.accuracy_matrix import LLAMA, _job  # noqa: E402
 
 FLOAT_BYTES = 4
 
