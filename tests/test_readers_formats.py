@@ -384,7 +384,7 @@ def test_arguments_format_is_detected_or_named():
     assert read(f"hf-trainer:{path}").inputs == read(path).inputs
 
 
-RECORDS = Path(__file__).resolve().parent.parent / "docs" / "hf_trainer_args_matrix_cpu.jsonl"
+RECORDS = Path(__file__).resolve().parent.parent / "validation" / "records" / "hf_trainer_args_matrix_cpu.jsonl"
 
 
 @pytest.mark.parametrize(

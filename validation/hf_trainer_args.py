@@ -21,7 +21,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ROOT / "tests" / "data" / "hf_trainer"
-OUT = ROOT / "docs" / "hf_trainer_args_matrix_cpu.jsonl"
+OUT = ROOT / "validation" / "records" / "hf_trainer_args_matrix_cpu.jsonl"
 STEPS = 3
 """Trainer steps per case: the last one measured (the optimizer states exist from the first)."""
 
@@ -48,7 +48,7 @@ CASES: dict[str, tuple[dict[str, Any], int]] = {
 
 
 def _model_spec():
-    from calibrate.finetune import LLAMA
+    from validation.finetune_matrix import LLAMA
 
     return LLAMA
 
