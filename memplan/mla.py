@@ -14,13 +14,11 @@ qk_rope_head_dim, dv v_head_dim, dqk = dn + dr; c compute bytes, r residual-stre
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
 
 from .errors import MemplanError
-
-if TYPE_CHECKING:
-    from .activations import Saved, Shapes
-    from .specs import Job, ModelSpec
+from .saved import Saved, Shapes
+from .specs import Job, ModelSpec
 
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 """The ModelSpec fields of the latent attention (all 0: not MLA; q_lora_rank 0 alone: q_proj)."""
@@ -72,16 +70,12 @@ def attention_tensors(model: ModelSpec) -> list[tuple[int, ...]]:
 
 def mla_matrices(model: ModelSpec) -> int:
     """The attention's weight matrices (what autocast caches a low-precision copy of)."""
-    import math
-
     return sum(math.prod(t) for t in attention_tensors(model) if len(t) == 2)
 
 
 def block_param_counts(model: ModelSpec) -> dict[str, int]:
     """The attention's share of ``ModelSpec.block_param_counts``: every projection but o_proj as
     attn_qkv, o_proj as attn_out, the two latent norms with the block's norms."""
-    import math
-
     tensors = attention_tensors(model)
     norms = sum(t[0] for t in tensors if len(t) == 1)
     o_proj = math.prod(tensors[-1])
@@ -126,8 +120,6 @@ def attention_math(model: ModelSpec, on_cpu: bool) -> bool:
 def mla_saved(model: ModelSpec, x: Shapes) -> list[Saved]:
     """What one block's latent attention keeps for backward beyond the norms and the norm output
     (read off saved-tensor hooks on DeepseekV3DecoderLayer, tests/test_mla.py)."""
-    from .activations import Saved
-
     t, a, c = x.tokens, x.a, x.c
     Q, R, dr, dv = model.q_lora_rank, model.kv_lora_rank, model.qk_rope_head_dim, model.v_head_dim
     dqk = qk_head_dim(model)

@@ -13,10 +13,12 @@ from typing import TypeVar
 from .breakdown import Component, Estimate
 from .calibration import Applied, Corrected, fit_text
 from .decide import FRAMEWORKS, Fix, Reason, Recommendation, Rejected, RuleVerdict, framework_strategies
-from .finetune import FINETUNE_FIELDS, finetune_inputs, finetune_line, modes_compared
+from .finetune import FINETUNE_FIELDS, finetune_inputs, finetune_line
 from .inputs import ModelChoice
 from .loop import in_force
-from .overheads import expandable_excess, reserved_bytes
+from .memory import modes_compared
+from .overheads import reserved_bytes
+from .replayed import expandable_excess
 from .strategies import STRATEGIES
 from .units import gib
 
@@ -314,7 +316,7 @@ def native_note(estimates: list[Estimate]) -> list[str]:
 
 def paged_line(estimates: list[Estimate]) -> list[str]:
     """bitsandbytes' paged states, which the table leaves out: how much each row has outside."""
-    from .finetune import paged_state_bytes
+    from .notes import paged_state_bytes
 
     job = estimates[0].job
     if job.train.optimizer != "paged-adamw8bit" or job.train.device != "cuda":
