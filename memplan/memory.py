@@ -14,7 +14,8 @@ from .overheads import overhead_terms
 from .parallel.step import estimate_layout
 from .precision import Policy
 from .specs import Job
-from .step import G, O, P, Step
+from .quantities import G, O, P
+from .step import Step
 
 __all__ = ["Step", "estimate", "model_states", "modes_compared"]  # Step: where its users import it from
 

@@ -46,7 +46,7 @@ LAYERS: list[list[str]] = [
         "overheads",
     ],
     # step assembly: a job's (or a mesh rank's) moments, and its estimate
-    ["step", "notes", "parallel.step", "memory"],
+    ["quantities", "step", "notes", "parallel.step", "memory"],
     # allocator replay
     ["allocator", "alloctrace", "replayed"],
     # the estimate entry point, and the inputs that build jobs
