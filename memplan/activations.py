@@ -278,7 +278,7 @@ def _vit_live_in_backward(model: ModelSpec, x: Shapes) -> list[Saved]:
     (measured: MemTracker's Temp at the DDP peak is c·b·s·f + r·b·s·h + the fc2 weight
     gradient, which is left to the gradient terms): the gradient flowing into the block, and
     what the embeddings saved, which the patch conv's backward frees only at the very end
-    (the block moments of memory.py keep, of what is saved outside the blocks, only the logits)."""
+    (the block moments of step.py keep, of what is saved outside the blocks, only the logits)."""
     return [Saved("gradient into the block", "r·b·s·h", x.r * x.tokens * x.h), *_vit_embedding_saved(model, x)]
 
 

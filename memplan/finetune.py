@@ -19,7 +19,7 @@ from .precision import Policy
 from .saved import Saved
 from .shapes import shapes
 
-P, O = Component.PARAMS, Component.OPTIMIZER  # noqa: E741 - the paper's P/G/O notation, as memory.py
+P, O = Component.PARAMS, Component.OPTIMIZER  # noqa: E741 - the paper's P/G/O notation, as quantities.py
 
 MODES = ("full", "lora", "qlora", "frozen:N")
 TARGET_SETS = ("attention", "all-linear")
@@ -285,7 +285,7 @@ def trained(model, tuning: Tuning) -> Trained:
     )
 
 
-# --- what it changes in the step's memory (memory.Step calls these) ----------------------
+# --- what it changes in the step's memory (step.Step calls these) ----------------------
 
 
 def adapter_policy(policy: Policy) -> Policy:

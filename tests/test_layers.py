@@ -35,6 +35,7 @@ LAYERS: list[list[str]] = [
         "frameworks.base",
         "frameworks.single",
         "frameworks.ddp",
+        "frameworks.fsdp_emit",
         "frameworks.fsdp",
         "frameworks.deepspeed",
         "frameworks",
