@@ -13,8 +13,8 @@ from .notes import finetune_notes, loop_notes
 from .overheads import overhead_terms
 from .parallel.step import estimate_layout
 from .precision import Policy
-from .specs import Job
 from .quantities import G, O, P
+from .specs import Job
 from .step import Step
 
 __all__ = ["Step", "estimate", "model_states", "modes_compared"]  # Step: where its users import it from
