@@ -315,7 +315,6 @@ class Case:
             steps=STEPS,
             warmup=WARMUP,
             adapt=self.adapt,
-            zero_grad=self.job.train.zero_grad,
         )
 
     def adapt(self, model) -> None:

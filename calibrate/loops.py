@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from memplan import loop as memplan_loop
 from memplan.precision import POLICIES
 from memplan.specs import Job, ModelSpec
 
@@ -53,21 +54,8 @@ from .measure import Measurement, _CpuMeter, _optimizer
 from .workloads import hf_config
 from .wrappers import DTYPES, wrap
 
-LOOP_KEYS = (
-    "logits",
-    "loss",
-    "loss_chunks",
-    "ac",
-    "ac_every",
-    "compile",
-    "float8",
-    "offload_activations",
-    "optimizer_in_backward",
-    "zero_grad",
-    "recipe",
-    "loss_impl",
-)
-AC_POLICIES = ("none", "full", "op")
+LOOP_KEYS = (*(f.name for f in fields(memplan_loop.Loop)), "loss_impl")
+"""A record's ``loop`` keys: memplan's ``loop.Loop`` settings, and which library's fused loss ran."""
 HF_TYPES = ("llama", "qwen2", "mistral", "gpt2", "gpt_neox")
 TORCHTUNE_CHUNKS = 8
 """torchtune recipes' ``num_output_chunks`` (CEWithChunkedOutputLoss's default)."""
@@ -94,27 +82,14 @@ class Loop:
     def conventions(self, ac: str, train=None) -> dict:
         """The record's ``loop`` object for this loop under activation checkpointing ``ac``,
         with the flags ``train`` (the case's TrainSpec) turns on (none without it)."""
-        flags = train or SimpleNamespace(
-            ac_every=1,
-            compile=False,
-            float8=False,
-            offload_activations=False,
-            optimizer_in_backward=False,
-            zero_grad="none",
+        flags = train.loop if train is not None else memplan_loop.Loop()
+        mine = {"logits": self.logits, "loss": self.loss, "loss_chunks": self.loss_chunks, "recipe": self.recipe}
+        return (
+            asdict(flags)
+            | mine
+            | {"ac": ac, "ac_every": flags.ac_every if ac != "none" else 0}
+            | ({"loss_impl": self.loss_impl} if self.loss_impl else {})
         )
-        return {
-            "logits": self.logits,
-            "loss": self.loss,
-            "loss_chunks": self.loss_chunks,
-            "ac": ac,
-            "ac_every": flags.ac_every if ac != "none" else 0,
-            "compile": flags.compile,
-            "float8": flags.float8,
-            "offload_activations": flags.offload_activations,
-            "optimizer_in_backward": flags.optimizer_in_backward,
-            "zero_grad": flags.zero_grad,
-            "recipe": self.recipe,
-        } | ({"loss_impl": self.loss_impl} if self.loss_impl else {})
 
     def loop_source(self) -> str:
         return f"{self.package} {_version(self.package)} {self.source}"
@@ -426,8 +401,10 @@ def apply_ac(model: LoopLM, ac: str, loop: Loop, every: int = 1) -> None:
         # SelectiveAC.apply wraps model.get_submodule("layers")'s children in place
         policy.apply(SimpleNamespace(get_submodule=lambda name: model.layers))
         return
-    if ac != "full":
-        raise ValueError(f"activation checkpointing {ac!r} is not one of: {', '.join(AC_POLICIES)}")
+    if ac not in memplan_loop.AC_POLICIES:
+        raise ValueError(f"activation checkpointing {ac!r} is not one of: {', '.join(memplan_loop.AC_POLICIES)}")
+    if ac != "full":  # selective (the attention core, memplan's fourth policy) is modelled, not applied here
+        raise ValueError(f"activation checkpointing {ac!r} is modelled, not applied by this harness")
     # transformers 5's name for gradient_checkpointing_enable (the old name warns, same code)
     model.hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
@@ -693,7 +670,6 @@ def run(
     steps: int = 2,
     warmup: int = 1,
     adapt=None,
-    zero_grad: str = "none",
     hf_overrides: dict | None = None,
 ) -> Measurement:
     """Build the HF model, wrap it as the job's strategy, and train ``steps`` steps with the
@@ -701,8 +677,8 @@ def run(
     ``compile`` the CPU allocator's, ``_AllocatorPeak``). ``adapt`` changes the model after AC
     and before wrapping (calibrate.finetune's peft adapters). The job's TrainSpec turns on
     float8, compile, optimizer in backward and ac-every, applied in torchtitan's order:
-    float8, AC, compile, FSDP. ``zero_grad``: how the gradients are cleared after each step,
-    none ``optimizer.zero_grad(set_to_none=True)`` or zeros (``set_to_none=False``: they stay
+    float8, AC, compile, FSDP, and how the gradients are cleared after each step (``Loop.zero_grad``:
+    none ``optimizer.zero_grad(set_to_none=True)``, zeros ``set_to_none=False``, so they stay
     allocated through the next forward). ``hf_overrides``: transformers config keys beyond the
     spec's shapes."""
     from torch.profiler import record_function
@@ -777,7 +753,7 @@ def run(
             with record_function("memplan.optimizer" if measured else "warmup"):
                 if optimizer is not None:
                     optimizer.step()
-                    optimizer.zero_grad(set_to_none=zero_grad == "none")
+                    optimizer.zero_grad(set_to_none=train.zero_grad == "none")
             times.append(time.perf_counter() - start)
             if measured:
                 phase_peaks["optimizer"] = meter.peak()

@@ -23,7 +23,7 @@ from .totals import final
 
 if TYPE_CHECKING:
     from .calibration import Applied
-    from .decide import Recommendation
+    from .decide import EstimateWhatIfs, Recommendation
     from .search import MinGpus
 
 FIXABLE = ("strategy", "precision", "ac", "offload", "micro_batch")
@@ -214,7 +214,8 @@ def min_gpus(
 class Result:
     """What ``memplan.estimate`` returns, all that ``memplan estimate`` prints: the model it
     understood, one estimate per strategy, the calibration applied (where one does), each
-    strategy's throughput relative to DDP and the recommendation (both computed when first read)."""
+    strategy's throughput relative to DDP, the what-ifs printed under the table and the
+    recommendation (these three computed when first read)."""
 
     request: Request
     choice: ModelChoice
@@ -242,6 +243,15 @@ class Result:
         d = self.decision
         basis = basis_for(self.estimates[0].job, interconnect=d.interconnect, bw_gbs=d.bw, calibration=d.calibration)
         return tuple(relative_to_ddp(e.job, basis.step) for e in self.estimates)
+
+    @cached_property
+    def whatifs(self) -> EstimateWhatIfs:
+        """What the table prints below its rows: the fragmentation where the allocator holds most
+        and what expandable segments would hold there (a second replay), paged states, the rows
+        without a built-in precision (``decide.whatifs``)."""
+        from .decide import estimate_whatifs  # the decision engine loads where an answer reads it
+
+        return estimate_whatifs(self.estimates)
 
     @cached_property
     def recommendation(self) -> Recommendation:

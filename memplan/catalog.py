@@ -3,26 +3,19 @@ runtime overheads and decision settings, each row with its source."""
 
 from __future__ import annotations
 
-import csv
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 from typing import Any
 
+from .csvtables import TABLES_DIR as TABLES_DIR  # where callers look for the tables
+from .csvtables import read_table
 from .errors import InputError, MemplanError
 from .precision import POLICIES
-from .specs import ModelSpec
+from .specs import MLA_FIELDS, ModelSpec
 
-_INSTALLED = Path(__file__).with_name("_tables")
-TABLES_DIR = _INSTALLED if _INSTALLED.is_dir() else Path(__file__).resolve().parent.parent / "tables"
 _MIB = 2**20
 _TFLOPS = 10**12
 _GBS = 10**9
-
-
-def read_table(name: str) -> list[dict[str, str]]:
-    with open(TABLES_DIR / name, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,8 +125,6 @@ def head_dims() -> dict[str, int]:
 @cache
 def latent_attention() -> dict[str, dict[str, Any]]:
     """The presets with DeepSeek's multi-head latent attention, their MLA shapes (tables/mla.csv)."""
-    from .mla import MLA_FIELDS
-
     return {row["name"]: {f: int(row[f]) for f in MLA_FIELDS} for row in read_table("mla.csv")}
 
 

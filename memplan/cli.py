@@ -1,17 +1,22 @@
-"""The `memplan` command: parse flags, call the library, render. Nothing else."""
+"""The `memplan` command: parse flags, call the library, render. Nothing else.
+
+The job options are built from the request's fields (``memplan.request``, ``memplan.settings``).
+The commands import the library inside their bodies, so that ``memplan --help`` and a bad flag
+load no estimate code (start-up time): those are this package's deferred imports."""
 
 from __future__ import annotations
 
 import functools
 import importlib
 import importlib.util
+from dataclasses import Field
 from typing import ClassVar
 
 import click
 
-from . import layout, loop, specs
 from .errors import FLAGS, MemplanError
-from .request import default
+from .request import FIELDS, PARTS, Request
+from .settings import DEFAULT_HELP, choices, field_docs
 from .strategies import STRATEGIES
 
 
@@ -39,164 +44,61 @@ class MicroBatch(click.ParamType):
             self.fail(f"micro-batch {value!r} is not a positive integer or 'max'", param, ctx)
 
 
-MODEL_OPTIONS = [
-    click.option("--params", help="Parameter count (13e9, 13B, 7.2b): memplan assumes a llama-style architecture."),
-    click.option("--model", "model", help="A preset from tables/models.csv (e.g. llama-2-13b)."),
-    click.option("--config", help="A Hugging Face config.json, or the folder holding one."),
-    click.option("--arch", type=_choice(specs.ARCHS), help="Explicit architecture family (with the shape flags)."),
-    click.option("--layers", type=int),
-    click.option("--hidden", type=int),
-    click.option("--heads", type=int),
-    click.option("--kv-heads", type=int),
-    click.option("--head-dim", type=int, help="One head's width (llama); hidden/heads where not given."),
-    click.option("--ffn", type=int),
-    click.option("--vocab", type=int),
-]
-TRAIN_OPTIONS = [
-    click.option("--seq-len", type=int, help="[default: 2048; a model's learned positions where fewer: gpt2 1024]"),
-    click.option(
-        "--micro-batch",
-        type=MicroBatch(),
-        default=default("micro_batch"),
-        show_default=True,
-        help="Sequences per GPU per forward, or max: the largest that fits.",
-    ),
-    click.option("--grad-accum", type=int, default=default("grad_accum"), show_default=True),
-    click.option("--precision", type=_choice(specs.PRECISIONS), default=default("precision"), show_default=True),
-    click.option("--reduce-dtype", type=_choice(specs.REDUCE_DTYPES), help="Gradient reduction dtype."),
-    click.option("--optimizer", type=_choice(specs.OPTIMIZERS), default=default("optimizer"), show_default=True),
-    click.option(
-        "--optimizer-impl",
-        type=_choice(specs.OPTIMIZER_IMPLS),
-        help="foreach | fused | single [default: foreach on cuda, single on cpu, as torch]",
-    ),
-    click.option(
-        "--recipe",
-        type=_choice(loop.RECIPES),
-        default=default("recipe"),
-        show_default=True,
-        help="The training loop's conventions as that framework sets them (tables/recipes.csv); "
-        "the loop flags below win.",
-    ),
-    click.option(
-        "--ac",
-        type=_choice(loop.AC_POLICIES),
-        help="Activation checkpointing: selective is the attention core, op torchtitan's per-op SAC "
-        "[default: the recipe's; plain: none].",
-    ),
-    click.option("--ac-every", type=int, help="Checkpoint every N-th block only [default: the recipe's; plain: 1]."),
-    click.option(
-        "--logits",
-        type=_choice(loop.LOGITS),
-        help="Whether the caller holds the logits when backward starts [default: the recipe's; plain: kept].",
-    ),
-    click.option("--loss", type=_choice(loop.LOSSES), help="[default: the recipe's; plain: ce]"),
-    click.option("--loss-chunks", type=int, help="Chunks of chunked-ce [default: the recipe's; plain: 8]."),
-    click.option("--compile/--no-compile", default=None, help="torch.compile of each block and the loss."),
-    click.option("--float8/--no-float8", default=None, help="torchao float8 training of the linear layers."),
-    click.option(
-        "--offload-activations/--no-offload-activations",
-        default=None,
-        help="torchtune's activation offloading to host memory.",
-    ),
-    click.option(
-        "--optimizer-in-backward/--no-optimizer-in-backward",
-        default=None,
-        help="The optimizer steps each parameter inside backward.",
-    ),
-    click.option(
-        "--zero-grad",
-        type=_choice(loop.ZERO_GRADS),
-        help="How gradients are cleared between steps: none frees them (set_to_none=True), zeros keeps "
-        "them allocated (set_to_none=False, torch < 2.0) [default: the recipe's; plain: none].",
-    ),
-    click.option("--attention", type=_choice(specs.ATTENTIONS), default=default("attention"), show_default=True),
-    click.option(
-        "--device",
-        type=_choice(specs.DEVICES),
-        default=default("device"),
-        show_default=True,
-        help="cpu estimates what the same job allocates on CPU (no CUDA-side overhead).",
-    ),
-]
-FINETUNE_OPTIONS = [
-    click.option(
-        "--finetune",
-        default=default("finetune"),
-        show_default=True,
-        help="What is trained: full, lora, qlora (LoRA on 4-bit NF4 base weights) or frozen:N "
-        "(the input embedding and the first N blocks frozen).",
-    ),
-    click.option("--lora-rank", type=int, help="With --finetune lora or qlora [default: 8]."),
-    click.option("--lora-alpha", type=float, help="Accepted; no memory effect [default: 16]."),
-    click.option(
-        "--lora-targets",
-        help="attention (q,k,v,o), all-linear, or a list of a block's linears (q,k,v,o,gate,up,down) "
-        "[default: attention].",
-    ),
-    click.option("--lora-dropout", type=float, help="[default: 0]"),
-]
-CLUSTER_OPTIONS = [
-    click.option("--gpus", type=int, default=default("gpus"), show_default=True),
-    click.option("--gpus-per-node", type=int, default=default("gpus_per_node"), help="[default: min(gpus, 8)]"),
-    click.option("--gpu-mem", help="GPU memory: GiB (80) or with a unit (80GB, 81559MiB)."),
-    click.option("--gpu", help="A GPU from tables/gpus.csv (h100-sxm, a100-80gb, ...)."),
-    click.option(
-        "--headroom", type=float, default=default("headroom"), show_default=True, help="Fraction of memory kept free."
-    ),
-    click.option(
-        "--alloc-conf",
-        default=default("alloc_conf"),
-        help="PYTORCH_CUDA_ALLOC_CONF of the job (expandable_segments:True, max_split_size_mb:N, "
-        "garbage_collection_threshold:F): the caching allocator's replay behind the reserved of "
-        "estimate and explain follows it (the searches charge a flat slack).",
-    ),
-]
-STRATEGY_OPTION = click.option(
-    "--strategy", type=_choice(("all", *STRATEGIES)), default=default("strategy"), show_default=True
-)
+_TYPES = (("str", str), ("float", float), ("int", int))
+"""The types a flag's text converts to, by the field's annotation: a union holding str takes the
+text as given ("13B", "80GB": the request part parses it)."""
+
+
+class _FieldOption(click.Option):
+    """An option whose help is its request field's docstring (``settings.field_docs``), read when
+    help is shown rather than at start-up."""
+
+    def __init__(self, *args, part: type, default_help: str = "", **kwargs):
+        self._doc_of, self._default_help = part, default_help
+        super().__init__(*args, **kwargs)
+
+    @property
+    def help(self) -> str:
+        doc = field_docs(self._doc_of)[self.name or ""]
+        return f"{doc} [default: {self._default_help}]" if self._default_help else doc
+
+    @help.setter
+    def help(self, value) -> None:
+        """Click sets it from ``help=``, which these options do not take."""
+
+
+def _option(keyword: str, f: Field, part: type):
+    """The option of one request field: its flag, type, choices, default and help, all read off
+    the field (``settings.setting``) and its docstring."""
+    flag, kind, accepted = "--" + keyword.replace("_", "-"), str(f.type), choices(f)
+    default_help = f.metadata.get(DEFAULT_HELP, "")
+    shown = f.default is not None and f.default != "" and not default_help
+    common = {"cls": _FieldOption, "part": part, "default_help": default_help, "show_default": shown}
+    if kind.startswith("bool"):
+        return click.option(f"{flag}/--no-{flag[2:]}", keyword, default=f.default, **common)
+    if accepted:
+        kind_of = _choice(accepted)
+    elif "Literal" in kind:
+        kind_of = MicroBatch()
+    else:
+        kind_of = next(t for name, t in _TYPES if name in kind)
+    return click.option(flag, keyword, type=kind_of, default=f.default, **common)
+
+
+def _request_options(strategy=None) -> list:
+    """Every request field the command line can spell (text, a number, a switch), as options in
+    field order (``strategy``: the command's own --strategy in place of the field's)."""
+    options = []
+    for keyword, (part, f) in FIELDS.items():
+        if not any(name in str(f.type) for name in ("str", "float", "int", "bool")):
+            continue  # a Python value (a ZeroConfig): the API's alone
+        options.append(strategy if keyword == "strategy" and strategy else _option(keyword, f, PARTS[part]))
+    return options
+
+
 ONE_STRATEGY_OPTION = click.option(
     "--strategy", type=_choice(STRATEGIES), default="fsdp-full-shard", show_default=True, help="The one explained."
 )
-PLAN_OPTIONS = [
-    click.option("--offload", type=_choice(specs.OFFLOADS), default=default("offload"), show_default=True),
-    click.option(
-        "--ep", type=int, default=default("ep"), show_default=True, help="Expert-parallel degree (MoE models)."
-    ),
-]
-
-LAYOUT_OPTIONS = [
-    click.option("--tp", type=int, default=default("tp"), show_default=True, help="Tensor parallel degree."),
-    click.option(
-        "--sp/--no-sp",
-        default=default("sp"),
-        show_default=True,
-        help="Sequence parallel norms and dropout (with --tp).",
-    ),
-    click.option("--cp", type=int, default=default("cp"), show_default=True, help="Context parallel degree."),
-    click.option("--pp", type=int, default=default("pp"), show_default=True, help="Pipeline parallel degree."),
-    click.option("--pp-schedule", type=_choice(layout.PP_SCHEDULES), default=default("pp_schedule"), show_default=True),
-    click.option(
-        "--pp-microbatches",
-        type=int,
-        default=default("pp_microbatches"),
-        help="Micro-batches per pipeline step [default: pp].",
-    ),
-    click.option(
-        "--pp-virtual",
-        type=int,
-        default=default("pp_virtual"),
-        show_default=True,
-        help="Stages per rank (interleaved).",
-    ),
-    click.option(
-        "--async-tp/--no-async-tp",
-        default=default("async_tp"),
-        show_default=True,
-        help="Async TP's symmetric-memory workspace (with --tp and --sp; modelled, not measured).",
-    ),
-]
-
 
 FROM_OPTIONS = [
     click.option(
@@ -253,9 +155,9 @@ DECISION_OPTIONS = [
 ]
 
 
-def job_options(f, strategy=STRATEGY_OPTION):
-    options = MODEL_OPTIONS + TRAIN_OPTIONS + FINETUNE_OPTIONS + CLUSTER_OPTIONS + [strategy] + PLAN_OPTIONS
-    return _apply(options + LAYOUT_OPTIONS)(f)
+def job_options(f, strategy=None):
+    """The options of every request field (``memplan.request``: each declared once, there)."""
+    return _apply(_request_options(strategy))(f)
 
 
 def from_options(f):
@@ -270,8 +172,6 @@ def decision_options(f):
 def _request(flags: dict):
     """The request the job flags describe (each flag is the input of the same name), over the
     ``--from`` file's inputs where one is given (the flags given explicitly win)."""
-    from .request import Request
-
     source, explain = flags.pop("from_file", None), flags.pop("explain_config", False)
     if source is None:
         if explain:
@@ -387,10 +287,11 @@ def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
     if fmt == "csv":
         click.echo(report.render_csv(estimates, result.applied), nl=False)
         return
-    render = report.render_json if fmt == "json" else report.render_table
-    click.echo(
-        render(result.choice, estimates, result.applied, list(result.relative_throughputs), result.recommendation)
-    )
+    shown = (result.choice, estimates, result.applied, list(result.relative_throughputs), result.recommendation)
+    if fmt == "json":
+        click.echo(report.render_json(*shown))
+    else:
+        click.echo(report.render_table(*shown, whatifs=result.whatifs))
 
 
 @main.command()
@@ -528,7 +429,7 @@ def explain(**flags):
     from . import api, report
 
     result = api.estimate(_request(flags), calibration=None)
-    click.echo(report.render_explain(result.choice, result.estimates[0]))
+    click.echo(report.render_explain(result.choice, result.estimates[0], result.whatifs))
 
 
 if __name__ == "__main__":

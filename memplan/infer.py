@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from .errors import InputError
 from .specs import ModelSpec
+from .units import parse_count
 
 MIN_PARAMS, MAX_PARAMS = 10**6, 10**14
 PARAMS_ACCEPTED = f"{MIN_PARAMS:.0e} to {MAX_PARAMS:.0e}, written as 13e9, 13B, 7.2b or 350M"
@@ -113,8 +114,6 @@ def model_for_params(num_params: int) -> ModelSpec:
 def parse_params(text) -> int:
     """A parameter count as users write it (``13e9``, ``"13B"``, ``"7.2b"``), within the range this
     inference covers; every way it can be wrong gets one message with the accepted range."""
-    from .units import parse_count
-
     try:
         count = parse_count(text, what="params")
     except InputError as exc:  # not written as a count, or not a positive one below 1e18

@@ -6,6 +6,8 @@ from dataclasses import dataclass, replace
 
 from . import catalog
 from .errors import InputError
+from .hfconfig import model_from_hf_config
+from .infer import model_for_params, parse_params
 from .moe import allows_ep
 from .request import SHAPES, ModelRequest, Request
 from .specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
@@ -32,14 +34,10 @@ def resolve_model(request: ModelRequest) -> ModelChoice:
     if isinstance(request.model, ModelSpec):
         return ModelChoice(request.model, "spec")
     if request.params is not None:
-        from .infer import model_for_params, parse_params
-
         return ModelChoice(model_for_params(parse_params(request.params)), "params", assumed=True)
     if request.model is not None:
         return ModelChoice(catalog.model_preset(request.model), "model")
     if request.config is not None:
-        from .hfconfig import model_from_hf_config
-
         return ModelChoice(model_from_hf_config(request.config), "config")
     return ModelChoice(_explicit_model(request), "arch")
 

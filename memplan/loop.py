@@ -11,28 +11,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from functools import cache
+from typing import Protocol
 
-from .catalog import read_table
+from .csvtables import read_table
 from .errors import InputError, MemplanError
-from .specs import TrainSpec, _check_choice, _check_positive
+from .settings import check_choice, check_choices, check_positive, setting, show
 
 LOGITS = ("kept", "freed")
 LOSSES = ("ce", "chunked-ce", "fused-linear-ce", "cce-compile")
 AC_POLICIES = ("none", "selective", "op", "full")
 ZERO_GRADS = ("none", "zeros")
 RECIPES = ("plain", "hf-trainer", "torchtitan", "torchtune", "lightning", "accelerate")
-_FLAGS = ("compile", "float8", "offload_activations", "optimizer_in_backward")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Loop:
     """How the training step around the model is written (defaults: memplan's plain loop)."""
 
-    logits: str = "kept"
+    logits: str = setting("kept", choices=LOGITS)
     """kept: the caller still holds the model output when backward starts
     (``out = model(x); out.loss.backward()``); freed: it was dropped before backward
     (HF Trainer's compute_loss, torchtitan's ``del pred``, torchtune's ``del logits``)."""
-    loss: str = "ce"
+    loss: str = setting("ce", choices=LOSSES)
     """ce: cross-entropy on logits upcast to fp32; chunked-ce: torchtune's
     CEWithChunkedOutputLoss (logits in chunks, each upcast inside the loss);
     fused-linear-ce: Liger's fused linear + cross-entropy (no logits tensor); cce-compile:
@@ -40,7 +40,7 @@ class Loop:
     graph of the head and the loss, which saves the logits)."""
     loss_chunks: int = 8
     """Chunks of chunked-ce (torchtune's num_output_chunks default)."""
-    ac: str = "none"
+    ac: str = setting("none", choices=AC_POLICIES)
     """Activation checkpointing of a block: none; selective (the attention core, Megatron's
     meaning); op (torchtitan's per-op SAC); full (the whole block)."""
     ac_every: int = 1
@@ -55,21 +55,17 @@ class Loop:
     """torchtune's OffloadActivations: saved tensors moved to host memory in forward."""
     optimizer_in_backward: bool = False
     """The optimizer steps each parameter inside backward (torchtune's optimizer_in_bwd)."""
-    zero_grad: str = "none"
+    zero_grad: str = setting("none", choices=ZERO_GRADS)
     """How gradients are cleared between steps: none frees them (``zero_grad(set_to_none=True)``,
     torch ≥ 2.0's default); zeros fills them with zeros (``set_to_none=False``, torch < 2.0's
     default and the 2022 HF Trainer's ``model.zero_grad()``), so they stay allocated through
     the next step's forward."""
-    recipe: str = "plain"
+    recipe: str = setting("plain", choices=RECIPES)
     """The framework whose defaults filled the flags not given explicitly."""
 
     def __post_init__(self):
-        _check_choice(self.logits, LOGITS, "logits")
-        _check_choice(self.loss, LOSSES, "loss")
-        _check_choice(self.ac, AC_POLICIES, "ac")
-        _check_choice(self.zero_grad, ZERO_GRADS, "zero-grad")
-        _check_choice(self.recipe, RECIPES, "recipe")
-        _check_positive(self, "loss_chunks", "ac_every")
+        check_choices(self)
+        check_positive(self, "loss_chunks", "ac_every")
         for name in _FLAGS:
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -84,6 +80,9 @@ class Loop:
 
 
 _SETTINGS = tuple(f.name for f in fields(Loop) if f.name != "recipe")
+"""The loop's settings a recipe sets (every field but the recipe itself), in field order."""
+_FLAGS = tuple(f.name for f in fields(Loop) if f.type == "bool")
+_COUNTS = tuple(f.name for f in fields(Loop) if f.type == "int")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,11 +118,7 @@ def _parse(setting: str, text: str):
         if text not in ("true", "false"):
             raise MemplanError(f"recipes.csv: {setting} {text!r} is not true or false")
         return text == "true"
-    return int(text) if setting in ("loss_chunks", "ac_every") else text
-
-
-def _show(value) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
+    return int(text) if setting in _COUNTS else text
 
 
 @cache
@@ -162,7 +157,7 @@ compiled or not, receives fp32 logits."""
 def logits_upcast_in_model(recipe: str) -> bool:
     """Whether the recipe's model returns fp32 logits for the standard cross-entropy (``LOGITS_UPCAST``)."""
     where = recipe_rows()[recipe].get("logits_upcast", ("loss", ""))[0]
-    _check_choice(where, LOGITS_UPCAST, "recipes.csv logits_upcast")
+    check_choice(where, LOGITS_UPCAST, "recipes.csv logits_upcast")
     return where == "model"
 
 
@@ -176,26 +171,26 @@ def kv_copies(recipe: str) -> bool:
 def fsdp_units(recipe: str) -> str:
     """The recipe's FSDP2 unit layout (``FSDP_UNITS``)."""
     units = recipe_rows()[recipe].get("reshard_after_forward", ("root-kept", ""))[0]
-    _check_choice(units, FSDP_UNITS, "recipes.csv reshard_after_forward")
+    check_choice(units, FSDP_UNITS, "recipes.csv reshard_after_forward")
     return units
 
 
 def resolve(recipe: str = "plain", **explicit) -> Resolved:
     """The Loop a recipe sets, with every explicitly given setting (not None) winning."""
-    _check_choice(recipe, RECIPES, "recipe")
+    check_choice(recipe, RECIPES, "recipe")
     unknown = sorted(set(explicit) - set(_SETTINGS))
     if unknown:
         raise MemplanError(f"loop setting {unknown[0]!r} is not one of: {', '.join(_SETTINGS)}")
     table = recipe_rows()[recipe]
     values, conventions = {}, []
-    for setting in _SETTINGS:
-        if explicit.get(setting) is not None:
-            values[setting] = explicit[setting]
+    for name in _SETTINGS:
+        if explicit.get(name) is not None:
+            values[name] = explicit[name]
             origin, source = "explicit", ""
         else:
-            text, source = table[setting]
-            values[setting], origin = _parse(setting, text), f"recipe {recipe}"
-        conventions.append(Convention(setting=setting, value=_show(values[setting]), origin=origin, source=source))
+            text, source = table[name]
+            values[name], origin = _parse(name, text), f"recipe {recipe}"
+        conventions.append(Convention(setting=name, value=show(values[name]), origin=origin, source=source))
     elsewhere = tuple(
         Convention(setting=s, value=v, origin=f"recipe {recipe}", source=src)
         for s, (v, src) in table.items()
@@ -204,7 +199,18 @@ def resolve(recipe: str = "plain", **explicit) -> Resolved:
     return Resolved(loop=Loop(recipe=recipe, **values), conventions=tuple(conventions), elsewhere=elsewhere)
 
 
-def in_force(train: TrainSpec, searched: tuple[str, ...] = ()) -> Resolved:
+class Step(Protocol):
+    """What ``in_force`` reads of a step: a ``specs.TrainSpec`` (its loop, and the recipe settings
+    it carries outside the loop, read by name)."""
+
+    @property
+    def loop(self) -> Loop: ...
+
+    @property
+    def recipe(self) -> str: ...
+
+
+def in_force(train: Step, searched: tuple[str, ...] = ()) -> Resolved:
     """The conventions of a step's loop and where each came from: its recipe's, or explicit
     where the value differs from the recipe's, or ``searched`` (settings a search chose)."""
     loop, table = train.loop, recipe_rows()[train.recipe]
@@ -222,7 +228,7 @@ def in_force(train: TrainSpec, searched: tuple[str, ...] = ()) -> Resolved:
     # where it is given (not None) and differs
     def given(setting: str):
         value = getattr(train, setting, None)
-        return None if value is None else _show(value)
+        return None if value is None else show(value)
 
     elsewhere = tuple(
         Convention(setting=c.setting, value=str(given(c.setting)), origin="explicit", source="")

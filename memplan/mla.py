@@ -18,10 +18,8 @@ import math
 
 from .errors import MemplanError
 from .saved import Saved, Shapes
-from .specs import Job, ModelSpec
-
-MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-"""The ModelSpec fields of the latent attention (all 0: not MLA; q_lora_rank 0 alone: q_proj)."""
+from .specs import MLA_FIELDS as MLA_FIELDS  # the MLA sub-spec of a ModelSpec: its fields, their check
+from .specs import Job, ModelSpec, attention_tensors, qk_head_dim  # and its counts
 
 ACCEPTED = (
     "MLA is modelled for full fine-tunes in fp32, bf16, mixed-bf16 or amp-bf16 with sdpa, without AC or with "
@@ -30,56 +28,9 @@ ACCEPTED = (
 )
 
 
-def check_mla(model: ModelSpec) -> None:
-    """The MLA fields of a ModelSpec, checked once (``ModelSpec.__post_init__``)."""
-    for name in MLA_FIELDS:
-        value = getattr(model, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise MemplanError(f"{name} must be a non-negative integer, got {value!r}")
-    if not model.kv_lora_rank:
-        if any(getattr(model, name) for name in MLA_FIELDS):
-            raise MemplanError("MLA shapes need kv_lora_rank (0: not MLA): give kv_lora_rank or none of them")
-        return
-    missing = [n for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if not getattr(model, n)]
-    if missing:
-        raise MemplanError(f"MLA (kv_lora_rank {model.kv_lora_rank}) needs positive {', '.join(missing)}")
-    if model.qk_rope_head_dim % 2:
-        raise MemplanError(f"qk_rope_head_dim must be even (rotary pairs), got {model.qk_rope_head_dim}")
-    if model.arch != "llama" or model.head_dim or model.qk_norm or model.qkv_bias or model.linear_bias:
-        raise MemplanError(
-            "MLA is modelled for arch llama without head_dim, qk_norm or biases (DeepSeek's attention_bias false)"
-        )
-    if model.num_kv_heads != model.num_heads:
-        raise MemplanError(
-            f"MLA expands k and v for every head: num_kv_heads {model.num_kv_heads} must equal heads {model.num_heads}"
-        )
-
-
-def qk_head_dim(model: ModelSpec) -> int:
-    return model.qk_nope_head_dim + model.qk_rope_head_dim
-
-
-def attention_tensors(model: ModelSpec) -> list[tuple[int, ...]]:
-    """The attention's parameter tensors in DeepseekV3Attention's registration order: q_proj, or
-    q_a_proj, q_a_layernorm, q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj; o_proj."""
-    h, a, Q, R = model.hidden, model.num_heads, model.q_lora_rank, model.kv_lora_rank
-    dqk, dr, dn, dv = qk_head_dim(model), model.qk_rope_head_dim, model.qk_nope_head_dim, model.v_head_dim
-    q = [(a * dqk, h)] if not Q else [(Q, h), (Q,), (a * dqk, Q)]
-    return q + [(R + dr, h), (R,), (a * (dn + dv), R), (h, a * dv)]
-
-
 def mla_matrices(model: ModelSpec) -> int:
     """The attention's weight matrices (what autocast caches a low-precision copy of)."""
     return sum(math.prod(t) for t in attention_tensors(model) if len(t) == 2)
-
-
-def block_param_counts(model: ModelSpec) -> dict[str, int]:
-    """The attention's share of ``ModelSpec.block_param_counts``: every projection but o_proj as
-    attn_qkv, o_proj as attn_out, the two latent norms with the block's norms."""
-    tensors = attention_tensors(model)
-    norms = sum(t[0] for t in tensors if len(t) == 1)
-    o_proj = math.prod(tensors[-1])
-    return {"attn_qkv": sum(math.prod(t) for t in tensors if len(t) == 2) - o_proj, "attn_out": o_proj, "norms": norms}
 
 
 def attention_flops_per_token(model: ModelSpec, seq_len: int) -> int:

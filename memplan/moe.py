@@ -20,53 +20,9 @@ from typing import Any
 from .errors import MemplanError
 from .saved import Saved, Shapes
 from .shapes import shapes
-from .specs import ModelSpec
-
-MOE_FIELDS = (
-    "num_experts",
-    "experts_per_token",
-    "moe_ffn_hidden",
-    "shared_ffn_hidden",
-    "shared_expert_gate",
-    "first_dense_layers",
-    "moe_every",
-    "normalize_top_k",
-    "top_k_weights_fp32",
-    "capacity_factor",
-)
-"""The ModelSpec fields of the experts (a dense model leaves them at their defaults)."""
-
-
-def check_moe(model: ModelSpec) -> None:
-    """The MoE fields of a ModelSpec, checked once (``ModelSpec.__post_init__``)."""
-    for name in ("num_experts", "experts_per_token", "moe_ffn_hidden", "shared_ffn_hidden", "first_dense_layers"):
-        value = getattr(model, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise MemplanError(f"{name} must be a non-negative integer, got {value!r}")
-    if model.arch != "llama":
-        raise MemplanError(f"experts are modelled for arch llama (SwiGLU experts), not {model.arch!r}")
-    if not 1 <= model.experts_per_token <= model.num_experts:
-        raise MemplanError(
-            f"experts_per_token {model.experts_per_token} must be between 1 and num_experts {model.num_experts}"
-        )
-    C = model.capacity_factor
-    if isinstance(C, bool) or not isinstance(C, (int, float)) or not 0 <= C <= model.num_experts:
-        raise MemplanError(f"capacity_factor must be 0 (dropless) or a number up to num_experts, got {C!r}")
-    if not isinstance(model.moe_every, int) or model.moe_every < 1:
-        raise MemplanError(f"moe_every must be a positive integer, got {model.moe_every!r}")
-    if model.shared_expert_gate and not model.shared_ffn_hidden:
-        raise MemplanError("shared_expert_gate needs a shared expert: give shared_ffn_hidden")
-    if num_moe_layers(model) == 0:
-        raise MemplanError(
-            f"no MoE layer: first_dense_layers {model.first_dense_layers} and moe_every {model.moe_every} "
-            f"leave all {model.num_layers} layers dense"
-        )
-
-
-def is_moe_layer(model: ModelSpec, index: int) -> bool:
-    """Whether layer ``index`` is sparse (every layer of a dense model counts as its own kind)."""
-    # Qwen2/3-MoE: (layer_idx + 1) % decoder_sparse_step == 0; DeepSeek-V3: layer_idx >= first_k_dense_replace
-    return not model.num_experts or (index >= model.first_dense_layers and (index + 1) % model.moe_every == 0)
+from .specs import MOE_FIELDS as MOE_FIELDS  # the MoE sub-spec of a ModelSpec: its fields, their check
+from .specs import ModelSpec, expert_params, expert_width, moe_block_param_counts, num_moe_layers  # and its counts
+from .specs import is_moe_layer as is_moe_layer
 
 
 def all_blocks_alike(model: ModelSpec) -> bool:
@@ -77,38 +33,6 @@ def dense_view(model: ModelSpec) -> ModelSpec:
     """An MoE model's dense layers as a model of their own (SwiGLU of ``ffn_hidden``)."""
     defaults: dict[str, Any] = {f.name: f.default for f in fields(model) if f.name in MOE_FIELDS}
     return replace(model, **defaults)
-
-
-def num_moe_layers(model: ModelSpec) -> int:
-    return sum(is_moe_layer(model, i) for i in range(model.num_layers))
-
-
-def expert_width(model: ModelSpec) -> int:
-    return model.moe_ffn_hidden or model.ffn_hidden
-
-
-def expert_params(model: ModelSpec) -> int:
-    """One routed expert: gate_up_proj (2f × h) and down_proj (h × f), no biases."""
-    return 3 * model.hidden * expert_width(model)
-
-
-def moe_block_param_counts(model: ModelSpec) -> dict[str, int]:
-    """One sparse block: attention and norms as the dense block's, the MLP replaced by the
-    router (E × h, no bias), E experts and the shared expert (with Qwen2-MoE's h → 1 gate)."""
-    h, E = model.hidden, model.num_experts
-    dense = model.block_param_counts()
-    return {
-        "attn_qkv": dense["attn_qkv"],
-        "attn_out": dense["attn_out"],
-        "router": E * h,
-        "experts": E * expert_params(model),
-        "shared_expert": 3 * h * model.shared_ffn_hidden + h * model.shared_expert_gate,
-        "norms": dense["norms"],
-    }
-
-
-def moe_block_params(model: ModelSpec) -> int:
-    return sum(moe_block_param_counts(model).values())
 
 
 def fsdp_traffic_params(model: ModelSpec, ep: int, ranks: int) -> float:
@@ -130,12 +54,6 @@ def moe_matrices(model: ModelSpec) -> int:
     """A sparse block's MLP weight matrices (what autocast caches a copy of)."""
     counts = moe_block_param_counts(model)
     return counts["router"] + counts["experts"] + counts["shared_expert"]
-
-
-def moe_blocks_params(model: ModelSpec) -> int:
-    sparse = num_moe_layers(model)
-    dense = sum(model.block_param_counts().values())
-    return sparse * moe_block_params(model) + (model.num_layers - sparse) * dense
 
 
 def routed_expert_params(model: ModelSpec) -> int:

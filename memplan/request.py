@@ -2,8 +2,10 @@
 and the strategy. The CLI builds it from flags, the Python API from keywords; each part checks
 its own fields once, here (or in the spec it becomes). Defaults are the specs' own.
 
-A new input is one field in its part (with its docstring) plus its check; a training input is
-passed to the ``TrainSpec`` field of the same name.
+A new input is one field in its part (with its docstring, and its accepted values as
+``settings.setting(choices=...)``) plus its check; the CLI's option, the API's keyword and their
+help are built from that field. A training input is passed to the ``TrainSpec`` field of the same
+name; a loop setting is declared once, on ``loop.Loop``, and appears here as ``LoopSettings``.
 """
 
 from __future__ import annotations
@@ -12,9 +14,28 @@ from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from .allocator import parse_alloc_conf
 from .errors import InputError, UnknownKeywordError
-from .layout import Layout
-from .specs import OFFLOADS, ClusterSpec, ModelSpec, Plan, TrainSpec, ZeroConfig
+from .infer import parse_params
+from .layout import PP_SCHEDULES, Layout
+from .loop import RECIPES, Loop, resolve
+from .settings import optional, setting
+from .specs import (
+    ARCHS,
+    ATTENTIONS,
+    DEVICES,
+    OFFLOADS,
+    OPTIMIZER_IMPLS,
+    OPTIMIZERS,
+    PRECISIONS,
+    REDUCE_DTYPES,
+    ClusterSpec,
+    ModelSpec,
+    Plan,
+    TrainSpec,
+    ZeroConfig,
+)
+from .strategies import STRATEGIES
 
 SHAPES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "head_dim")
 _OPTIONAL_SHAPES = ("kv_heads", "head_dim")
@@ -31,7 +52,7 @@ class ModelRequest:
     """A preset of tables/models.csv (``"llama-2-13b"``), or a ``ModelSpec``."""
     config: str | Path | dict | None = None
     """A Hugging Face config.json: its path, its folder, or the dict."""
-    arch: str | None = None
+    arch: str | None = setting(None, choices=ARCHS)
     """Family of a model given by its shapes (llama | gpt2 | neox | vit | bert); llama where only shapes are given."""
     layers: int | None = None
     """Transformer blocks (with ``arch``)."""
@@ -62,8 +83,6 @@ class ModelRequest:
                 accepted="one of params, model, config, arch with shapes",
             )
         if given == ["params"]:
-            from .infer import parse_params
-
             parse_params(self.params)
         missing = self.missing_shapes() if given == ["arch"] else []
         if missing:
@@ -85,65 +104,62 @@ class ModelRequest:
         return [k for k in SHAPES if k not in _OPTIONAL_SHAPES and getattr(self, k) is None]
 
 
-@dataclass(frozen=True, kw_only=True)
-class TrainingRequest:
-    """One optimizer step: what each GPU processes and how (``TrainSpec`` checks the values)."""
+LoopSettings: Any = optional(
+    Loop,
+    "LoopSettings",
+    exclude=("recipe",),
+    default_help="the recipe's; plain: {default}",
+    doc="The training loop's settings (``loop.Loop``), each None where the recipe sets it.",
+)
 
-    seq_len: int | None = None
+
+@dataclass(frozen=True, kw_only=True)
+class _Step:
+    """What each GPU processes per step and how, and the recipe whose loop conventions apply."""
+
+    seq_len: int | None = setting(None, default_help="2048; a model's learned positions where fewer: gpt2 1024")
     """Tokens per sequence; None: 2048, or a model's learned positions where fewer (gpt2's 1024)."""
     micro_batch: int | Literal["max"] = TrainSpec.micro_batch
     """Sequences per GPU per forward, or ``"max"``: the largest that fits (per strategy)."""
     grad_accum: int = TrainSpec.grad_accum
     """Micro-batches per optimizer step."""
-    precision: str = TrainSpec.precision
+    precision: str = setting(TrainSpec.precision, choices=PRECISIONS)
     """fp32 | amp-bf16 | amp-fp16 | mixed-bf16 | mixed-fp16 | bf16."""
-    reduce_dtype: str | None = None
+    reduce_dtype: str | None = setting(None, choices=REDUCE_DTYPES)
     """Gradient reduction dtype (fp32 | bf16 | fp16); None: the precision's compute dtype."""
-    optimizer: str = TrainSpec.optimizer
+    optimizer: str = setting(TrainSpec.optimizer, choices=OPTIMIZERS)
     """adamw | adam | sgd | sgd-momentum | adam8bit | adafactor | torch-adafactor | lion | lion8bit |
     paged-adamw8bit (``specs.OPTIMIZERS`` says whose each is)."""
-    optimizer_impl: str | None = None
+    optimizer_impl: str | None = setting(
+        None, choices=OPTIMIZER_IMPLS, default_help="foreach on cuda, single on cpu, as torch"
+    )
     """foreach | fused | single; None: torch's default (foreach on cuda, single on cpu)."""
-    attention: str = TrainSpec.attention
+    attention: str = setting(TrainSpec.attention, choices=ATTENTIONS)
     """sdpa | eager."""
-    device: str = TrainSpec.device
+    device: str = setting(TrainSpec.device, choices=DEVICES)
     """cuda, or cpu: what the same job allocates on CPU (no CUDA-side overhead)."""
-    # the training loop (memplan.loop.Loop); None: as the recipe sets it
-    recipe: str = TrainSpec.recipe
+    recipe: str = setting(TrainSpec.recipe, choices=RECIPES)
     """plain | hf-trainer | torchtitan | torchtune | lightning | accelerate: the loop's conventions as that
-    framework sets them by default (tables/recipes.csv); any given below wins."""
-    ac: str | None = None
-    """Activation checkpointing: none | selective (attention core) | op (torchtitan's per-op SAC) | full."""
-    ac_every: int | None = None
-    """Checkpoint every N-th block only (torchtitan's layer SAC)."""
-    logits: str | None = None
-    """kept | freed: whether the caller still holds the logits when backward starts."""
-    loss: str | None = None
-    """ce | chunked-ce | fused-linear-ce."""
-    loss_chunks: int | None = None
-    """Chunks of chunked-ce."""
-    compile: bool | None = None
-    """torch.compile of each block and of the loss."""
-    float8: bool | None = None
-    """torchao float8 training of the linear layers."""
-    offload_activations: bool | None = None
-    """torchtune's activation offloading to host memory."""
-    optimizer_in_backward: bool | None = None
-    """The optimizer steps each parameter inside backward."""
-    zero_grad: str | None = None
-    """none | zeros: gradients freed between steps (``set_to_none=True``) or zero-filled and kept."""
+    framework sets them by default (tables/recipes.csv); the loop settings given win."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingRequest(LoopSettings, _Step):
+    """One optimizer step: what each GPU processes and how, the loop around it (``LoopSettings``,
+    None where the recipe sets them) and what is trained (``TrainSpec`` checks the values)."""
+
     # what is trained (memplan.finetune)
     finetune: str = TrainSpec.finetune
     """full | lora | qlora (LoRA on 4-bit NF4 base weights) | frozen:N (the input embedding and
     the first N blocks frozen)."""
     # the adapters (lora, qlora only); None: TrainSpec's default
-    lora_rank: int | None = None
+    lora_rank: int | None = setting(None, default_help="8")
     """The adapters' rank r (8 where not given)."""
-    lora_alpha: float | None = None
+    lora_alpha: float | None = setting(None, default_help="16")
     """LoRA's scaling numerator (16 where not given): accepted, it changes no memory."""
-    lora_targets: str | None = None
+    lora_targets: str | None = setting(None, default_help="attention")
     """attention (q, k, v, o; where not given) | all-linear | a list of a block's linears (q,k,v,o,gate,up,down)."""
-    lora_dropout: float | None = None
+    lora_dropout: float | None = setting(None, default_help="0")
     """Dropout on each adapter's input (its output and mask are kept for backward; 0 where not given)."""
 
     def __post_init__(self):
@@ -162,8 +178,6 @@ class TrainingRequest:
 
     def resolved(self):
         """The loop's conventions: the recipe's, with those given here winning (``loop.Resolved``)."""
-        from .loop import resolve
-
         return resolve(self.recipe, **{s: getattr(self, s) for s in _LOOP})
 
     def spec(self) -> TrainSpec:
@@ -182,18 +196,7 @@ class TrainingRequest:
         return TrainSpec(**values, **loop)
 
 
-_LOOP = (
-    "ac",
-    "ac_every",
-    "logits",
-    "loss",
-    "loss_chunks",
-    "compile",
-    "float8",
-    "offload_activations",
-    "optimizer_in_backward",
-    "zero_grad",
-)
+_LOOP = tuple(f.name for f in fields(LoopSettings))
 """The TrainingRequest fields that are loop settings (``loop.Loop``), None where the recipe sets them."""
 _LORA = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
 """The TrainingRequest fields of the adapters, None where not given (TrainSpec's defaults)."""
@@ -207,7 +210,7 @@ class ClusterRequest:
 
     gpus: int = ClusterSpec.gpus
     """GPUs in all."""
-    gpus_per_node: int | None = None
+    gpus_per_node: int | None = setting(None, default_help="min(gpus, 8)")
     """GPUs in one node; None: min(gpus, 8)."""
     gpu_mem: float | str | None = None
     """Memory per GPU: GiB (``80``) or with a unit (``"80GB"``, ``"81559MiB"``); 80 GiB where neither
@@ -221,8 +224,6 @@ class ClusterRequest:
     caching allocator's replay follows for ``reserved``."""
 
     def __post_init__(self):
-        from .allocator import parse_alloc_conf
-
         parse_alloc_conf(self.alloc_conf)
         if self.gpu is not None and self.gpu_mem is not None:
             raise InputError(
@@ -247,9 +248,9 @@ class ClusterRequest:
 class StrategyRequest:
     """How the step is distributed: one strategy or all of them, and what is offloaded."""
 
-    strategy: str = "all"
+    strategy: str = setting("all", choices=("all", *STRATEGIES))
     """A strategy id of memplan.STRATEGIES, or all: every one that runs on the cluster with this offload."""
-    offload: str = Plan.offload
+    offload: str = setting(Plan.offload, choices=OFFLOADS)
     """none | optimizer | params | all: what lives in host RAM."""
     ep: int = Plan.ep
     """Expert-parallel degree of an MoE model (moves into the Layout at merge)."""
@@ -258,8 +259,6 @@ class StrategyRequest:
     those ``--emit deepspeed`` writes. ``--from ds_config.json`` reads them from the user's file."""
 
     def __post_init__(self):
-        from .strategies import STRATEGIES
-
         if self.zero is not None and not isinstance(self.zero, ZeroConfig):
             raise InputError(
                 f"zero must be a memplan.specs.ZeroConfig, got {type(self.zero).__name__}",
@@ -293,9 +292,9 @@ class LayoutRequest:
     """Context parallel degree (ring attention over the sequence)."""
     pp: int = Layout.pp
     """Pipeline parallel degree (stages of layers)."""
-    pp_schedule: str = Layout.pp_schedule
+    pp_schedule: str = setting(Layout.pp_schedule, choices=PP_SCHEDULES)
     """gpipe | 1f1b | interleaved-1f1b | zero-bubble."""
-    pp_microbatches: int = Layout.pp_microbatches
+    pp_microbatches: int = setting(Layout.pp_microbatches, default_help="pp")
     """Micro-batches per pipeline step; 1: as many as stages."""
     pp_virtual: int = Layout.pp_virtual
     """Stages per rank (interleaved-1f1b, zero-bubble)."""

@@ -7,12 +7,15 @@ downstream trusts them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
 from typing import Any, TypeVar
 
 from .errors import InputError, MemplanError
 from .layout import Layout, check_layout
+from .loop import AC_POLICIES, Loop
+from .settings import check_choice as _check_choice
+from .settings import check_positive as _check_positive
 
 ARCHS = ("llama", "gpt2", "neox", "vit", "bert")
 ACTIVATIONS = ("silu", "gelu", "gelu_new")
@@ -40,27 +43,6 @@ ATTENTIONS = ("sdpa", "eager")
 DEVICES = ("cuda", "cpu")
 OFFLOADS = ("none", "optimizer", "params", "all")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
-
-
-def _check_choice(value, choices, what):
-    if value not in choices:
-        raise MemplanError(f"{what} {value!r} is not one of: {', '.join(choices)}")
-
-
-def _check_positive(obj, *names):
-    for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise _not_positive(name, value)
-
-
-def _not_positive(name: str, value) -> InputError:
-    return InputError(
-        lambda n: f"{n.word(name)} must be a positive integer, got {value!r}",
-        field=name,
-        value=value,
-        accepted="a positive integer",
-    )
 
 
 def _square_grid_plus_one(n: int) -> bool:
@@ -154,8 +136,6 @@ class ModelSpec:
     def __post_init__(self):
         _check_choice(self.arch, ARCHS, "arch")
         if self.num_experts:
-            from .moe import check_moe
-
             check_moe(self)
         if not self.activation:
             default = {"llama": "silu", "gpt2": "gelu_new"}.get(self.arch, "gelu")
@@ -188,8 +168,6 @@ class ModelSpec:
             raise MemplanError(
                 lambda n: f"heads {self.num_heads} is not divisible by {n.word('kv_heads')} {self.num_kv_heads}"
             )
-        from .mla import check_mla
-
         check_mla(self)
         if self.arch == "vit" and not _square_grid_plus_one(self.max_positions):
             raise MemplanError(
@@ -259,9 +237,7 @@ class ModelSpec:
             "norms": 2 * self.norm_params + (2 * self.head_size if self.qk_norm else 0),
         }
         if self.mla:  # DeepseekV3Attention's projections and latent norms (memplan.mla)
-            from .mla import block_param_counts
-
-            mla = block_param_counts(self)
+            mla = mla_block_param_counts(self)
             counts |= {"attn_qkv": mla["attn_qkv"], "attn_out": mla["attn_out"]}
             counts["norms"] += mla["norms"]
         return counts
@@ -270,16 +246,12 @@ class ModelSpec:
     def block_params(self) -> int:
         """One block's parameters; an MoE model's largest block (a sparse one)."""
         if self.num_experts:
-            from .moe import moe_block_params
-
             return moe_block_params(self)
         return sum(self.block_param_counts().values())
 
     def blocks_params(self) -> int:
         """Every block's parameters (an MoE model mixes dense and sparse blocks)."""
         if self.num_experts:
-            from .moe import moe_blocks_params
-
             return moe_blocks_params(self)
         return self.num_layers * self.block_params()
 
@@ -328,41 +300,250 @@ class ModelSpec:
         )
 
 
-@lru_cache(maxsize=256)
-def _loop(
-    logits,
-    loss,
-    loss_chunks,
-    ac,
-    ac_every,
-    compile,
-    float8,
-    offload_activations,
-    optimizer_in_backward,
-    zero_grad,
-    recipe,
-):
-    """A step's ``loop.Loop``, built once per distinct loop (the step's hot path reads it)."""
-    from .loop import Loop
+# --- the MoE sub-spec of a ModelSpec: its fields, their check and its parameter counts (``moe`` holds
+# the terms; sources there) ---
 
-    return Loop(
-        logits=logits,
-        loss=loss,
-        loss_chunks=loss_chunks,
-        ac=ac,
-        ac_every=ac_every,
-        compile=compile,
-        float8=float8,
-        offload_activations=offload_activations,
-        optimizer_in_backward=optimizer_in_backward,
-        zero_grad=zero_grad,
-        recipe=recipe,
-    )
+
+MOE_FIELDS = (
+    "num_experts",
+    "experts_per_token",
+    "moe_ffn_hidden",
+    "shared_ffn_hidden",
+    "shared_expert_gate",
+    "first_dense_layers",
+    "moe_every",
+    "normalize_top_k",
+    "top_k_weights_fp32",
+    "capacity_factor",
+)
+"""The ModelSpec fields of the experts (a dense model leaves them at their defaults)."""
+
+
+def check_moe(model: ModelSpec) -> None:
+    """The MoE fields of a ModelSpec, checked once (``ModelSpec.__post_init__``)."""
+    for name in ("num_experts", "experts_per_token", "moe_ffn_hidden", "shared_ffn_hidden", "first_dense_layers"):
+        value = getattr(model, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise MemplanError(f"{name} must be a non-negative integer, got {value!r}")
+    if model.arch != "llama":
+        raise MemplanError(f"experts are modelled for arch llama (SwiGLU experts), not {model.arch!r}")
+    if not 1 <= model.experts_per_token <= model.num_experts:
+        raise MemplanError(
+            f"experts_per_token {model.experts_per_token} must be between 1 and num_experts {model.num_experts}"
+        )
+    C = model.capacity_factor
+    if isinstance(C, bool) or not isinstance(C, (int, float)) or not 0 <= C <= model.num_experts:
+        raise MemplanError(f"capacity_factor must be 0 (dropless) or a number up to num_experts, got {C!r}")
+    if not isinstance(model.moe_every, int) or model.moe_every < 1:
+        raise MemplanError(f"moe_every must be a positive integer, got {model.moe_every!r}")
+    if model.shared_expert_gate and not model.shared_ffn_hidden:
+        raise MemplanError("shared_expert_gate needs a shared expert: give shared_ffn_hidden")
+    if num_moe_layers(model) == 0:
+        raise MemplanError(
+            f"no MoE layer: first_dense_layers {model.first_dense_layers} and moe_every {model.moe_every} "
+            f"leave all {model.num_layers} layers dense"
+        )
+
+
+def is_moe_layer(model: ModelSpec, index: int) -> bool:
+    """Whether layer ``index`` is sparse (every layer of a dense model counts as its own kind)."""
+    # Qwen2/3-MoE: (layer_idx + 1) % decoder_sparse_step == 0; DeepSeek-V3: layer_idx >= first_k_dense_replace
+    return not model.num_experts or (index >= model.first_dense_layers and (index + 1) % model.moe_every == 0)
+
+
+def num_moe_layers(model: ModelSpec) -> int:
+    return sum(is_moe_layer(model, i) for i in range(model.num_layers))
+
+
+def expert_width(model: ModelSpec) -> int:
+    return model.moe_ffn_hidden or model.ffn_hidden
+
+
+def expert_params(model: ModelSpec) -> int:
+    """One routed expert: gate_up_proj (2f × h) and down_proj (h × f), no biases."""
+    return 3 * model.hidden * expert_width(model)
+
+
+def moe_block_param_counts(model: ModelSpec) -> dict[str, int]:
+    """One sparse block: attention and norms as the dense block's, the MLP replaced by the
+    router (E × h, no bias), E experts and the shared expert (with Qwen2-MoE's h → 1 gate)."""
+    h, E = model.hidden, model.num_experts
+    dense = model.block_param_counts()
+    return {
+        "attn_qkv": dense["attn_qkv"],
+        "attn_out": dense["attn_out"],
+        "router": E * h,
+        "experts": E * expert_params(model),
+        "shared_expert": 3 * h * model.shared_ffn_hidden + h * model.shared_expert_gate,
+        "norms": dense["norms"],
+    }
+
+
+def moe_block_params(model: ModelSpec) -> int:
+    return sum(moe_block_param_counts(model).values())
+
+
+def moe_blocks_params(model: ModelSpec) -> int:
+    sparse = num_moe_layers(model)
+    dense = sum(model.block_param_counts().values())
+    return sparse * moe_block_params(model) + (model.num_layers - sparse) * dense
+
+
+# --- the MLA sub-spec of a ModelSpec: its fields, their check and its parameter counts (``mla`` holds
+# the terms; sources there) ---
+
+
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+"""The ModelSpec fields of the latent attention (all 0: not MLA; q_lora_rank 0 alone: q_proj)."""
+
+
+def check_mla(model: ModelSpec) -> None:
+    """The MLA fields of a ModelSpec, checked once (``ModelSpec.__post_init__``)."""
+    for name in MLA_FIELDS:
+        value = getattr(model, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise MemplanError(f"{name} must be a non-negative integer, got {value!r}")
+    if not model.kv_lora_rank:
+        if any(getattr(model, name) for name in MLA_FIELDS):
+            raise MemplanError("MLA shapes need kv_lora_rank (0: not MLA): give kv_lora_rank or none of them")
+        return
+    missing = [n for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if not getattr(model, n)]
+    if missing:
+        raise MemplanError(f"MLA (kv_lora_rank {model.kv_lora_rank}) needs positive {', '.join(missing)}")
+    if model.qk_rope_head_dim % 2:
+        raise MemplanError(f"qk_rope_head_dim must be even (rotary pairs), got {model.qk_rope_head_dim}")
+    if model.arch != "llama" or model.head_dim or model.qk_norm or model.qkv_bias or model.linear_bias:
+        raise MemplanError(
+            "MLA is modelled for arch llama without head_dim, qk_norm or biases (DeepSeek's attention_bias false)"
+        )
+    if model.num_kv_heads != model.num_heads:
+        raise MemplanError(
+            f"MLA expands k and v for every head: num_kv_heads {model.num_kv_heads} must equal heads {model.num_heads}"
+        )
+
+
+def qk_head_dim(model: ModelSpec) -> int:
+    return model.qk_nope_head_dim + model.qk_rope_head_dim
+
+
+def attention_tensors(model: ModelSpec) -> list[tuple[int, ...]]:
+    """The attention's parameter tensors in DeepseekV3Attention's registration order: q_proj, or
+    q_a_proj, q_a_layernorm, q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj; o_proj."""
+    h, a, Q, R = model.hidden, model.num_heads, model.q_lora_rank, model.kv_lora_rank
+    dqk, dr, dn, dv = qk_head_dim(model), model.qk_rope_head_dim, model.qk_nope_head_dim, model.v_head_dim
+    q = [(a * dqk, h)] if not Q else [(Q, h), (Q,), (a * dqk, Q)]
+    return q + [(R + dr, h), (R,), (a * (dn + dv), R), (h, a * dv)]
+
+
+def mla_block_param_counts(model: ModelSpec) -> dict[str, int]:
+    """The attention's share of ``ModelSpec.block_param_counts``: every projection but o_proj as
+    attn_qkv, o_proj as attn_out, the two latent norms with the block's norms."""
+    tensors = attention_tensors(model)
+    norms = sum(t[0] for t in tensors if len(t) == 1)
+    o_proj = math.prod(tensors[-1])
+    return {"attn_qkv": sum(math.prod(t) for t in tensors if len(t) == 2) - o_proj, "attn_out": o_proj, "norms": norms}
+
+
+@lru_cache(maxsize=256)
+def _loop(settings: tuple[tuple[str, Any], ...]) -> Loop:
+    """A step's ``loop.Loop`` by its settings' names, built once per distinct loop (the step's hot
+    path reads it)."""
+    return Loop(**dict(settings))
+
+
+_LOOP_AS = {"ac": "activation_checkpointing"}
+"""The TrainSpec field of a Loop setting where the names differ (the rest share theirs)."""
+_LOOP_FIELDS = tuple((f.name, _LOOP_AS.get(f.name, f.name)) for f in fields(Loop))
+"""(Loop setting, TrainSpec field) of every Loop field."""
 
 
 @lru_cache(maxsize=1024)
 def _num_params(model: ModelSpec) -> int:
     return model.embedding_params() + model.blocks_params() + model.head_params()
+
+
+# --- what is trained: the fine-tuning fields of a TrainSpec, checked (``finetune`` holds the terms) ---
+
+MODES = ("full", "lora", "qlora", "frozen:N")
+TARGET_SETS = ("attention", "all-linear")
+"""``attention``: every projection of the attention (q, k, v, o); ``all-linear``: every linear
+layer of the blocks (peft's ``all-linear``, which leaves the output head out)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tuning:
+    """What one step trains (validated when built by ``tuning``)."""
+
+    mode: str
+    """full | lora | qlora | frozen."""
+    frozen_blocks: int = 0
+    """frozen:N: the first N blocks (and the input embedding) get no gradient."""
+    rank: int = 8
+    alpha: float = 16.0
+    """LoRA's scaling numerator: it scales the adapter's output and changes no memory."""
+    targets: tuple[str, ...] = ()
+    """The block projections that carry an adapter (``LINEARS``' names)."""
+    dropout: float = 0.0
+
+    @property
+    def adapters(self) -> bool:
+        return self.mode in ("lora", "qlora")
+
+    def describe(self) -> str:
+        if self.mode == "frozen":
+            return f"frozen:{self.frozen_blocks} (input embedding and first {self.frozen_blocks} blocks frozen)"
+        if not self.adapters:
+            return "full"
+        drop = f", dropout {self.dropout:g}" if self.dropout else ""
+        return f"{self.mode} rank {self.rank} on {','.join(self.targets)}{drop}"
+
+
+LINEARS = {
+    "llama": ("q", "k", "v", "o", "gate", "up", "down"),
+    "gpt2": ("qkv", "o", "up", "down"),
+    "neox": ("qkv", "o", "up", "down"),
+    "vit": ("q", "k", "v", "o", "up", "down"),
+    "bert": ("q", "k", "v", "o", "up", "down"),
+}
+"""The linear layers of one block per family, by the names ``--lora-targets`` takes."""
+ATTENTION = ("q", "k", "v", "qkv", "o")
+
+
+def _bad_tuning(field: str, value, accepted: str) -> InputError:
+    return InputError(
+        lambda n: f"{n.word(field)} {value!r} is not accepted; give {accepted}",
+        field=field,
+        value=value,
+        accepted=accepted,
+    )
+
+
+def _targets(value: str) -> tuple[str, ...]:
+    """The names a target list gives (``q,v``; peft's ``q_proj`` style too)."""
+    if value in TARGET_SETS:
+        return (value,)
+    names = tuple(dict.fromkeys(n.strip().removesuffix("_proj") for n in value.split(",") if n.strip()))
+    known = {n for names in LINEARS.values() for n in names}
+    if not names or any(n not in known for n in names):
+        raise _bad_tuning("lora_targets", value, f"attention, all-linear or a list of {', '.join(sorted(known))}")
+    return names
+
+
+@lru_cache(maxsize=256)
+def tuning(mode: str, rank: int, alpha: float, targets: str, dropout: float) -> Tuning:
+    """The ``Tuning`` of TrainSpec's fine-tuning fields, checked."""
+    if mode.startswith("frozen:"):
+        count = mode.removeprefix("frozen:")
+        if not count.isdigit() or int(count) < 1:
+            raise _bad_tuning("finetune", mode, "full, lora, qlora or frozen:N with N ≥ 1 blocks")
+        return Tuning(mode="frozen", frozen_blocks=int(count))
+    if mode not in MODES[:3]:
+        raise _bad_tuning("finetune", mode, "full, lora, qlora or frozen:N")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise _bad_tuning("lora_rank", rank, "a positive integer")
+    if not 0.0 <= dropout < 1.0:
+        raise _bad_tuning("lora_dropout", dropout, "a probability in [0, 1)")
+    return Tuning(mode=mode, rank=rank, alpha=float(alpha), targets=_targets(targets), dropout=float(dropout))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -379,26 +560,26 @@ class TrainSpec:
     optimizer: str = "adamw"
     optimizer_impl: str | None = None
     """foreach | fused | single; None means torch's default on the device."""
-    activation_checkpointing: str = "none"
+    activation_checkpointing: str = Loop.ac
     """none | selective | op | full (``loop.Loop.ac``)."""
     attention: str = "sdpa"
     device: str = "cuda"
     # the training loop's conventions (``loop.Loop``, whose docstrings say what each does)
-    logits: str = "kept"
-    loss: str = "ce"
-    loss_chunks: int = 8
-    ac_every: int = 1
-    compile: bool = False
-    float8: bool = False
-    offload_activations: bool = False
-    optimizer_in_backward: bool = False
-    zero_grad: str = "none"
-    recipe: str = "plain"
+    logits: str = Loop.logits
+    loss: str = Loop.loss
+    loss_chunks: int = Loop.loss_chunks
+    ac_every: int = Loop.ac_every
+    compile: bool = Loop.compile
+    float8: bool = Loop.float8
+    offload_activations: bool = Loop.offload_activations
+    optimizer_in_backward: bool = Loop.optimizer_in_backward
+    zero_grad: str = Loop.zero_grad
+    recipe: str = Loop.recipe
     """The recipe the loop's conventions were resolved from (``loop.resolve``)."""
     kv_copies: bool | None = None
     """Whether the model's attention copies k and v to every query head before attention;
     None: as the recipe's model does (``loop.kv_copies``: torchtune's)."""
-    # what is trained (``finetune.Tuning``, whose docstrings say what each does)
+    # what is trained (``Tuning``, whose docstrings say what each does)
     finetune: str = "full"
     lora_rank: int = 8
     lora_alpha: float = 16.0
@@ -409,8 +590,6 @@ class TrainSpec:
         _check_positive(self, "seq_len", "micro_batch", "grad_accum")
         _check_choice(self.precision, PRECISIONS, "precision")
         _check_choice(self.optimizer, OPTIMIZERS, "optimizer")
-        from .loop import AC_POLICIES
-
         _check_choice(self.activation_checkpointing, AC_POLICIES, "activation checkpointing")
         self.loop  # noqa: B018 -- the loop's conventions checked
         self.tuning  # noqa: B018 -- the fine-tuning mode checked
@@ -436,19 +615,7 @@ class TrainSpec:
     @property
     def loop(self):
         """The training loop's conventions as a ``loop.Loop``."""
-        return _loop(
-            self.logits,
-            self.loss,
-            self.loss_chunks,
-            self.activation_checkpointing,
-            self.ac_every,
-            self.compile,
-            self.float8,
-            self.offload_activations,
-            self.optimizer_in_backward,
-            self.zero_grad,
-            self.recipe,
-        )
+        return _loop(tuple((name, getattr(self, attr)) for name, attr in _LOOP_FIELDS))
 
     def with_ac(self, policy: str, **changes) -> TrainSpec:
         """A copy under AC ``policy`` (and ``changes``): the every-N-th-block setting kept for a
@@ -458,10 +625,8 @@ class TrainSpec:
         return replace(self, activation_checkpointing=policy, ac_every=every, **changes)
 
     @property
-    def tuning(self):
-        """What is trained, as a ``finetune.Tuning``."""
-        from .finetune import tuning
-
+    def tuning(self) -> Tuning:
+        """What is trained, as a ``Tuning``."""
         return tuning(self.finetune, self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_dropout)
 
     @property
@@ -672,8 +837,8 @@ def _fields_of(part) -> dict:
 
 
 def _changed(part: _Part, changes: dict) -> _Part:
-    fields = _fields_of(part)
-    mine = {key: value for key, value in changes.items() if key in fields}
+    own = _fields_of(part)
+    mine = {key: value for key, value in changes.items() if key in own}
     return replace(part, **mine) if mine else part
 
 

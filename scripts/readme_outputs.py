@@ -1,4 +1,4 @@
-"""The README's pasted command outputs, regenerated from the code.
+"""The pasted command outputs of the README and of every page under docs/, regenerated from the code.
 
 A fenced block whose first line is ``$ memplan ...`` holds that command and its output
 (stdout and stderr, as a terminal shows them). ``--write`` reruns every such block's command
@@ -6,7 +6,9 @@ in-process and rewrites the block; ``--check`` exits 1 naming the blocks that dr
 A block whose output depends on the machine or the time is marked by the line
 ``<!-- readme-outputs: skip -->`` right above its fence, and left alone.
 
-    python scripts/readme_outputs.py --check | --write [README.md]
+With no path, README.md and every docs/*.md page are read; given paths, only those.
+
+    python scripts/readme_outputs.py --check | --write [PAGE.md ...]
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from click.testing import CliRunner
 
 from memplan.cli import main as memplan
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
 SKIP = "<!-- readme-outputs: skip -->"
 # a fence, the command line, the pasted output (possibly empty), the closing fence
 BLOCK = re.compile(
@@ -29,15 +32,15 @@ BLOCK = re.compile(
 
 
 def run(command: str) -> str:
-    """What ``command`` prints, stdout and stderr in order, as the README shows it."""
+    """What ``command`` prints, stdout and stderr in order, as a page shows it."""
     result = CliRunner().invoke(memplan, shlex.split(command)[1:], prog_name="memplan")
     if result.exception and not isinstance(result.exception, SystemExit):
-        raise RuntimeError(f"README command failed: {command}") from result.exception
+        raise RuntimeError(f"a pasted command failed: {command}") from result.exception
     return result.output
 
 
 def regenerate(text: str) -> tuple[str, list[str]]:
-    """The README with every block's output rerun, and the commands whose output changed."""
+    """The page with every block's output rerun, and the commands whose output changed."""
     drifted = []
 
     def fresh(match: re.Match) -> str:
@@ -51,19 +54,33 @@ def regenerate(text: str) -> tuple[str, list[str]]:
     return BLOCK.sub(fresh, text), drifted
 
 
+def pages() -> list[Path]:
+    """The pages checked by default: the README, then docs/*.md in name order."""
+    return [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def shown(path: Path) -> str:
+    """A page's name as the messages give it: relative to the checkout, else its file name."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else path.name
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("--check", "--write"):
         print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
         return 2
-    path = Path(argv[1]) if len(argv) > 1 else README
-    text, drifted = regenerate(path.read_text())
-    if argv[0] == "--write":
-        path.write_text(text)
-        print(f"rewrote {len(drifted)} block(s)" + "".join(f"\n  $ {c}" for c in drifted))
-        return 0
-    for command in drifted:
-        print(f"{path.name}: the output of `$ {command}` drifted; run python scripts/readme_outputs.py --write")
-    return 1 if drifted else 0
+    paths = [Path(arg) for arg in argv[1:]] or pages()
+    failed = False
+    for path in paths:
+        text, drifted = regenerate(path.read_text(encoding="utf-8"))
+        if argv[0] == "--write":
+            path.write_text(text, encoding="utf-8")
+            print(f"{shown(path)}: rewrote {len(drifted)} block(s)" + "".join(f"\n  $ {c}" for c in drifted))
+            continue
+        for command in drifted:
+            print(f"{shown(path)}: the output of `$ {command}` drifted; run python scripts/readme_outputs.py --write")
+        failed = failed or bool(drifted)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def test_matrix_covers_what_it_must():
 
 
 _VIT_FSDP = (
-    "ViT under FSDP2 is 2.3-2.4 % high (README Limitations): its block moments charge a prefetched "
+    "ViT under FSDP2 is 2.3-2.4 % high (docs/accuracy.md, Limitations): its block moments charge a prefetched "
     "block and a block's full gradients that FSDP2 does not hold there"
 )
 KNOWN = {"hf-vit-full-amp-eager-w4": _VIT_FSDP, "hf-vit-full-mixed-ac-w4": _VIT_FSDP}

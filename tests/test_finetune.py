@@ -11,9 +11,9 @@ from click.testing import CliRunner
 
 from memplan.cli import main
 from memplan.errors import MemplanError
-from memplan.finetune import NF4_BYTES_PER_PARAM, trained, tuning
+from memplan.finetune import NF4_BYTES_PER_PARAM, trained
 from memplan.memory import estimate
-from memplan.specs import Job, ModelSpec, TrainSpec
+from memplan.specs import Job, ModelSpec, TrainSpec, tuning
 
 pytest.importorskip("torch")
 from calibrate import finetune, heldout, records
@@ -157,16 +157,18 @@ def test_live_measurement_matches_the_record(recs):
 
 
 def test_recommend_on_one_gpu_weighs_the_fine_tune_modes():
+    from memplan.decide import finetune_modes
     from memplan.memory import modes_compared
     from memplan.report import finetune_lines
 
     job = Job(model=LLAMA, train=TrainSpec(finetune="qlora", seq_len=512))
-    lines = finetune_lines(job)
+    lines = finetune_lines(finetune_modes(job))
     compared = modes_compared(job)
     assert [mode for mode, _ in compared] == ["full", "lora", "qlora"]
     assert compared[2][1].allocated_bytes < compared[1][1].allocated_bytes < compared[0][1].allocated_bytes
     assert all(any(line.startswith(f"  - {mode}: ") for line in lines) for mode, _ in compared)
-    assert finetune_lines(job.with_(finetune="full")) == [] == finetune_lines(job.with_(gpus=2, strategy="ddp"))
+    assert finetune_modes(job.with_(finetune="full")) == () == finetune_modes(job.with_(gpus=2, strategy="ddp"))
+    assert finetune_lines(()) == []
 
 
 @pytest.mark.parametrize(

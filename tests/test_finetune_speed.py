@@ -6,6 +6,7 @@ import pytest
 
 from memplan import catalog
 from memplan.catalog import model_preset
+from memplan.decide import finetune_modes
 from memplan.finetune import NF4_BYTES_PER_PARAM, trained
 from memplan.report import finetune_lines
 from memplan.specs import ClusterSpec, Job, TrainSpec
@@ -54,7 +55,7 @@ def test_recommend_lines_weigh_memory_and_speed():
     job = _job(finetune="qlora", lora_rank=16, precision="amp-bf16", activation_checkpointing="full").with_(
         micro_batch=1
     )
-    lines = finetune_lines(job)
+    lines = finetune_lines(finetune_modes(job))
     speeds = {
         mode: float(line.split("(")[-1].split("×")[0])
         for line in lines
@@ -63,7 +64,7 @@ def test_recommend_lines_weigh_memory_and_speed():
     }
     assert speeds["full"] == 1.0 and speeds["lora"] > speeds["qlora"] > 1.0
     assert "  Fastest mode that fits: qlora (" in "\n".join(lines)  # on a 24 GB card only qlora fits
-    assert finetune_lines(job.with_(seq_len=2**20))[-1] == "  No mode fits at this option."
+    assert finetune_lines(finetune_modes(job.with_(seq_len=2**20)))[-1] == "  No mode fits at this option."
 
 
 def test_min_gpus_answers_how_many_gpus_a_full_fine_tune_needs():

@@ -14,6 +14,7 @@ from memplan.layout import Layout
 from memplan.memory import estimate
 from memplan.parallel import pipeline, tensor
 from memplan.parallel.step import estimate_layout, worst_estimate
+from memplan.report import verdict_detail
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 
 TOLERANCE = 0.02
@@ -316,7 +317,7 @@ def test_seed_tp_and_pp_rules_are_judged_with_numbers():
     bubble = v["s001-pp-bubble"]
     # two stages, 1F1B, 4 micro-batches per stage: (pp − 1)/M = 1/8
     assert (bubble.metric, bubble.value, bubble.code) == ("bubble_fraction", 1 / 8, "overhead_high")
-    assert "12.5% of its compute time" in bubble.detail
+    assert "12.5% of its compute time" in verdict_detail(bubble)
 
 
 def test_seed_tp_rule_does_not_fit_says_by_how_much():

@@ -4,8 +4,10 @@ documented rules of tables/rules.csv checked against the same arithmetic, and â€
 fits â€” the single changes that would make it fit.
 
 ``options`` searches and ranks, ``rules`` judges the documented rules, ``fixes`` lists the
-changes, ``recommend`` puts them together. Every result is data (codes and numbers);
-``memplan.report`` writes the sentences.
+changes, ``recommend`` puts them together, ``whatifs`` computes what the reports print beside
+an answer (fragmentation under expandable segments, paged states, the fine-tune modes). Every
+result is data (codes and numbers); ``memplan.report`` writes the sentences, and nothing here
+imports it.
 """
 
 from .fixes import Fix
@@ -24,14 +26,19 @@ from .options import (
 )
 from .recommend import Reason, Recommendation, recommend_job
 from .rules import Rule, RuleVerdict, rules, size_class
+from .whatifs import EstimateWhatIfs, Fragmentation, ModeOutcome, PagedStates, estimate_whatifs, finetune_modes
 
 __all__ = [
     "AXES",
     "FRAMEWORKS",
     "PRIORITIES",
     "Basis",
+    "EstimateWhatIfs",
     "Fix",
+    "Fragmentation",
+    "ModeOutcome",
     "Option",
+    "PagedStates",
     "Reason",
     "Recommendation",
     "Rejected",
@@ -40,6 +47,8 @@ __all__ = [
     "allowed_strategies",
     "basis_for",
     "candidate_jobs",
+    "estimate_whatifs",
+    "finetune_modes",
     "framework_strategies",
     "recommend_job",
     "rules",

@@ -1,6 +1,6 @@
 """The engine: search the options, pick the best that fits by a priority, judge the matching
 rules against the same arithmetic and, when nothing fits, list the single changes. Every
-result is data; ``memplan.report`` writes the sentences."""
+result is data; ``memplan.report`` writes the sentences (decide imports nothing of it)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from ..units import GIB
 from .fixes import Fix, fixes
 from .options import (
     AXES,
+    FRAMEWORKS,
     PRIORITIES,
     Basis,
     Option,
@@ -22,6 +23,7 @@ from .options import (
     allowed_strategies,
     basis_for,
     candidate_jobs,
+    framework_strategies,
     rank,
     ranked,
     reject,
@@ -29,7 +31,8 @@ from .options import (
     skipped_jobs,
     smallest,
 )
-from .rules import RuleVerdict, judge, rules, size_class
+from .rules import Rule, RuleVerdict, judge, rules, size_class
+from .whatifs import ModeOutcome, finetune_modes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +42,8 @@ class Reason:
     - assumed_gpu: no GPU named; throughput as on ``basis.link.gpu_name``
     - calibrated: ``basis`` carries a calibration
     - kept_as_given: ``fixed`` axes were not searched
-    - restricted: only ``strategies`` were searched (a framework's, or what a launch form writes)
+    - restricted: only ``strategies`` were searched (a framework's, or what a launch form writes);
+      ``framework`` names the framework where they are all of its strategies
     - nothing_fits: none of ``num_options``; ``option`` is the closest
     - ranked: ``num_fitting`` of ``num_options`` fit, ranked by ``priority``
     - fits: ``option`` (the pick) fits
@@ -59,15 +63,11 @@ class Reason:
     priority: str | None = None
     rejected: Rejected | None = None
     why: str | None = None
+    framework: str | None = None
 
     @property
     def num_fitting(self) -> int | None:
         return None if self.fitting is None else len(self.fitting)
-
-    def __str__(self) -> str:
-        from ..report import reason_text
-
-        return reason_text(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +104,22 @@ class Recommendation:
     @property
     def contradicted(self) -> tuple[RuleVerdict, ...]:
         return tuple(v for v in self.rules if not v.agrees)
+
+    def documented_penalties(self, job: Job) -> tuple[Rule, ...]:
+        """The matching penalty rules that speak about ``job``'s strategy and offload."""
+        return tuple(
+            v.rule
+            for v in self.rules
+            if v.rule.kind == "penalty"
+            and job.plan.strategy in v.rule.strategies
+            and (v.rule.offload or "none") == job.plan.offload
+        )
+
+    @cached_property
+    def finetune_modes(self) -> tuple[ModeOutcome, ...]:
+        """A LoRA or QLoRA job on one GPU: the pick (else the first option) under each fine-tune
+        mode, with its memory and step time (``whatifs.finetune_modes``); empty otherwise."""
+        return finetune_modes((self.best or self.options[0]).job)
 
 
 def _check(job: Job, fixed: dict, priority: str, allowed: tuple[str, ...] | None) -> None:
@@ -221,7 +237,8 @@ def _reasons(
     if fixed:
         out.append(Reason(code="kept_as_given", fixed=tuple(fixed.items())))
     if allowed is not None:
-        out.append(Reason(code="restricted", strategies=allowed))
+        named = next((f for f in FRAMEWORKS if framework_strategies(f) == allowed), None)
+        out.append(Reason(code="restricted", strategies=allowed, framework=named))
     if best is None:
         closest = smallest(options)
         return (*out, Reason(code="nothing_fits", num_options=len(options), option=closest))

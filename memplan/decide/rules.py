@@ -161,13 +161,6 @@ class RuleVerdict:
     def claimed_high(self) -> float | None:
         return self.rule.claimed_rel_max
 
-    @property
-    def detail(self) -> str:
-        """The verdict as a sentence (written by ``memplan.report``)."""
-        from ..report import verdict_detail
-
-        return verdict_detail(self)
-
 
 def _claim_verdict(rule: Rule, measured: float, **fields) -> RuleVerdict:
     close = default("close_fraction")
