@@ -14,98 +14,13 @@ composite dropout a mask in the input dtype).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache
-
-from .loop import kv_copies, logits_upcast_in_model
-from .mla import attention_math, mla_matrices, mla_saved
+from .finetune import adapter_block_saved
+from .loop import logits_upcast_in_model
+from .mla import mla_matrices, mla_saved
 from .moe import moe_backward_transient, moe_matrices, moe_saved, routed_rows
-from .precision import POLICIES
+from .saved import Saved, Shapes
+from .shapes import shapes
 from .specs import ModelSpec, TrainSpec
-
-
-@dataclass(frozen=True)
-class Saved:
-    name: str
-    formula: str
-    bytes: int
-    key: str = ""
-    """Stable identifier for the tensors a moment selects by itself (``memory.MOMENTS``)."""
-
-
-@dataclass(frozen=True)
-class Shapes:
-    b: int
-    s: int
-    h: int
-    q: int
-    """a·d: the query and attention output width (``ModelSpec.q_hidden``)."""
-    kv: int
-    a: int
-    d: int
-    f: int
-    V: int
-    c: int
-    r: int
-    m: int
-    p: float
-    autocast: bool
-    attention: str
-    """flash (sdpa's fused kernels), eager, or math-fp32: CPU sdpa with dropout falls back
-    to the math path (the CPU flash kernel has no dropout), which upcasts to fp32 (measured)."""
-    kv_saved: int
-    """Width of the k and v attention saves: kv under sdpa's own grouped-query path; q (a·d)
-    where they are copied to every query head first (eager's repeat_kv; torchtune's attention,
-    ``loop.kv_copies``)."""
-
-    @property
-    def tokens(self) -> int:
-        return self.b * self.s
-
-
-@lru_cache(maxsize=4096)  # every term of every moment asks; specs are frozen
-def shapes(model: ModelSpec, train: TrainSpec) -> Shapes:
-    policy = POLICIES[train.precision]
-    on_cpu = train.device == "cpu"
-    attention = train.attention
-    c = policy.compute_bytes
-    if attention == "sdpa":
-        math = model.dropout > 0 or (model.mla and attention_math(model, on_cpu))
-        attention = "math-fp32" if (on_cpu and math) or _cuda_math(model, train, c) else "flash"
-    # ViTEmbeddings: one token per patch plus the class token, whatever seq-len says
-    s = model.max_positions if model.arch == "vit" else train.seq_len
-    return Shapes(
-        b=train.micro_batch,
-        s=s,
-        h=model.hidden,
-        q=model.q_hidden,
-        kv=model.kv_hidden,
-        a=model.num_heads,
-        d=model.qk_rope_head_dim or model.head_size,  # MLA: rotary over the rope part alone
-        f=model.ffn_hidden,
-        V=model.vocab_size,
-        c=c,
-        r=policy.stream_bytes,
-        m=c if on_cpu else 1,
-        p=model.dropout,
-        autocast=policy.autocast,
-        attention=attention,
-        kv_saved=model.q_hidden if attention != "flash" or copied_kv(train) else model.kv_hidden,
-    )
-
-
-def _cuda_math(model: ModelSpec, train: TrainSpec, compute_bytes: int) -> bool:
-    """fp32 grouped-query sdpa on CUDA runs the math backend: flash takes no fp32 and the
-    memory-efficient kernel refuses ``enable_gqa`` ("No available kernel"), measured on an H200
-    with torch 2.11 (docs/gpu_campaign_h200.md, item 4); where the recipe's model copies k and v
-    to every query head first, the efficient kernel takes them."""
-    grouped = model.kv_hidden < model.q_hidden and not model.mla and not copied_kv(train)
-    return train.device != "cpu" and compute_bytes == 4 and grouped
-
-
-def copied_kv(train: TrainSpec) -> bool:
-    """The step's k/v copies: as given, or as the recipe's model makes them (``loop.kv_copies``)."""
-    return kv_copies(train.recipe) if train.kv_copies is None else train.kv_copies
 
 
 def _norm(model: ModelSpec, x: Shapes, label: str) -> list[Saved]:
@@ -224,8 +139,6 @@ def block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False
             weights = attention + moe_matrices(model)
         saved.append(Saved("autocast weight copies", "c·(block weight matrices)", x.c * weights))
     if train.tuning.adapters:
-        from .finetune import adapter_block_saved
-
         # FSDP's MixedPrecisionPolicy (the inputs_cast case) gathers the adapters in the compute dtype
         return adapter_block_saved(model, train, saved, adapter_bytes=x.c if inputs_cast else 4)
     return saved
@@ -365,7 +278,7 @@ def _vit_live_in_backward(model: ModelSpec, x: Shapes) -> list[Saved]:
     (measured: MemTracker's Temp at the DDP peak is c·b·s·f + r·b·s·h + the fc2 weight
     gradient, which is left to the gradient terms): the gradient flowing into the block, and
     what the embeddings saved, which the patch conv's backward frees only at the very end
-    (the block moments of memory.py keep, of what is saved outside the blocks, only the logits)."""
+    (the block moments of step.py keep, of what is saved outside the blocks, only the logits)."""
     return [Saved("gradient into the block", "r·b·s·h", x.r * x.tokens * x.h), *_vit_embedding_saved(model, x)]
 
 

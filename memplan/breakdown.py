@@ -7,10 +7,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .specs import Job
+from .specs import Job
 
 
 class Component(str, Enum):
@@ -32,6 +30,11 @@ class Term:
     key: str = ""
     """A stable identifier ("logits", "fsdp.root_unit"): what moments and later axes
     select a term by; the name is for display only."""
+
+
+def term(component: Component, key: str, name: str, formula: str, num_bytes) -> Term:
+    """A ``Term`` keyed first, as the producers of terms write them."""
+    return Term(component, name, formula, int(num_bytes), key)
 
 
 @dataclass(frozen=True)

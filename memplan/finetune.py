@@ -11,14 +11,16 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from .activations import Saved, shapes
-from .breakdown import Component, Estimate, Term
+from .breakdown import Component, Term, term
 from .errors import InputError
-from .frameworks.base import term
+from .mla import attention_tensors
+from .moe import is_moe_layer
 from .precision import Policy
+from .saved import Saved
+from .shapes import shapes
 from .specs import ATTENTION, LINEARS, Tuning
 
-P, O = Component.PARAMS, Component.OPTIMIZER  # noqa: E741 - the paper's P/G/O notation, as memory.py
+P, O = Component.PARAMS, Component.OPTIMIZER  # noqa: E741 - the paper's P/G/O notation, as quantities.py
 
 # --- what is trained ---------------------------------------------------------------------
 
@@ -84,8 +86,6 @@ class Trained:
 def _block_tensors(model) -> list[tuple[int, ...]]:
     shapes: list[tuple[int, ...]] = []
     if model.mla:  # DeepseekV3Attention's tensors, then the MLP's gate, up, down (memplan.mla)
-        from .mla import attention_tensors
-
         f, h = model.ffn_hidden, model.hidden
         return attention_tensors(model) + [(f, h), (f, h), (h, f)] + 2 * [(h,)]
     for name, (n_in, n_out) in _linears(model).items():
@@ -100,8 +100,6 @@ def _block_tensors(model) -> list[tuple[int, ...]]:
 
 def _block_params_at(model, index: int) -> int:
     """Block ``index``'s parameters: a sparse block's, or a dense one's where an MoE model has them."""
-    from .moe import is_moe_layer
-
     return model.block_params() if is_moe_layer(model, index) else sum(model.block_param_counts().values())
 
 
@@ -206,7 +204,7 @@ def trained(model, tuning: Tuning) -> Trained:
     )
 
 
-# --- what it changes in the step's memory (memory.Step calls these) ----------------------
+# --- what it changes in the step's memory (step.Step calls these) ----------------------
 
 
 def adapter_policy(policy: Policy) -> Policy:
@@ -348,15 +346,6 @@ def optimizer_state_terms(step) -> list[Term]:
     sharded = step.strategy.shards_optimizer
     name, formula = STATE_NAMES[optimizer]
     return [term(O, "optimizer.states", name, formula + step.div(sharded), step.local(nbytes, sharded))]
-
-
-def paged_state_bytes(job) -> int:
-    """Bytes of paged 8-bit states per GPU that live in CUDA unified memory, outside torch's counters."""
-    from .memory import Step
-
-    step = Step(job)
-    nbytes = sum(_paged_bytes(job.train.optimizer, job.train.device, t) for t in trained_tensors(step))
-    return step.local(nbytes, step.strategy.shards_optimizer)
 
 
 def adafactor_step_elements(step, *, foreach: bool) -> int:
@@ -516,38 +505,4 @@ def finetune_line(job) -> str:
     return f"finetune {tuning.describe()}: {t.trainable / 1e6:,.2f}M trainable, {t.frozen / 1e6:,.1f}M frozen{nf4}\n"
 
 
-def finetune_notes(job) -> tuple[str, ...]:
-    """What the estimate models of a fine-tune without a measurement behind it."""
-    from .strategies import STRATEGIES
-
-    tuning, strategy = job.train.tuning, STRATEGIES[job.plan.strategy]
-    notes = []
-    if tuning.mode == "qlora" and strategy.framework != "ddp" and strategy.id != "single":
-        notes.append(
-            f"qlora under {strategy.id} is modelled with NF4 shards gathered in the compute dtype "
-            "(FSDP-QLoRA's bnb_4bit_quant_storage gathers them packed): an upper bound, not measured"
-        )
-    if tuning.mode != "full" and strategy.framework == "deepspeed":
-        notes.append(f"{tuning.mode} under DeepSpeed is modelled as under FSDP's counts, not measured")
-    if job.train.optimizer == "paged-adamw8bit" and job.train.device == "cuda":
-        notes.append(
-            f"paged-adamw8bit: {paged_state_bytes(job) / 2**30:.2f} GiB of 8-bit states (tensors of ≥ 1e5 elements) "
-            "live in CUDA unified memory (cudaMallocManaged), outside torch's allocator counters and this "
-            "estimate; the driver pages them to host RAM under pressure"
-        )
-    if tuning.mode != "full" and job.train.device == "cuda":
-        notes.append("fine-tuning is measured on CPU (docs/finetune_matrix_cpu.md); CUDA's dropout mask is 1 byte")
-    return tuple(notes)
-
-
 COMPARED = ("full", "lora", "qlora")
-
-
-def modes_compared(job) -> list[tuple[str, Estimate]]:
-    """The job's estimate under each fine-tune mode that applies to its model (full; lora and
-    qlora on llama-family blocks), the adapters as the job gives them: what ``recommend`` weighs
-    on one GPU with each one's step time (throughput.flops_per_token, dequant_seconds)."""
-    from .memory import estimate
-
-    modes = COMPARED if job.model.arch == "llama" else COMPARED[:1]
-    return [(mode, estimate(job.with_(finetune=mode))) for mode in modes]

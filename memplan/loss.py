@@ -2,7 +2,7 @@
 
 ``logits_live`` is the b·s·V logits tensor itself (kept by the caller, or freed before
 backward); ``loss_saved`` is what the loss adds on top of it. The step's moments use both
-(see ``memory.py``: "end of forward", "start of backward", and the blocks' backward).
+(see ``step.py``: "end of forward", "start of backward", and the blocks' backward).
 
 Known limitations: ``fused-linear-ce`` is Liger's ``LigerFusedLinearCrossEntropyFunction``
 modelled from its source (liger_kernel/ops/fused_linear_cross_entropy.py, 0.8.5); its
@@ -161,7 +161,7 @@ def _cce_compile(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[
     (``logits_live``: held until its backward), each row's max and log-sum-exp in fp32, and
     the targets and row indices (int64). No gradient is computed in forward; its backward
     writes the logits' gradient into the logits' buffer, then makes the head's two gradients
-    (``memory.Step.head_backward_terms``). Measured: saved-tensor hooks on the compiled graph,
+    (``step.Step.head_backward_terms``). Measured: saved-tensor hooks on the compiled graph,
     its allocator timeline (e 2×512×256, c 32000×256: backward adds V·h + b·(s−1)·h, fp32),
     and the held-out cce-compile cases."""
     x = shapes(model, train)

@@ -14,16 +14,12 @@ qk_rope_head_dim, dv v_head_dim, dqk = dn + dr; c compute bytes, r residual-stre
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
 
 from .errors import MemplanError
+from .saved import Saved, Shapes
 from .specs import MLA_FIELDS as MLA_FIELDS  # the MLA sub-spec of a ModelSpec: its fields, their check
-from .specs import attention_tensors, qk_head_dim  # and its counts
-
-if TYPE_CHECKING:
-    from .activations import Saved, Shapes
-    from .specs import Job, ModelSpec
-
+from .specs import Job, ModelSpec, attention_tensors, qk_head_dim  # and its counts
 
 ACCEPTED = (
     "MLA is modelled for full fine-tunes in fp32, bf16, mixed-bf16 or amp-bf16 with sdpa, without AC or with "
@@ -34,8 +30,6 @@ ACCEPTED = (
 
 def mla_matrices(model: ModelSpec) -> int:
     """The attention's weight matrices (what autocast caches a low-precision copy of)."""
-    import math
-
     return sum(math.prod(t) for t in attention_tensors(model) if len(t) == 2)
 
 
@@ -77,8 +71,6 @@ def attention_math(model: ModelSpec, on_cpu: bool) -> bool:
 def mla_saved(model: ModelSpec, x: Shapes) -> list[Saved]:
     """What one block's latent attention keeps for backward beyond the norms and the norm output
     (read off saved-tensor hooks on DeepseekV3DecoderLayer, tests/test_mla.py)."""
-    from .activations import Saved
-
     t, a, c = x.tokens, x.a, x.c
     Q, R, dr, dv = model.q_lora_rank, model.kv_lora_rank, model.qk_rope_head_dim, model.v_head_dim
     dqk = qk_head_dim(model)

@@ -14,6 +14,8 @@ import math
 import re
 
 from .errors import MemplanError
+from .finetune import _linears
+from .hfconfig import model_from_hf_config
 from .specs import ModelSpec
 
 _BLOCK = re.compile(r"(?:^|\.)(\d+)\.")
@@ -34,8 +36,6 @@ def _from_config(module, total: int) -> ModelSpec | None:
     config = getattr(module, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return None
-    from .hfconfig import model_from_hf_config
-
     spec = model_from_hf_config(config.to_dict())
     if spec.num_params != total:
         raise MemplanError(
@@ -79,8 +79,6 @@ def _candidates(h: int, vocab: int, layers: int, heads: int, block: list, root: 
 
 def _matrices(spec: ModelSpec) -> list[int]:
     """The sizes of one block's weight matrices (an ffn width and a head dim may trade counts)."""
-    from .finetune import _linears
-
     return sorted(n_in * n_out for n_in, n_out in _linears(spec).values())
 
 

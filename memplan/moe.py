@@ -14,16 +14,15 @@ Every formula takes the expert-parallel degree ``ep`` as an argument: where it c
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from dataclasses import fields, replace
+from typing import Any
 
 from .errors import MemplanError
+from .saved import Saved, Shapes
+from .shapes import shapes
 from .specs import MOE_FIELDS as MOE_FIELDS  # the MoE sub-spec of a ModelSpec: its fields, their check
-from .specs import expert_params, expert_width, moe_block_param_counts, num_moe_layers  # and its counts
+from .specs import ModelSpec, expert_params, expert_width, moe_block_param_counts, num_moe_layers  # and its counts
 from .specs import is_moe_layer as is_moe_layer
-
-if TYPE_CHECKING:
-    from .activations import Saved, Shapes
-    from .specs import ModelSpec
 
 
 def all_blocks_alike(model: ModelSpec) -> bool:
@@ -32,8 +31,6 @@ def all_blocks_alike(model: ModelSpec) -> bool:
 
 def dense_view(model: ModelSpec) -> ModelSpec:
     """An MoE model's dense layers as a model of their own (SwiGLU of ``ffn_hidden``)."""
-    from dataclasses import fields, replace
-
     defaults: dict[str, Any] = {f.name: f.default for f in fields(model) if f.name in MOE_FIELDS}
     return replace(model, **defaults)
 
@@ -137,8 +134,6 @@ def moe_saved(model: ModelSpec, x: Shapes, rows: int, ep: int = 1) -> list[Saved
     (k·T at balance). Measured with saved-tensor hooks on transformers' MixtralSparseMoeBlock
     and Qwen2MoeSparseMoeBlock (eager experts, tests/test_moe.py); under EP what
     calibrate/moe_ep.py's torchtitan-style dispatch keeps (docs/moe_matrix_cpu.jsonl)."""
-    from .activations import Saved
-
     t, h, E, k, f, c = x.tokens, x.h, model.num_experts, model.experts_per_token, expert_width(model), x.c
     # softmax(logits.float()) keeps its fp32 output, topk its int64 indices; the in-place
     # renormalisation (top / top.sum) keeps the fp32 sum and the result
@@ -208,8 +203,6 @@ def ep_kept(saved: list[Saved], model: ModelSpec, train, ep: int) -> list[Saved]
     """A sparse block's kept (or backward) tensors under EP: the eager loop's replaced by the
     dispatcher's, the experts' gradients by the local experts' (a checkpointed block keeps
     its input only: nothing to replace)."""
-    from .activations import shapes
-
     x = shapes(model, train)
     rows = routed_rows(x.tokens, model, ep)
     out = list(saved)
@@ -230,8 +223,6 @@ def moe_backward_transient(model: ModelSpec, x: Shapes, ep: int = 1) -> list[Sav
     accumulated and the newest full-size expert gradients are live at once; plus the
     gradients flowing into the experts and the router (b·s·h each). Measured on CPU
     (MemTracker's Temp at the DDP backward peak, docs/moe_matrix_cpu.jsonl)."""
-    from .activations import Saved
-
     g = 4 if x.autocast else x.c  # the experts' gradients are in their parameters' dtype
     local = model.num_experts // ep * expert_params(model)
     return [
@@ -243,8 +234,6 @@ def moe_backward_transient(model: ModelSpec, x: Shapes, ep: int = 1) -> list[Sav
 def a2a_buffers(model: ModelSpec, train, ep: int) -> list[Saved]:
     """The all-to-all's send and receive buffers of one sparse block (routed rows × h each),
     live while the block's dispatch or combine runs, forward and backward."""
-    from .activations import Saved, shapes
-
     x = shapes(model, train)
     rows = routed_rows(x.tokens, model, ep)
     return [Saved("all-to-all send + receive buffers", "2·c·k·b·s·h", 2 * x.c * rows * x.h)]

@@ -16,8 +16,8 @@ from dataclasses import replace
 from functools import cache
 
 from . import catalog
-from .allocator import AllocConf, parse_alloc_conf
 from .breakdown import Component, Estimate, Moment, Term
+from .parallel.tensor import async_tp_workspace
 from .specs import Job
 
 ALLOCATOR_KEYS = ("allocator.slack", "allocator.excess")
@@ -67,8 +67,6 @@ def fixed_terms(job: Job) -> list[Term]:
         # which would make memory grow with the GPU count (min_gpus bisects on the opposite)
         terms.append(Term(B, "NCCL buffers", _nccl_formula(), communicator_bytes(), COMMUNICATOR_KEY))
     if job.layout.async_tp:
-        from .parallel.tensor import async_tp_workspace
-
         # on the rank's 1/cp of the sequence, as the rest of the layout's estimate
         local = replace(job.train, seq_len=job.train.seq_len // job.layout.cp)
         terms += async_tp_workspace(job.model, local, job.layout)
@@ -113,51 +111,3 @@ def overhead_terms(job: Job, peak: Moment) -> list[Term]:
 def reserved_bytes(est: Estimate) -> int:
     """What ``torch.cuda.max_memory_reserved`` would report: allocated plus the allocator's terms."""
     return est.allocated_bytes + allocator_bytes(est)
-
-
-def expandable_excess(est: Estimate) -> int:
-    """The replay's excess of ``est``'s job under ``expandable_segments:True``."""
-    from .alloctrace import reserved
-
-    return reserved(est.job, AllocConf(expandable_segments=True)).excess_bytes
-
-
-def _replayed_term(job: Job, conf: AllocConf, stage: int | None) -> Term:
-    from .alloctrace import reserved
-
-    excess = reserved(job, conf, stage).excess_bytes
-    return Term(
-        Component.BUFFERS,
-        "caching-allocator excess (replayed)",
-        f"allocator replay, {conf.text}",
-        excess,
-        "allocator.excess",
-    )
-
-
-def with_replayed_allocator(est: Estimate) -> Estimate:
-    """``est`` with the flat slack replaced by the replay's excess under the job's
-    ``alloc_conf`` (a ``PYTORCH_CUDA_ALLOC_CONF`` string); CPU jobs are returned as they are.
-    Under a pipeline every stage is replayed, and the worst is the one with the most ``total``."""
-    job = est.job
-    if job.train.device == "cpu":
-        return est
-    conf = parse_alloc_conf(job.cluster.alloc_conf)
-    stages = getattr(est, "stages", ())
-    if len(stages) <= 1:
-        return replace(est, overhead=(*fixed_terms(job), _replayed_term(job, conf, None)))
-    replayed = tuple(
-        replace(s, overhead=(*fixed_terms(job), _replayed_term(job, conf, i))) for i, s in enumerate(stages)
-    )
-    worst = max(range(len(replayed)), key=lambda i: replayed[i].total_bytes)
-    w = replayed[worst]
-    return replace(  # type: ignore[call-arg]  # a LayoutEstimate: it has stages
-        est,
-        peak=w.peak,
-        moments=w.moments,
-        overhead=w.overhead,
-        host_bytes=w.host_bytes,
-        notes=w.notes,
-        stages=replayed,
-        worst_stage=worst,
-    )

@@ -19,7 +19,8 @@ from functools import lru_cache
 
 from .breakdown import Estimate
 from .memory import estimate
-from .overheads import fixed_terms, with_replayed_allocator
+from .overheads import fixed_terms
+from .replayed import with_replayed_allocator
 from .specs import Job
 
 

@@ -11,7 +11,7 @@ import memplan
 from memplan.errors import FLAGS, InputError, MemplanError
 from memplan.inputs import build_jobs
 from memplan.memory import estimate as estimate_job
-from memplan.overheads import with_replayed_allocator
+from memplan.replayed import with_replayed_allocator
 from memplan.request import FIELDS, PARTS, ModelRequest, Request
 
 COLUMNS = [

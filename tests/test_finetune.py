@@ -159,7 +159,7 @@ def test_live_measurement_matches_the_record(recs):
 
 def test_recommend_on_one_gpu_weighs_the_fine_tune_modes():
     from memplan.decide import finetune_modes
-    from memplan.finetune import modes_compared
+    from memplan.memory import modes_compared
     from memplan.report import finetune_lines
 
     job = Job(model=LLAMA, train=TrainSpec(finetune="qlora", seq_len=512))

@@ -12,7 +12,7 @@ from calibrate.workloads import build_model  # noqa: E402
 from memplan.errors import MemplanError  # noqa: E402
 from memplan.memory import estimate as estimate_job  # noqa: E402
 from memplan.module import spec_from_module  # noqa: E402
-from memplan.overheads import with_replayed_allocator  # noqa: E402
+from memplan.replayed import with_replayed_allocator  # noqa: E402
 from memplan.specs import ModelSpec  # noqa: E402
 
 SMALL = dict(num_layers=2, hidden=64, num_heads=4, vocab_size=128, name="small")

@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from memplan.finetune import PAGED_MIN_ELEMENTS, full_tensors, paged_state_bytes
+from memplan.finetune import PAGED_MIN_ELEMENTS, full_tensors
 from memplan.memory import Step, estimate
+from memplan.notes import paged_state_bytes
 from memplan.specs import Job, ModelSpec, TrainSpec
 
 LLAMA = ModelSpec(

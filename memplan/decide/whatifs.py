@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..breakdown import Estimate
-from ..finetune import modes_compared, paged_state_bytes
-from ..overheads import expandable_excess, reserved_bytes
+from ..memory import modes_compared
+from ..notes import paged_state_bytes
+from ..overheads import reserved_bytes
+from ..replayed import expandable_excess
 from ..specs import Job
 from ..strategies import STRATEGIES
 from ..throughput import link_for, step_time

@@ -10,25 +10,34 @@ since memplan never imports torch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
-from ..breakdown import Component, Term
+from ..breakdown import Term
 from ..errors import MemplanError
+from ..moments import MomentSpec
 from ..precision import POLICIES
 from ..specs import Job
 
-if TYPE_CHECKING:
-    from ..memory import Step
-    from ..strategies import Strategy
 
-Emitter = Callable[[Job, "Strategy"], str]
+class Step(Protocol):
+    """What the base adapter reads of a step. The step (``memplan.step.Step``) sits above the
+    adapters and hands itself to them; an adapter reads its quantities (``gather_bytes``,
+    ``block_params``, ``block_terms`` …) and returns terms and moments."""
+
+    params_on_host: bool
+
+
+class Strategy(Protocol):
+    """A strategy row (``memplan.strategies.Strategy``, which sits above the adapters it names)."""
+
+    @property
+    def id(self) -> str: ...
+
+
+Emitter = Callable[[Job, Strategy], str]
 """Writes one ``--emit`` kind for a job under one of the framework's strategies."""
 
 TORCH_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
-
-
-def term(component: Component, key: str, name: str, formula: str, num_bytes) -> Term:
-    return Term(component, name, formula, int(num_bytes), key)
 
 
 class Framework:
@@ -52,6 +61,13 @@ class Framework:
     """The optimizer steps one flat tensor of the local partition, not the model's tensors."""
     emitters: ClassVar[dict[str, Emitter]] = {}
     """``--emit`` kinds this framework writes, beyond accelerate and torchrun."""
+    has_first_block_end: ClassVar[bool] = False
+    """The step has ``step.FIRST_BLOCK_END`` where its job allows it (one GPU, DDP: measured)."""
+    sums_tied_grads: ClassVar[bool] = True
+    """A trained tied embedding's two gradients are summed out of place (``step.TIED_SUM``); FSDP's
+    root unit holds them at its own moment, DeepSpeed's buckets are not measured so."""
+    unsharded_head_grads: ClassVar[bool] = False
+    """The head weight's gradient is made unsharded, in the gathered parameters' dtype."""
 
     def persistent_buffers(self, step: Step) -> list[Term]:
         """Buffers held for the whole step."""
@@ -85,6 +101,23 @@ class Framework:
     def step_buffers(self, step: Step) -> list[Term]:
         """Buffers of optimizer.step() beyond the optimizer's own temporaries."""
         return []
+
+    def holds_root_grads(self, step: Step) -> bool:
+        """A root unit holds its gradients unsharded after the input embedding's backward."""
+        return False
+
+    def applies_head_once(self, step: Step) -> bool:
+        """The step has the framework's moment of the LM head's backward, the head applied once."""
+        return False
+
+    def moment_groups(self, step: Step, groups: dict[str, list[Term]]) -> dict[str, list[Term]]:
+        """The groups of terms the framework's own moments add to (or replace in) ``groups``."""
+        return {}
+
+    def schedule(self, step: Step, specs: tuple[MomentSpec, ...]) -> tuple[MomentSpec, ...]:
+        """The step's moments with the framework's own inserted, each by the name of a moment
+        (``moments.insert``)."""
+        return specs
 
     def accelerate(self, job: Job, strategy: Strategy) -> dict:
         """accelerate's ``distributed_type`` and this framework's section of its config."""

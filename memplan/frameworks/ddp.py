@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..breakdown import Component
-from .base import Framework, term
+from ..breakdown import Component, term
+from .base import Framework
 from .single import Single
 
 
@@ -11,6 +11,7 @@ class DDP(Framework):
     id = "ddp"
     label = "DistributedDataParallel"
     native_precisions = Single.native_precisions
+    has_first_block_end = True  # measured: the tuned DDP full-AC eager record
 
     def persistent_buffers(self, step) -> list:
         # Reducer buckets: with gradient_as_bucket_view=False a second copy of every gradient

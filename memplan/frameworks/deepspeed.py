@@ -8,12 +8,14 @@ import math
 from dataclasses import fields
 from typing import Any, ClassVar
 
-from ..breakdown import Component
+from .. import moe
+from ..breakdown import Component, term
 from ..catalog import deepspeed_defaults
 from ..errors import MemplanError
+from ..mla import attention_tensors
 from ..precision import POLICIES
 from ..specs import ZeroConfig
-from .base import Emitter, Framework, needs, term
+from .base import Emitter, Framework, needs
 
 B = Component.BUFFERS
 ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -87,8 +89,6 @@ def tensor_numels(model) -> list[int]:
     qk_norm = [model.head_size] * 2 if model.qk_norm else []  # Qwen3's q_norm, k_norm
     attention = attn + attn_bias + [q * h] + ([h] if bias else []) + qk_norm
     if model.mla:  # DeepseekV3Attention's projections and latent norms (memplan.mla)
-        from ..mla import attention_tensors
-
         attention = [math.prod(t) for t in attention_tensors(model)]
     block = attention + mlp + mlp_bias + 2 * norm
     if model.arch == "vit":  # patch conv (+ bias), class token, positions; classifier (+ bias)
@@ -104,8 +104,6 @@ def tensor_numels(model) -> list[int]:
     head = [] if model.tied_embeddings else [model.vocab_size * h]
     blocks = block * model.num_layers
     if model.num_experts:  # a sparse block's MLP: the router and the experts' two 3-D tensors
-        from .. import moe
-
         w = moe.expert_width(model)
         sparse = attention + 2 * norm + [model.num_experts * h]
         sparse += [model.num_experts * 2 * w * h, model.num_experts * h * w]
@@ -127,6 +125,8 @@ class DeepSpeed(Framework):
     # precision mode, and `--emit deepspeed` writes only these
     native_precisions = ("fp32", "mixed-bf16", "mixed-fp16")
     emitters: ClassVar[dict[str, Emitter]] = {"deepspeed": config_json}
+    # a tied embedding's summed gradients are not measured under its buckets
+    sums_tied_grads = False
     # stage_1_and_2.py single_partition_of_fp32_groups, stage3.py fp32_partitioned_groups_flat:
     # the client optimizer's param groups are the flat fp32 partitions
     steps_flat_partition = True

@@ -1,162 +1,24 @@
 """FSDP2 (``fully_shard``) and FSDP1 (``FullyShardedDataParallel``): sharded states, the
-unsharded units around the one that runs, and the reduce-scatter input."""
+unsharded units around the one that runs, the reduce-scatter input, and the moments FSDP2 adds
+to the step (its blocks' backward, its root unit's gradients and reduce-scatter). What it writes
+for ``--emit`` is ``fsdp_emit``'s."""
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from ..breakdown import Component
+from ..breakdown import Component, Term, term
+from ..moments import MomentSpec, insert
 from ..precision import POLICIES
-from .base import TORCH_DTYPE, Emitter, Framework, header, needs, term
+from .base import TORCH_DTYPE, Emitter, Framework
+from .fsdp_emit import FSDP1_SHARDING, FSDP2_STRATEGIES, fsdp1_snippet, fsdp2_snippet
 
-B = Component.BUFFERS
-FSDP1_SHARDING = {
-    "fsdp-full-shard": "FULL_SHARD",
-    "fsdp-shard-grad-op": "SHARD_GRAD_OP",
-    "fsdp-hybrid-shard": "HYBRID_SHARD",
-    "fsdp-no-shard": "NO_SHARD",
-}
-FSDP2_STRATEGIES = ("fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid-shard")
-"""The strategies ``fully_shard`` writes (no-shard is FSDP1's NO_SHARD)."""
+B, G = Component.BUFFERS, Component.GRADIENTS
+__all__ = ["FSDP", "FSDP1_SHARDING", "FSDP2_STRATEGIES"]  # the strategies' names, where emit reads them
 
 
 def _gathered(step, key: str, count: int, name: str):
     return term(B, key, name, f"{step.gather_bytes}·{count:,}", step.gather_bytes * count)
-
-
-def _dtypes(job) -> tuple[str, str]:
-    """(compute dtype, reduce dtype) of the policy: mixed-bf16 -> (bf16, bf16 unless --reduce-dtype)."""
-    compute = POLICIES[job.train.precision].compute_dtype
-    return compute, job.train.reduce_dtype or compute
-
-
-def _mp_args(job) -> str:
-    """MixedPrecisionPolicy / MixedPrecision arguments. Under autocast (amp-*) the parameters
-    stay fp32 as estimated: no param_dtype, only an explicit --reduce-dtype."""
-    compute, reduce = _dtypes(job)
-    if POLICIES[job.train.precision].autocast:
-        return f"reduce_dtype={TORCH_DTYPE[reduce]}" if job.train.reduce_dtype else ""
-    return f"param_dtype={TORCH_DTYPE[compute]}, reduce_dtype={TORCH_DTYPE[reduce]}"
-
-
-def _autocast_lines(job) -> list[str]:
-    """The forward under torch.autocast, for amp-* (FSDP's mixed precision would be mixed-*)."""
-    policy = POLICIES[job.train.precision]
-    if not policy.autocast:
-        return []
-    return [
-        "",
-        "",
-        "def forward(model: torch.nn.Module, *args, **kwargs):",
-        f"    # {policy.id}: fp32 parameters and gradients, the forward under autocast",
-        f'    with torch.autocast("cuda", dtype={TORCH_DTYPE[policy.compute_dtype]}):',
-        "        return model(*args, **kwargs)",
-    ]
-
-
-def _ac_lines(job, indent: str) -> list[str]:
-    ac = job.train.activation_checkpointing
-    if ac == "none":
-        return []
-    target = "block_cls" if ac == "full" else "attention_cls"
-    note = "each block's input kept, the block recomputed" if ac == "full" else "attention recomputed"
-    return [
-        f"{indent}# activation checkpointing {ac}: {note}",
-        f"{indent}apply_activation_checkpointing(",
-        (
-            f"{indent}    model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, "
-            "checkpoint_impl=CheckpointImpl.NO_REENTRANT),"
-        ),
-        f"{indent}    check_fn=lambda m: isinstance(m, {target}))",
-    ]
-
-
-def _ac_imports(job) -> list[str]:
-    if job.train.activation_checkpointing == "none":
-        return []
-    return [
-        "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (",
-        "    CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)",
-    ]
-
-
-def fsdp2_snippet(job, strategy) -> str:
-    """``fully_shard`` per block, then the root (torchtitan's parallelize order: AC first)."""
-    needs(job, "fsdp2", FSDP2_STRATEGIES)
-    c, mp = job.cluster, _mp_args(job)
-    mesh = (
-        f'init_device_mesh("cuda", ({c.num_nodes}, {c.gpus_per_node}), mesh_dim_names=("replicate", "shard"))'
-        if strategy.shard_group == "node"
-        else f'init_device_mesh("cuda", ({c.gpus},))'
-    )
-    offload = job.plan.offload in ("params", "all")
-    imported = "CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy" if mp else "CPUOffloadPolicy, OffloadPolicy"
-    policies = "mp_policy=mp, offload_policy=offload" if mp else "offload_policy=offload"
-    lines = [
-        f"# {header(job)}",
-        "import functools",
-        "",
-        "import torch",
-        "from torch.distributed.device_mesh import init_device_mesh",
-        f"from torch.distributed.fsdp import {imported}, fully_shard",
-        *_ac_imports(job),
-        "",
-        "",
-        "def wrap(model: torch.nn.Module, block_cls: type, attention_cls: type | None = None) -> torch.nn.Module:",
-        f"    mesh = {mesh}",
-        *([f"    mp = MixedPrecisionPolicy({mp})"] if mp else []),
-        f"    offload = {'CPUOffloadPolicy()' if offload else 'OffloadPolicy()'}",
-        *_ac_lines(job, "    "),
-        "    # shard each block (or the checkpoint wrapper around it), then the root",
-        "    wrappers = {id(getattr(m, '_checkpoint_wrapped_module', None)): m for m in model.modules()}",
-        "    for block in [m for m in model.modules() if isinstance(m, block_cls)]:",
-        (
-            f"        fully_shard(wrappers.get(id(block), block), mesh=mesh, {policies}, "
-            f"reshard_after_forward={strategy.reshard_after_forward})"
-        ),
-        f"    fully_shard(model, mesh=mesh, {policies}, reshard_after_forward=False)",
-        "    return model",
-        *_autocast_lines(job),
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def fsdp1_snippet(job, strategy) -> str:
-    """``FullyShardedDataParallel`` with a transformer auto-wrap policy per block."""
-    needs(job, "fsdp1", tuple(FSDP1_SHARDING))
-    compute, _ = _dtypes(job)
-    mp, offload = _mp_args(job), job.plan.offload in ("params", "all")
-    if mp and not POLICIES[job.train.precision].autocast:
-        mp += f", buffer_dtype={TORCH_DTYPE[compute]}"
-    lines = [
-        f"# {header(job)}",
-        "import functools",
-        "",
-        "import torch",
-        (
-            "from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as FSDP, "
-            f"{'MixedPrecision, ' if mp else ''}ShardingStrategy"
-        ),
-        "from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy",
-        *_ac_imports(job),
-        "",
-        "",
-        "def wrap(model: torch.nn.Module, block_cls: type, attention_cls: type | None = None) -> torch.nn.Module:",
-        "    model = FSDP(",
-        "        model,",
-        f"        sharding_strategy=ShardingStrategy.{FSDP1_SHARDING[strategy.id]},",
-        "        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block_cls}),",
-        *([f"        mixed_precision=MixedPrecision({mp}),"] if mp else []),
-        f"        cpu_offload=CPUOffload(offload_params={offload}),",
-        "        device_id=torch.cuda.current_device(),",
-        "    )",
-        *_ac_lines(job, "    "),
-        "    return model",
-        *_autocast_lines(job),
-        "",
-    ]
-    return "\n".join(lines)
 
 
 def _outside_blocks(step, instant: str) -> list[tuple[str, int, str]]:
@@ -214,7 +76,7 @@ def _forward_start(step) -> list:
 
 
 def _block_backward(step, instant: str) -> list:
-    """FSDP2 full shard's buffers in a block's backward (``memory.FSDP_BLOCK_MOMENTS``; torch 2.13
+    """FSDP2 full shard's buffers in a block's backward (``FSDP_BLOCK_MOMENTS``; torch 2.13
     _fsdp_param_group.py); ``instant`` is WHICH_AT, WHICH the first, last, upper or lower block,
     AT copy, start or end. Copy: ``pre_backward``'s copy-out (``wait_for_unshard``) holds the
     block's all-gather buffer and its unsharded parameters. Start: the buffer freed, the block's
@@ -230,7 +92,7 @@ def _block_backward(step, instant: str) -> list:
     model, L, bp = step.job.model, step.job.model.num_layers, step.block_params
     g, r, own_units = step.gather_bytes, step.reduce_bytes, step.fsdp_units == "blocks"
     vh = step.embedding_unit_params()
-    gathers = step.gather_group > 1  # a group of one copies in place, retains nothing (memory.py)
+    gathers = step.gather_group > 1  # a group of one copies in place, retains nothing (``_forward_start``)
     which = instant.split("_")[0]
     # a tied head unit holds the input embedding: it reduces last, in the root's post-backward
     own_head = own_units and not model.tied_embeddings
@@ -283,6 +145,294 @@ def _block_backward(step, instant: str) -> list:
     ]
 
 
+# -- the moments FSDP2 adds to the step (memplan.step.MOMENTS), each inserted beside one it names --
+
+WHOLE_HEAD_BACKWARD = MomentSpec(
+    name="fsdp.head",
+    phase="backward",
+    label="backward of the LM head",
+    groups=("states", "grads.carried", "activations.blocks", "activations.outside_head", "gathered.head", "loss.head"),
+)
+"""FSDP2, the head applied once (no chunked output): the head's backward holds the logit
+gradient and the head weight's unsharded gradient (before its unit's reduce-scatter) while the
+head unit is gathered and the last block prefetched (measured: the held-out torchtitan FSDP
+case without AC, llama h768, whose peak is here in MemTracker's head-module snapshot). Under
+autocast the largest instant is the weight gradient's cast back to the fp32 parameter's dtype
+(the backward of autocast's weight copy): the compute-dtype gradient and its fp32 cast beside the
+head input's gradient, the weight copy and the logit gradient freed by the matmul's backward
+(measured per module: the held-out neox hf-trainer amp-fp16 case, whose peak is here)."""
+
+
+FORWARD_START = MomentSpec(
+    name="fsdp.forward_start",
+    phase="forward",
+    label="start of forward (first units' all-gathers copied out)",
+    groups=("states", "grads.carried", "gathered.start"),
+)
+"""FSDP2: in forward the all-gather output of the unit before is kept until the next unit's
+copy-out (``FSDPParamGroup.wait_for_unshard``), so the first unit outside the blocks is live
+twice while the first block is gathered (measured: the held-out matrix's 128k-vocabulary
+one-block case, whose peak is here)."""
+
+
+ROOT_BACKWARD = MomentSpec(
+    name="fsdp.root_backward",
+    phase="backward",
+    label="backward of the input embedding (root unit gradients)",
+    groups=("states", "grads.blocks", "logits.block", "gathered.root", "grads.root_unsharded"),
+)
+"""FSDP2: the root unit's gradients stay unsharded until its
+post-backward reduce-scatter, after the input embedding's backward, while its parameters are
+still gathered (measured: the held-out matrix's large-vocabulary FSDP cases, whose peak holds
+no activations, the gathered root unit and its gradients)."""
+
+
+def _block_moments(which: str) -> tuple[MomentSpec, ...]:
+    """A block's all-gather copy-out, its backward beside the next unit's buffer, its end."""
+    grads, kept = f"grads.{which}_block", f"activations.{which}_block"
+    return (
+        MomentSpec(
+            name=f"fsdp.block.{which}.copy",
+            phase="backward",
+            label=f"the {which} block's all-gather copied out (start of its backward)",
+            groups=("states", grads, kept, "logits.block", f"gathered.{which}_copy"),
+        ),
+        MomentSpec(
+            name=f"fsdp.block.{which}.start",
+            phase="backward",
+            label=f"backward of the {which} block (the next unit prefetched)",
+            groups=("states", grads, kept, "logits.block", f"gathered.{which}_start", f"block.backward.{which}"),
+        ),
+        MomentSpec(
+            name=f"fsdp.block.{which}.end",
+            phase="backward",
+            label=f"end of the {which} block's backward (before its reduce-scatter)",
+            groups=("states", grads, f"activations.below_{which}", "logits.block", f"gathered.{which}_end"),
+        ),
+    )
+
+
+FSDP_BLOCK_MOMENTS = {which: _block_moments(which) for which in ("last", "first")}
+"""FSDP2 full shard, the first and the last block's backward at three instants each (torch 2.13
+_fsdp_param_group.py): ``pre_backward`` copies the block's all-gather out (``wait_for_unshard``:
+the all-gather buffer and the unsharded parameters both live) with every activation still kept;
+then ``_backward_prefetch`` allocates the next unit's all-gather buffer, beside which the block's
+backward runs (its transient and the first weight gradient it makes); at its end, before
+``post_backward`` reshards it, its unsharded gradients are complete, the next unit's buffer
+waits and its own activations are freed. All three hold the reduce-scatter input of the unit
+reduced before (``reduce_scatter_states``, popped in this block's post-backward). Measured per
+module with MemTracker: the held-out neox plain-freed peak is the first block's copy-out, the
+neox hf-trainer peak its backward beside the input embedding unit's buffer, the mistral
+hf-trainer peak its end."""
+
+
+FSDP_MIDDLE_BLOCK_MOMENTS = {which: _block_moments(which) for which in ("upper", "lower")}
+"""With three blocks or more, the blocks between at either end (``between``): upper,
+block L−2, with the most activations kept; lower, block 1, with the most gradient shards
+reduced (the same block when L is 3); each with a block before it prefetched and the block
+after's reduce-scatter input retained (measured: the tuned matrix's 4-block llama FSDP full-AC
+case, whose peak is in block 1's MLP backward)."""
+
+
+ROOT_REDUCE = MomentSpec(
+    name="fsdp.root_reduce",
+    phase="backward",
+    label="reduce-scatter of the input embedding's unit (root post-backward)",
+    groups=("states", "grads.before_root", "logits.block", "grads.root_reduce"),
+)
+"""FSDP2: the unit holding the input embedding reduces in the root's post-backward callback
+(its inputs, token ids, need no gradient), after resharding: its reduce-scatter input, the
+reduce output and its cast to the fp32 shard's dtype live together, and ``foreach_reduce``'s
+loop variable keeps the unit's last parameter's unsharded gradient (measured: the held-out
+llama plain-kept mixed-bf16 case on 2 gloo ranks, whose peak is here)."""
+
+
+def splits_blocks(step) -> bool:
+    """Whether the blocks' backward is FSDP2 full shard's three instants per block
+    (``FSDP_BLOCK_MOMENTS``)."""
+    return step.strategy.id == "fsdp-full-shard" and _blocks_measured(step)
+
+
+def sgo_like_full_shard(step) -> bool:
+    """FSDP2 shard-grad-op where full shard would split its blocks' moments: the blocks stay
+    gathered from forward to backward (one moment per block), but its units reduce as full
+    shard's do, so the head's gradients beside the blocks are the same
+    (``block_grad_groups``)."""
+    return step.strategy.id == "fsdp-shard-grad-op" and _blocks_measured(step)
+
+
+def _blocks_measured(step) -> bool:
+    """Where FSDP2's block instants were measured: a full fine-tune of a dense decoder, one
+    micro-batch, its states on the GPU (on any GPU count: the sweep's families share one set
+    of moments)."""
+    model, train = step.job.model, step.job.train
+    return (
+        step.P == "P"
+        and not model.num_experts
+        and model.arch not in ("bert", "vit")
+        and train.grad_accum == 1
+        and not train.optimizer_in_backward
+        and not step.params_on_host
+        and not step.grads_on_host
+        # float8's casts are transient and not modelled (loop_notes); measured per module, the
+        # held-out float8 case's peak holds 26 MiB of them in the first block's backward, which
+        # the one-moment-per-block model covers by counting a block's buffers too many
+        and not train.float8
+        and _whole_model_per_rank(step)
+    )
+
+
+def _whole_model_per_rank(step) -> bool:
+    """No pipeline stages (pipelining defers FSDP's reshard and reduce-scatter to a stage's last
+    backward, torch pipelining stage.py backward_maybe_with_nosync) and no tensor-parallel
+    slices (the vocabulary-parallel head): the layout's rank step (memplan.parallel.step) keeps
+    one moment per block there."""
+    layout = getattr(step, "layout", step.job.layout)  # RankStep's whole job's layout
+    return layout.pp == 1 and layout.tp == 1
+
+
+def between(step) -> tuple[tuple[str, int], ...]:
+    """(name, index) of the blocks between the first and the last that ``FSDP_MIDDLE_BLOCK_
+    MOMENTS`` look at: going down a block adds its reduced gradient shard and drops its kept
+    activations, so the largest such moment is at block L−2 or block 1."""
+    L = step.job.model.num_layers
+    return (("upper", L - 2), ("lower", 1)) if L > 3 else (("upper", 1),) if L == 3 else ()
+
+
+def block_grad_groups(step) -> dict[str, list[Term]]:
+    """The gradients beside the blocks' backward under ``FSDP_BLOCK_MOMENTS``: a head unit of
+    its own (torchtitan's, accelerate's, untied) has reduced them to its shard after the head's
+    backward; a unit holding the head and the input embedding (fully_shard's root, torchtune's,
+    a tied head unit) keeps the head's unsharded: its post-backward hook hangs on its forward
+    inputs, token ids that need no gradient, so it reduces in the root's post-backward callback,
+    after the input embedding's
+    (measured per module: the held-out neox plain-freed case, the final norm's and head's
+    gradients unsharded through both blocks' backward; the mistral hf-trainer case, the head
+    unit's shard)."""
+    model, L, bp = step.job.model, step.job.model.num_layers, step.block_params
+    own_head_unit = step.fsdp_units == "blocks" and not model.tied_embeddings
+    sharded = step.head_unit_params() if own_head_unit else 0
+    unsharded = (
+        []
+        if own_head_unit
+        else [
+            term(
+                G,
+                "fsdp.head_grads",
+                "unsharded final norm and head gradients (the root unit reduces last)",
+                f"{step.gather_bytes}·(norm + V·h)",
+                step.gather_bytes * step.head_weight_params(),
+            )
+        ]
+    )
+    return {
+        "grads.last_block": step.grad_share(sharded, "head unit params") + unsharded,
+        **{
+            f"grads.{name}_block": step.grad_share(sharded + (L - 1 - k) * bp, "params of the blocks after it")
+            + unsharded
+            for name, k in between(step)
+        },
+        "grads.first_block": step.grad_share(sharded + (L - 1) * bp, "params of the blocks after the first")
+        + unsharded,
+    }
+
+
+def root_reduce(step) -> bool:
+    """Whether the step has ``ROOT_REDUCE``: the unit of an untied input embedding or a root
+    holding the embeddings reduces last."""
+    return (splits_blocks(step) or sgo_like_full_shard(step)) and not (
+        step.fsdp_units == "blocks" and step.job.model.tied_embeddings
+    )
+
+
+def root_reduce_groups(step) -> dict[str, list[Term]]:
+    """``ROOT_REDUCE``'s terms (torch 2.13 _fsdp_collectives.py foreach_reduce): the
+    reduce-scatter input (reduce dtype, the whole unit), the reduce output (its shard) and, when
+    the reduce dtype is not the fp32 shard's, the output's cast; the unit's last parameter's
+    unsharded gradient, which the loop variable of foreach_reduce's Shard(dim) pass keeps after
+    ``unsharded_grads.clear()`` (Hugging Face registers lm_head last; a tied root's last is the
+    final norm; an embedding unit's only parameter is the embedding)."""
+    model, r, g = step.job.model, step.reduce_bytes, step.gather_bytes
+    vh = step.vocab_params()
+    unit = step.embedding_unit_params() if step.fsdp_units == "blocks" else step.root_params
+    last = model.norm_params if step.fsdp_units != "blocks" and model.tied_embeddings else vh
+    shard = step.local(unit, True)
+    cast = step.shard_master and r != 4
+    return {
+        "grads.before_root": step.grad_share(step.params - unit, "params of the units reduced before it"),
+        "grads.root_reduce": [
+            term(B, "fsdp.root_reduce", "its reduce-scatter input", f"{r}·{unit:,}", r * unit),
+            term(B, "fsdp.root_reduce", "its reduce output", f"{r}·{unit:,}/{step.n}", r * shard),
+            *(
+                [term(G, "fsdp.root_reduce", "the reduce output cast to fp32", f"4·{unit:,}/{step.n}", 4 * shard)]
+                if cast
+                else []
+            ),
+            term(G, "fsdp.root_reduce", "its last parameter's unsharded gradient", f"{g}·{last:,}", g * last),
+        ],
+    }
+
+
+def root_grad_groups(step) -> dict[str, list[Term]]:
+    """The moment after the input embedding's backward (``ROOT_BACKWARD``): the blocks'
+    gradients reduced and sharded, the root unit gathered with its unsharded gradients; a
+    tied embedding's gradient is added to the head's out of place (AccumulateGrad), so the
+    head's, the embedding's own and their sum are live at once (measured: the tied cases
+    of the held-out matrix hold three V·h gradients there)."""
+    model, L = step.job.model, step.job.model.num_layers
+    tied = 2 * step.vocab_params() if model.tied_embeddings and step.P == "P" else 0
+    # torchtitan's / accelerate's head unit has reduced its gradients after its own backward
+    head = step.head_unit_params() if step.fsdp_units == "blocks" and not model.tied_embeddings else 0
+    count = (step.root_params - head if step.P == "P" else step.trained.root) + tied
+    blocks = (
+        step.grad_terms()
+        if step.job.train.grad_accum > 1 or step.zero_filled()
+        else step.grad_share(sum(step.trained.blocks), f"{L} blocks' params")
+    )
+    return {
+        "grads.blocks": blocks,
+        "gathered.root": [
+            term(
+                B,
+                "fsdp.root_unit",
+                "unsharded root unit (embeddings, head)" if not head else "unsharded input embedding unit",
+                f"{step.gather_bytes}·{step.root_params - head:,}",
+                step.gather_bytes * (step.root_params - head),
+            )
+        ],
+        "grads.root_unsharded": [
+            term(
+                G,
+                "fsdp.root_grads",
+                "unsharded root unit gradients (before its "
+                "reduce-scatter)" + (", the tied embedding's three times" if tied else ""),
+                f"{step.gather_bytes}·{count:,}",
+                step.gather_bytes * count,
+            ),
+            *retained_reduce_input(step),
+        ],
+    }
+
+
+def retained_reduce_input(step) -> list[Term]:
+    """FSDP2 keeps the last reduce-scatter's input alive until the next unit's post-backward
+    reduces (FSDPCommContext.reduce_scatter_states, at most reduce_scatter_max_input_buffers
+    = 1: torch 2.13 _fsdp_param_group.py post_backward): the first block's, at the input
+    embedding's backward (measured: the tied cases of the held-out matrix, one block's
+    gradients in the reduce dtype above the root unit's)."""
+    if step.gather_group == 1:
+        return []
+    return [
+        term(
+            B,
+            "fsdp.retained_reduce_input",
+            "first block's reduce-scatter input (kept until the root's reduce-scatter)",
+            f"{step.reduce_bytes}·block params",
+            step.reduce_bytes * step.block_params,
+        )
+    ]
+
+
 class FSDP(Framework):
     id = "fsdp"
     label = "FSDP"
@@ -295,6 +445,10 @@ class FSDP(Framework):
     # (DDP's appear during the block's backward)
     block_grads_after_reduce = True
     emitters: ClassVar[dict[str, Emitter]] = {"fsdp2": fsdp2_snippet, "fsdp1": fsdp1_snippet}
+    # the root unit holds a tied embedding's gradients at ROOT_BACKWARD
+    sums_tied_grads = False
+    # its head weight's gradient is the unsharded parameter's, in the gathered dtype
+    unsharded_head_grads = True
 
     def gathered(self, step, instant: str) -> list:
         s, L, bp = step.strategy, step.job.model.num_layers, step.block_params
@@ -346,6 +500,75 @@ class FSDP(Framework):
                 )
             )
         return terms
+
+    def holds_root_grads(self, step) -> bool:
+        return not step.job.train.optimizer_in_backward
+
+    def applies_head_once(self, step) -> bool:
+        """``WHOLE_HEAD_BACKWARD``: an LM head applied once and a logits tensor."""
+        model, loop = step.job.model, step.job.train.loop
+        return (
+            not step.chunked_head()
+            and loop.loss not in ("fused-linear-ce", "cce-compile")
+            and model.arch != "vit"
+            and not model.num_labels  # a classifier's head has no V·h weight nor b·s·V logits
+        )
+
+    def moment_groups(self, step, groups: dict[str, list[Term]]) -> dict[str, list[Term]]:
+        split, sgo = splits_blocks(step), sgo_like_full_shard(step)
+        out: dict[str, list[Term]] = {}
+        if sgo:
+            # shard-grad-op reshards each block after its backward (reshard_after_backward): at the
+            # first block's the others are sharded again (measured per module with MemTracker: the
+            # tuned matrix's 4-block shard-grad-op case, block 0 alone unsharded in its backward)
+            bp, g = step.block_params, step.gather_bytes
+            one = term(B, "fsdp.all_blocks", "unsharded first block (the others resharded)", f"{g}·{bp:,}", g * bp)
+            block = [one if t.key == "fsdp.all_blocks" else t for t in groups["gathered.block"]]
+            out["gathered.block"] = block
+            out["gathered.first_block"] = self.first_block_gathered(step, block)
+        if step.holds_root_grads():
+            out.update(root_grad_groups(step))
+        if split or sgo:
+            L = step.job.model.num_layers
+            out.update(block_grad_groups(step))
+            out["activations.below_last"] = (step.block_terms(range(L - 1)) if L > 1 else []) + step.block_end_terms(
+                L - 1
+            )
+            out["activations.below_first"] = step.block_end_terms(0)
+        if split:
+            for name, k in between(step):
+                out[f"activations.{name}_block"] = step.block_terms(range(k + 1))
+                out[f"activations.below_{name}"] = step.block_terms(range(k)) + step.block_end_terms(k)
+                out[f"block.backward.{name}"] = step.transient_terms(k)
+            blocks = ("first", *(name for name, _ in between(step)), "last")
+            for where in (f"{w}_{at}" for w in blocks for at in ("copy", "start", "end")):
+                out[f"gathered.{where}"] = self.gathered(step, where)
+        elif sgo:
+            # the ends of the first and the last block's backward as full shard's
+            # (FSDP_BLOCK_MOMENTS), the same instants: at the first the blocks after it resharded
+            # after their backward, at the last the blocks before it still gathered from forward, so
+            # full shard never estimates above shard-grad-op (tests/test_invariants.py)
+            for where in ("first_end", "last_end"):
+                out[f"gathered.{where}"] = self.gathered(step, where)
+        if root_reduce(step):
+            out.update(root_reduce_groups(step))
+        return out
+
+    def schedule(self, step, specs: tuple[MomentSpec, ...]) -> tuple[MomentSpec, ...]:
+        if splits_blocks(step):
+            middle = tuple(m for name, _ in between(step) for m in FSDP_MIDDLE_BLOCK_MOMENTS[name])
+            specs = insert(specs, *FSDP_BLOCK_MOMENTS["last"], instead="block.last")
+            specs = insert(specs, *middle, *FSDP_BLOCK_MOMENTS["first"], instead="block.first")
+        elif sgo_like_full_shard(step):
+            ends = (FSDP_BLOCK_MOMENTS[which][-1] for which in ("last", "first"))
+            specs = insert(specs, *ends, after="block.first")
+        if step.whole_head_backward():
+            specs = insert(specs, WHOLE_HEAD_BACKWARD, after="backward.start")
+        if step.holds_root_grads():
+            specs = insert(specs, ROOT_BACKWARD, before="optimizer")
+        if root_reduce(step):
+            specs = insert(specs, ROOT_REDUCE, before="optimizer")
+        return insert(specs, FORWARD_START, before="forward.end")
 
     def first_block_gathered(self, step, block: list) -> list:
         """No block prefetched at the first block's backward: FSDP2 prefetches the unit before

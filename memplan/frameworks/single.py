@@ -13,6 +13,7 @@ class Single(Framework):
     # low-precision weights: that needs FSDP's MixedPrecisionPolicy or DeepSpeed's optimizer
     native_precisions = ("fp32", "amp-bf16", "amp-fp16", "bf16")
     distributed = False
+    has_first_block_end = True  # measured: the head-dim matrix's qwen3 single full-AC case
 
     def accelerate(self, job, strategy) -> dict:
         return {"distributed_type": "NO"}

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..activations import Saved, shapes
-from ..breakdown import Component, Term
-from ..frameworks.base import term
+from ..breakdown import Component, Term, term
 from ..layout import Layout
+from ..saved import Saved
+from ..shapes import shapes
 from ..specs import ModelSpec, TrainSpec
 
 NOTE = (

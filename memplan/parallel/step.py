@@ -1,4 +1,4 @@
-"""One rank of the device mesh as ``memory.Step`` sees a job: the data-parallel step of the
+"""One rank of the device mesh as ``step.Step`` sees a job: the data-parallel step of the
 rank's share of the model (its pipeline stage's layers, its TP slice of each), with the
 micro-batches its pipeline schedule keeps in flight and the pipeline's receive buffers."""
 
@@ -8,19 +8,22 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from ..activations import model_saved, shapes
-from ..breakdown import Component, Estimate, Term
+from ..activations import model_saved
+from ..breakdown import Component, Estimate, Term, term
 from ..checkpointing import checkpointed
-from ..frameworks.base import term
 from ..layout import MULTI_STAGE
-from ..memory import MomentSpec, Step, loop_notes
+from ..moments import MomentSpec, insert
+from ..notes import loop_notes
 from ..overheads import overhead_terms
+from ..shapes import shapes
 from ..specs import Job
+from ..step import Step
 from . import context, pipeline, tensor
 from .pipeline import Stage
 
 A, B = Component.ACTIVATIONS, Component.BUFFERS
 RING_BACKWARD = MomentSpec(
+    name="cp.ring",
     phase="backward",
     label="ring attention's backward in the last block",
     groups=("states", "grads.ring", "activations.ring", "logits.block", "gathered.ring", "cp.ring"),
@@ -352,7 +355,7 @@ class RankStep(Step):
     def ring_grads(self) -> list[Term]:
         """The gradients held while the last block's ring runs: under FSDP2 with the root unit
         kept (embeddings and head in the root), the head's whole, unsharded gradient, reduced only
-        at the root's post-backward (memory.root_grad_groups; measured: cp4-fsdp holds the V·h
+        at the root's post-backward (frameworks.fsdp.root_grad_groups; measured: cp4-fsdp holds the V·h
         head gradient at the ring's peak); otherwise the last block's share."""
         if not (self.holds_root_grads() and self.fsdp_units == "root-kept" and self.stage.last and self.P == "P"):
             return self.grad_groups()["grads.last_block"]
@@ -391,7 +394,7 @@ class RankStep(Step):
 
     def moment_specs(self):
         specs = super().moment_specs()
-        return (*specs, RING_BACKWARD) if self.layout.cp > 1 else specs
+        return insert(specs, RING_BACKWARD, after="optimizer") if self.layout.cp > 1 else specs
 
     def receive_buffers(self) -> list[Term]:
         """stage.py allocates, per micro-batch, an activation buffer for every stage but the

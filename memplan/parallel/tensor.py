@@ -16,10 +16,10 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import TypeVar
 
-from ..activations import Saved, shapes
-from ..breakdown import Component, Term
-from ..frameworks.base import term
+from ..breakdown import Component, Term, term
 from ..layout import Layout
+from ..saved import Saved
+from ..shapes import shapes
 from ..specs import ModelSpec
 
 HEADS = (
