@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 
 from memplan.errors import MemplanError
+from memplan.frameworks import adapter, runs_natively
 from memplan.strategies import STRATEGIES
 
 from .records import Run
@@ -119,8 +120,8 @@ def check_runs(runs: list[Run], *, machine: Machine, mode: str) -> None:
                 f"{what}: {strategy.id} runs under DeepSpeed, which `memplan calibrate run` does not drive "
                 f"(it drives DDP and FSDP2; python -m validation.dsmatrix measures ZeRO){missing}"
             )
-        if not strategy.runs_natively(job.train.precision):
-            native = ", ".join(strategy.adapter.native_precisions)
+        if not runs_natively(strategy, job.train.precision):
+            native = ", ".join(adapter(strategy).native_precisions)
             raise MemplanError(
                 f"{what}: {strategy.id} has no native {job.train.precision} (it runs {native}); "
                 "pass --precision one of those, or leave --strategy at all to skip it"

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memplan.errors import MemplanError
+from memplan.frameworks import runs_natively
 from memplan.inputs import build_jobs
 from memplan.strategies import STRATEGIES
 
@@ -87,7 +88,7 @@ def plan(
                 reason = None
                 if strategy.framework not in HARNESS_FRAMEWORKS:
                     reason = "the harness drives DDP and FSDP2, not DeepSpeed"
-                elif not strategy.runs_natively(precision):
+                elif not runs_natively(strategy, precision):
                     reason = f"no native {precision} (torch has none)"
                 if reason:
                     if strategy.id not in skipped.setdefault(reason, []):

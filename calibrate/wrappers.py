@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from memplan.frameworks import FRAMEWORKS
+from memplan.frameworks import FRAMEWORKS, runs_natively
 from memplan.loop import fsdp_units
 from memplan.precision import POLICIES
 from memplan.specs import Job
@@ -116,7 +116,7 @@ def wrap(model: nn.Module, job: Job, emulated: bool) -> nn.Module:
             f"{strategy.id} needs {FRAMEWORKS[strategy.framework].label}, which this harness does not wrap "
             "(DeepSpeed runs in validation.dsmatrix)"
         )
-    if not strategy.runs_natively(policy.id):
+    if not runs_natively(strategy, policy.id):
         raise Unsupported(f"{policy.id} under {strategy.id} has no native torch implementation")
     # a fine-tune's model was cast before its adapters were added (calibrate.finetune): peft
     # keeps them in fp32, as a cast here would not

@@ -10,7 +10,7 @@ from __future__ import annotations
 import yaml
 
 from .errors import MemplanError
-from .frameworks import FRAMEWORKS
+from .frameworks import FRAMEWORKS, adapter
 from .frameworks import deepspeed as _deepspeed
 from .frameworks import fsdp as _fsdp
 from .frameworks.base import header
@@ -51,21 +51,21 @@ def accelerate_config(job: Job) -> dict:
         "compute_environment": "LOCAL_MACHINE",
         "machine_rank": 0,
         "main_training_function": "main",
-        "mixed_precision": s.adapter.accelerate_mixed_precision(job),
+        "mixed_precision": adapter(s).accelerate_mixed_precision(job),
         "num_machines": c.num_nodes,
         "num_processes": c.gpus,
         "rdzv_backend": "static",
         "same_network": True,
         "use_cpu": False,
     }
-    return {**config, **s.adapter.accelerate(job, s)}
+    return {**config, **adapter(s).accelerate(job, s)}
 
 
 def launch_command(job: Job, script: str = "train.py") -> str:
     """torchrun on one node; srun + torchrun (one task per node, c10d rendezvous) on several."""
     c = job.cluster
     args = f"{script} --micro-batch {job.train.micro_batch} --grad-accum {job.train.grad_accum}"
-    if not STRATEGIES[job.plan.strategy].adapter.distributed:
+    if not adapter(STRATEGIES[job.plan.strategy]).distributed:
         return f"# {header(job)}\npython {args}\n"
     if c.num_nodes == 1:
         return f"# {header(job)}\ntorchrun --standalone --nproc_per_node={c.gpus_per_node} {args}\n"
@@ -152,7 +152,7 @@ def emit(job: Job, kind: str) -> str:
     if kind in _OWN_KINDS:
         return _OWN_KINDS[kind](job, STRATEGIES[job.plan.strategy])
     if kind == "accelerate":
-        note = STRATEGIES[job.plan.strategy].adapter.accelerate_note(job)
+        note = adapter(STRATEGIES[job.plan.strategy]).accelerate_note(job)
         return f"# {header(job)}\n{note}" + yaml.safe_dump(accelerate_config(job), sort_keys=False)
     if kind == "torchrun":
         return launch_command(job)

@@ -1,5 +1,5 @@
-"""Multi-head latent attention (DeepSeek-V2/V3): parameters, saved activations, FLOPs and what
-is refused.
+"""Multi-head latent attention (DeepSeek-V2/V3): parameters, saved activations and FLOPs (what is
+refused: specs.check_mla_job).
 
 Source: transformers 5.24 ``models/deepseek_v3/modeling_deepseek_v3.py`` DeepseekV3Attention:
 q is ``q_b_proj(q_a_layernorm(q_a_proj(x)))`` (h → q_lora_rank → heads·(nope + rope)), or
@@ -16,16 +16,9 @@ from __future__ import annotations
 
 import math
 
-from .errors import MemplanError
 from .saved import Saved, Shapes
 from .specs import MLA_FIELDS as MLA_FIELDS  # the MLA sub-spec of a ModelSpec: its fields, their check
-from .specs import Job, ModelSpec, attention_tensors, qk_head_dim  # and its counts
-
-ACCEPTED = (
-    "MLA is modelled for full fine-tunes in fp32, bf16, mixed-bf16 or amp-bf16 with sdpa, without AC or with "
-    "full AC, on data-parallel strategies (measured: single, DDP, FSDP2, EP under FSDP2), not under TP / CP / PP, "
-    "compile or op SAC"
-)
+from .specs import ModelSpec, attention_tensors, qk_head_dim  # and its counts
 
 
 def mla_matrices(model: ModelSpec) -> int:
@@ -36,30 +29,6 @@ def mla_matrices(model: ModelSpec) -> int:
 def attention_flops_per_token(model: ModelSpec, seq_len: int) -> int:
     """Forward FLOPs per token per layer of q·kᵀ (a·dqk wide) and probs·v (a·dv wide)."""
     return 2 * model.num_heads * (qk_head_dim(model) + model.v_head_dim) * seq_len
-
-
-def check_mla_job(job: Job) -> None:
-    """What an MLA estimate is measured for (docs/mla_matrix_cpu.md); anything else refused."""
-    model, train = job.model, job.train
-    if not model.kv_lora_rank:
-        return
-    reason = ""
-    if not job.layout.is_data_parallel:
-        reason = f"layout tp {job.layout.tp} cp {job.layout.cp} pp {job.layout.pp}"
-    elif train.precision not in ("fp32", "bf16", "mixed-bf16", "amp-bf16"):
-        reason = f"precision {train.precision}"
-    elif train.attention != "sdpa":
-        reason = f"attention {train.attention}"
-    elif train.activation_checkpointing not in ("none", "full"):
-        reason = f"activation checkpointing {train.activation_checkpointing}"
-    elif train.compile:
-        reason = "compile"
-    elif train.tuning.adapters or train.finetune != "full":
-        reason = f"finetune {train.finetune}"
-    elif train.kv_copies:
-        reason = "kv copies (torchtune's attention)"
-    if reason:
-        raise MemplanError(f"{model.name}: multi-head latent attention under {reason} is not modelled; {ACCEPTED}")
 
 
 def attention_math(model: ModelSpec, on_cpu: bool) -> bool:

@@ -17,6 +17,7 @@ from .finetune import (
     optimizer_state_terms,
     trained,
 )
+from .frameworks import adapter
 from .loop import fsdp_units, loss_in_model
 from .precision import ADAM8BIT_BYTES_PER_PARAM, DTYPE_BYTES, OPTIMIZER_STATES, POLICIES, Policy
 from .saved import Saved
@@ -40,7 +41,7 @@ class Quantities:
         self.job = job
         model, train, cluster = job.model, job.train, job.cluster
         self.strategy = s = STRATEGIES[job.plan.strategy]
-        self.framework = fw = s.adapter
+        self.framework = fw = adapter(s)
         self.policy = pol = policy or POLICIES[train.precision]
         self.n = s.shard_degree(cluster.gpus, cluster.gpus_per_node)
         # FSDP2 on an all-gather group of one (no-shard's N×1 mesh, one GPU) copies a unit's

@@ -16,6 +16,7 @@ from .layout import Layout, check_layout
 from .loop import AC_POLICIES, Loop
 from .settings import check_choice as _check_choice
 from .settings import check_positive as _check_positive
+from .strategies import STRATEGIES
 
 ARCHS = ("llama", "gpt2", "neox", "vit", "bert")
 ACTIVATIONS = ("silu", "gelu", "gelu_new")
@@ -728,8 +729,6 @@ class Plan:
     """A DeepSpeed strategy's ``zero_optimization`` settings; None: those ``--emit deepspeed`` writes."""
 
     def __post_init__(self):
-        from .strategies import STRATEGIES
-
         if isinstance(self.zero, dict):  # a record's spec (dataclasses.asdict)
             object.__setattr__(self, "zero", ZeroConfig(**self.zero))
         _check_positive(self, "ep")
@@ -758,6 +757,37 @@ def _vit_train(model: ModelSpec, train: TrainSpec) -> TrainSpec:
     return replace(train, seq_len=tokens)
 
 
+MLA_ACCEPTED = (
+    "MLA is modelled for full fine-tunes in fp32, bf16, mixed-bf16 or amp-bf16 with sdpa, without AC or with "
+    "full AC, on data-parallel strategies (measured: single, DDP, FSDP2, EP under FSDP2), not under TP / CP / PP, "
+    "compile or op SAC"
+)
+
+
+def check_mla_job(job: Job) -> None:
+    """What an MLA estimate is measured for (docs/mla_matrix_cpu.md); anything else refused."""
+    model, train = job.model, job.train
+    if not model.kv_lora_rank:
+        return
+    reason = ""
+    if not job.layout.is_data_parallel:
+        reason = f"layout tp {job.layout.tp} cp {job.layout.cp} pp {job.layout.pp}"
+    elif train.precision not in ("fp32", "bf16", "mixed-bf16", "amp-bf16"):
+        reason = f"precision {train.precision}"
+    elif train.attention != "sdpa":
+        reason = f"attention {train.attention}"
+    elif train.activation_checkpointing not in ("none", "full"):
+        reason = f"activation checkpointing {train.activation_checkpointing}"
+    elif train.compile:
+        reason = "compile"
+    elif train.tuning.adapters or train.finetune != "full":
+        reason = f"finetune {train.finetune}"
+    elif train.kv_copies:
+        reason = "kv copies (torchtune's attention)"
+    if reason:
+        raise MemplanError(f"{model.name}: multi-head latent attention under {reason} is not modelled; {MLA_ACCEPTED}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Job:
     """Everything one estimate needs."""
@@ -770,8 +800,6 @@ class Job:
     """The mesh beyond data parallel (tp, cp, pp, ep); the plan's strategy runs over dp."""
 
     def __post_init__(self):
-        from .strategies import STRATEGIES
-
         if self.model.arch == "vit":
             object.__setattr__(self, "train", _vit_train(self.model, self.train))
         if self.model.arch in ("bert", "gpt2") and 0 < self.model.max_positions < self.train.seq_len:
@@ -797,8 +825,6 @@ class Job:
                 seq_len=self.train.seq_len,
             )
         if self.model.mla:
-            from .mla import check_mla_job
-
             check_mla_job(self)
         strategy = STRATEGIES[self.plan.strategy]
         if not strategy.allows_gpus(self.dp):

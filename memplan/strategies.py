@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .frameworks import FRAMEWORKS, Framework
-
 
 @dataclass(frozen=True, kw_only=True)
 class Strategy:
     id: str
     framework: str
-    """none | ddp | fsdp | deepspeed: the adapter (``memplan.frameworks``) that says whose
+    """none | ddp | fsdp | deepspeed: the adapter (``memplan.frameworks.adapter``) that says whose
     buffers (DDP buckets, FSDP all-gather and reduce-scatter buffers, DeepSpeed buckets) the
     step holds, which precisions run natively and how the job is emitted."""
     shards_params: bool
@@ -28,14 +26,6 @@ class Strategy:
 
     def shard_degree(self, gpus: int, gpus_per_node: int) -> int:
         return gpus_per_node if self.shard_group == "node" else gpus
-
-    @property
-    def adapter(self) -> Framework:
-        return FRAMEWORKS[self.framework]
-
-    def runs_natively(self, precision: str) -> bool:
-        """Whether the framework has the precision policy built in (``Framework.native_precisions``)."""
-        return precision in self.adapter.native_precisions
 
     def allows_gpus(self, gpus: int) -> bool:
         return self.max_gpus is None or gpus <= self.max_gpus

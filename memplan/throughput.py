@@ -15,6 +15,7 @@ from functools import cache
 
 from . import catalog
 from .errors import MemplanError
+from .frameworks import adapter
 from .moe import active_params, fsdp_traffic_params, num_moe_layers, routed_rows
 from .precision import POLICIES
 from .specs import Job
@@ -260,7 +261,7 @@ def offload_seconds(job: Job, link: Link) -> float:
     policy = POLICIES[job.train.precision]
     shard = job.model.num_params / strategy.shard_degree(job.cluster.gpus, job.cluster.gpus_per_node)
     seconds = 0.0
-    if offload in ("optimizer", "all") or (strategy.adapter.offload_moves_states and offload == "params"):
+    if offload in ("optimizer", "all") or (adapter(strategy).offload_moves_states and offload == "params"):
         # FSDP CPUOffload(offload_params=True) also steps the optimizer on the CPU.
         seconds += shard * (policy.grad_bytes + policy.param_bytes) / link.host_bytes_s
         seconds += shard * default("host_adam_bytes_per_param") / link.host_dram_bytes_s

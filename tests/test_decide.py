@@ -10,6 +10,7 @@ from memplan import api, catalog, search
 from memplan.decide import FRAMEWORKS, PRIORITIES, framework_strategies, recommend_job, rules, size_class
 from memplan.decide.options import ranked
 from memplan.errors import MemplanError
+from memplan.frameworks import runs_natively
 from memplan.inputs import build_jobs
 from memplan.strategies import STRATEGIES, strategies_on
 from memplan.throughput import default, flops_per_token, relative_to_ddp
@@ -502,7 +503,7 @@ def test_searched_options_are_launchable_with_the_frameworks_own_precision(param
     strategy and the precision gets an option outside that."""
     _, rec = api.recommend(params=params, gpus=gpus, gpu="a100-80gb")
     for o in rec.options:
-        assert STRATEGIES[o.job.plan.strategy].runs_natively(o.job.train.precision), o.label()
+        assert runs_natively(STRATEGIES[o.job.plan.strategy], o.job.train.precision), o.label()
     assert {o.job.train.precision for o in rec.options if o.job.plan.strategy == "ddp"} == {"amp-bf16", "fp32"}
     _, forced = api.recommend(params=params, gpus=gpus, gpu="a100-80gb", strategy="ddp", precision="mixed-bf16")
     assert {o.job.train.precision for o in forced.options} == {"mixed-bf16"}

@@ -24,8 +24,13 @@ LAYERS: list[list[str]] = [
         "loop",
         "hfconfig",
         "infer",
-        "readers",
+        "strategies",
+        "readers.base",
         "readers.deepspeed",
+        "readers.torchtune",
+        "readers.accelerate",
+        "readers.hf_trainer",
+        "readers",
         "breakdown",
         "saved",
         "moments",
@@ -41,7 +46,6 @@ LAYERS: list[list[str]] = [
         "frameworks.fsdp",
         "frameworks.deepspeed",
         "frameworks",
-        "strategies",
         "parallel",
         "parallel.pipeline",
         "parallel.context",
@@ -85,24 +89,11 @@ LAYERS: list[list[str]] = [
 ]
 """Lowest first; "" is the package itself (``memplan/__init__.py``)."""
 
-ALLOWED_UPWARD: dict[tuple[str, str], str] = {
-    # specs still checks a job's MLA against its loop, and a plan's strategy, inside functions:
-    # the branch making each spec validate its own fields removes these
-    ("specs", "mla"): "specs.Job checks MLA against the job (mla.check_mla_job)",
-    ("specs", "strategies"): "specs.Plan validates its strategy",
-    ("readers", "readers.deepspeed"): "the readers package dispatches to its DeepSpeed reader",
-}
-"""Upward imports (and the cycles they close) in modules other branches are restructuring;
-the lead removes this list once they are merged."""
-
 DEFERRED: dict[str, str] = {
     # start-up time: the CLI and the API import the searches, reports and plots only when asked
     "cli": "start-up: each subcommand imports what it runs",
     "api": "start-up: the searches and the calibration only when a call needs them",
     "plot": "start-up: the sweep only when a plot is drawn",
-    # the rest are knots other branches are untying (ALLOWED_UPWARD's), or modules they own
-    "specs": "upward imports (ALLOWED_UPWARD)",
-    "readers": "cycle with readers.deepspeed (ALLOWED_UPWARD)",
     "alloctrace": "written before its imports were untied (the speed branch)",
     "grid": "written before its imports were untied (the speed branch)",
     "calibration": "written before its imports were untied",
@@ -174,12 +165,7 @@ def test_imports_go_down_the_stack():
     edges, _ = _graph()
     layer = _layer_of()
     upward = {(a, b) for a, targets in edges.items() for b in targets if layer[b] > layer[a]}
-    assert upward - set(ALLOWED_UPWARD) == set()
-
-
-def test_the_allowlist_names_only_edges_that_exist():
-    edges, _ = _graph()
-    assert [edge for edge in ALLOWED_UPWARD if edge[1] not in edges[edge[0]]] == []
+    assert upward == set()
 
 
 def _cycle(edges: dict[str, set[str]]) -> list[str]:
@@ -207,8 +193,7 @@ def _cycle(edges: dict[str, set[str]]) -> list[str]:
 
 def test_no_import_cycle():
     edges, _ = _graph()
-    kept = {a: {b for b in targets if (a, b) not in ALLOWED_UPWARD} for a, targets in edges.items()}
-    assert _cycle(kept) == []
+    assert _cycle(edges) == []
 
 
 def test_cycle_search_finds_a_cycle():

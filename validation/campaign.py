@@ -29,6 +29,7 @@ from calibrate import layerscale, records, runs
 from calibrate.records import Run
 from memplan import catalog
 from memplan.errors import MemplanError
+from memplan.frameworks import runs_natively
 from memplan.memory import estimate
 from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 from memplan.strategies import STRATEGIES
@@ -405,11 +406,11 @@ def design(gpu: str = "h100-sxm", *, device: str = "cuda") -> tuple[list[Case], 
     points = _design_points() + [("snapshot", {**s, "snapshot": True}) for s in SNAPSHOTS]
     for axis, changes in points:
         c = {**BASE, **changes}
-        if c["precision"] == "mixed-bf16" and not STRATEGIES[c["strategy"]].runs_natively("mixed-bf16"):
+        if c["precision"] == "mixed-bf16" and not runs_natively(STRATEGIES[c["strategy"]], "mixed-bf16"):
             # DDP and a single GPU have no fp32-master policy of their own: torch.autocast is theirs
             changes = {**changes, "precision": "amp-bf16"}
             c["precision"] = "amp-bf16"
-        if not STRATEGIES[c["strategy"]].runs_natively(c["precision"]):
+        if not runs_natively(STRATEGIES[c["strategy"]], c["precision"]):
             left_out.append(f"{axis}: {c['precision']} under {c['strategy']} has no native torch implementation")
             continue
         case = make_case(axis, gpu=gpu, device=device, **changes)

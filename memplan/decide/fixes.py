@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from .. import search
 from ..errors import MemplanError
+from ..frameworks import runs_natively
 from ..specs import Job
 from ..strategies import STRATEGIES
 from .options import Basis, Option, candidate_jobs, ranked, smallest
@@ -85,7 +86,7 @@ def fixes(job: Job, fixed: dict, priority: str, basis: Basis, allowed: tuple[str
     }
     strategy = fixed.get("strategy")
     strategies = [strategy] if strategy else list(allowed or STRATEGIES)
-    if any(STRATEGIES[s].runs_natively(job.train.precision) for s in strategies):
+    if any(runs_natively(STRATEGIES[s], job.train.precision) for s in strategies):
         base_fixed.setdefault("precision", job.train.precision)  # else searched among the native ones
 
     def smallest(changed: dict, axis: str, value) -> Fix:

@@ -13,6 +13,7 @@ from .. import catalog, search
 from ..breakdown import Estimate, Fit
 from ..calibration import Calibration, Corrected, Correction, apply, resolve
 from ..errors import MemplanError
+from ..frameworks import runs_natively
 from ..moe import allows_ep
 from ..specs import AC_MODES, OFFLOADS, Job
 from ..strategies import STRATEGIES, strategies_on
@@ -385,7 +386,7 @@ def _combinations(job: Job, fixed: dict, allowed: tuple[str, ...] | None) -> lis
     for s, p, a, o in itertools.product(strategies, precisions, acs, offloads):
         if not STRATEGIES[s].supports_offload(o) or not allows_ep(STRATEGIES[s], job.plan.ep):
             continue
-        if not STRATEGIES[s].runs_natively(p) and not {"strategy", "precision"} <= set(fixed):
+        if not runs_natively(STRATEGIES[s], p) and not {"strategy", "precision"} <= set(fixed):
             continue  # a recommendation must be launchable: searched options only where native
         try:
             train = job.train.with_ac(a, precision=p, micro_batch=1)

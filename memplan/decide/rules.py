@@ -9,6 +9,7 @@ from functools import cache
 
 from .. import catalog
 from ..errors import MemplanError
+from ..frameworks import runs_natively
 from ..layout import Layout
 from ..specs import Job
 from ..strategies import STRATEGIES
@@ -182,7 +183,7 @@ def _own_terms(claims: dict, strategy: str, fixed: dict) -> dict:
     """The user's fixed axes with a rule's own claims and ``strategy``; a fixed precision the
     strategy does not run natively is searched instead (DDP has no mixed-bf16 of its own)."""
     terms = {**fixed, **{k: v for k, v in claims.items() if v is not None}, "strategy": strategy}
-    if "precision" in terms and not STRATEGIES[strategy].runs_natively(terms["precision"]):
+    if "precision" in terms and not runs_natively(STRATEGIES[strategy], terms["precision"]):
         del terms["precision"]
     return terms
 

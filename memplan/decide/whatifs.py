@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..breakdown import Estimate
+from ..frameworks import runs_natively
 from ..memory import modes_compared
 from ..notes import paged_state_bytes
 from ..overheads import reserved_bytes
@@ -82,7 +83,7 @@ def not_native(estimates: list[Estimate] | tuple[Estimate, ...]) -> tuple[str, .
     return tuple(
         e.job.plan.strategy
         for e in estimates
-        if not STRATEGIES[e.job.plan.strategy].runs_natively(e.job.train.precision)
+        if not runs_natively(STRATEGIES[e.job.plan.strategy], e.job.train.precision)
     )
 
 

@@ -3,6 +3,7 @@ new module and one entry here."""
 
 from __future__ import annotations
 
+from ..strategies import Strategy
 from .base import Framework
 from .ddp import DDP
 from .deepspeed import DeepSpeed
@@ -11,4 +12,15 @@ from .single import Single
 
 FRAMEWORKS: dict[str, Framework] = {f.id: f for f in (Single(), DDP(), FSDP(), DeepSpeed())}
 
-__all__ = ["FRAMEWORKS", "Framework"]
+
+def adapter(strategy: Strategy) -> Framework:
+    """The adapter a strategy row (``memplan.strategies``: data, below the adapters) names."""
+    return FRAMEWORKS[strategy.framework]
+
+
+def runs_natively(strategy: Strategy, precision: str) -> bool:
+    """Whether the strategy's framework has the precision policy built in (``Framework.native_precisions``)."""
+    return precision in adapter(strategy).native_precisions
+
+
+__all__ = ["FRAMEWORKS", "Framework", "adapter", "runs_natively"]

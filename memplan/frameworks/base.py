@@ -17,6 +17,7 @@ from ..errors import MemplanError
 from ..moments import MomentSpec
 from ..precision import POLICIES
 from ..specs import Job
+from ..strategies import Strategy
 
 
 class Step(Protocol):
@@ -25,13 +26,6 @@ class Step(Protocol):
     ``block_params``, ``block_terms`` …) and returns terms and moments."""
 
     params_on_host: bool
-
-
-class Strategy(Protocol):
-    """A strategy row (``memplan.strategies.Strategy``, which sits above the adapters it names)."""
-
-    @property
-    def id(self) -> str: ...
 
 
 Emitter = Callable[[Job, Strategy], str]
@@ -47,7 +41,7 @@ class Framework:
     """The id ``Strategy.framework`` names."""
     label: ClassVar[str]
     native_precisions: ClassVar[tuple[str, ...]]
-    """Precision policies the framework runs without hand-written code (``Strategy.runs_natively``)."""
+    """Precision policies the framework runs without hand-written code (``memplan.frameworks.runs_natively``)."""
     distributed: ClassVar[bool] = True
     """Launched one process per GPU (torchrun); False: a plain ``python`` run."""
     offload_moves_states: ClassVar[bool] = False

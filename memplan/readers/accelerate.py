@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import FileConfig, classify, refuse
 from . import deepspeed as _deepspeed
+from .base import FileConfig, classify, refuse
 from .torchtune import _load as _load_yaml
 
 FSDP_SHARDING = {

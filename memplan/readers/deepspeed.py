@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..specs import AUTO, ZeroConfig
-from . import FieldUse, FileConfig, _number, classify, refuse
+from .base import FieldUse, FileConfig, _number, classify, refuse
 
 DEFAULTS = {f: ZeroConfig.__dataclass_fields__[f].default for f in ZeroConfig.__dataclass_fields__}
 ZERO_KEYS = tuple(DEFAULTS)

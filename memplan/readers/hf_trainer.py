@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
-from . import FileConfig, _number, classify, refuse
 from . import deepspeed as _deepspeed
+from .base import FileConfig, _number, classify, refuse
 
 OPTIMIZERS: dict[str, tuple[str, str | None]] = {
     "adamw_torch": ("adamw", None),

@@ -20,7 +20,7 @@ import yaml
 
 from ..catalog import read_table
 from ..errors import InputError
-from . import FileConfig, classify, refuse
+from .base import FileConfig, classify, refuse
 
 LOSSES = {
     "torchtune.modules.loss.CEWithChunkedOutputLoss": "chunked-ce",
