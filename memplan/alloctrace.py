@@ -114,14 +114,20 @@ def trace_shape(step) -> TraceShape:
     whole = {g: [x for x in groups[g] if x.key not in _BLOCK_KEYS] for g in ("gathered.forward", "gathered.block")}
     forward_keys = {x.key for x in whole["gathered.forward"]}
     foreach = step.job.train.optimizer_impl == "foreach"
+    # a block's kept activations and backward transients depend on its index only through its
+    # kind (``Step.kept``, ``Step.transient_terms``): each kind's sizes are read once
+    kinds = [step.kind(i) for i in range(L)]
+    first = {k: i for i, k in reversed(list(enumerate(kinds)))}
+    kept = {k: _sizes(step.kept(i)) for k, i in first.items()}
+    transient = {k: _sizes(step.transient_terms(i)) for k, i in first.items()}
     return TraceShape(
         states=tuple(tuple(_pieces(x.bytes, params, per_block)) if x.bytes else () for x in groups["states"]),
         forward=_sizes(whole["gathered.forward"]),
         block_buffers=tuple(x.bytes for x in whole["gathered.block"] if x.key not in forward_keys),
         gather_bytes=step.gather_bytes * step.block_params if gathered_block else 0,
         reduce_bytes=sum(x.bytes for x in groups["gathered.block"] if x.key == "fsdp.block_grads"),
-        kept=tuple(_sizes(step.kept(i)) for i in range(L)),
-        transient=tuple(_sizes(step.transient_terms(i)) for i in range(L)),
+        kept=tuple(kept[k] for k in kinds),
+        transient=tuple(transient[k] for k in kinds),
         outside=_sizes(groups["activations.outside"]),
         logits=_sizes(groups["logits.forward"]),
         loss_forward=_sizes(groups["loss.forward"]),
