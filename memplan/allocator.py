@@ -589,15 +589,26 @@ class CachingAllocator:
                 sync(*event)
         return False
 
+    def _new_segment(self, pool: _Pool, size: int, stream: int) -> _Block | None:
+        """``malloc`` where no cached block serves, without expandable segments: ``alloc_block``
+        (a new segment of ``get_allocation_size``, written out) where the limit allows, else
+        ``release_available_cached_blocks`` and the retry; None: out of memory."""
+        segment = allocation_size(size)
+        if self.limit is None or self.reserved + segment <= self.limit:
+            self._reserve(segment)
+            return _Block(self._new_address(segment), segment, stream, pool.small)
+        return (
+            self._release_available(pool, size, stream) and self._alloc_block(pool, size, stream)
+        ) or self._retry(pool, size, stream)
+
     def _replay_fixed_segments(self, events: Iterable[Event]) -> bool:
         """``_replay_by_rule`` without expandable segments or garbage collection, with the
-        common paths of ``malloc`` (a cached block found, split; a new segment within the limit)
-        , ``free`` (merged with its free neighbours) and ``sync`` written out in the loop: the
+        common paths of ``malloc`` (a cached block found, split), ``free`` (merged with its free
+        neighbours) and ``sync`` written out in the loop: the
         same rules, the same state after each event (tests/test_allocator.py compares the two on
-        random traces), about twice as fast. Everything else (events pending, a segment over the
-        limit, max_split_size's releases) goes through the methods."""
+        random traces), about twice as fast. Everything else (a new segment, events pending)
+        goes through the methods."""
         split_limit = self.conf.max_split_size_bytes
-        limit = self.limit
         pools, live, peaks = self.pools, self.live, self.peaks
         bisect_left, insort = bisect.bisect_left, bisect.insort
         new_block = _Block
@@ -624,26 +635,9 @@ class CachingAllocator:
                             del keys[i]
                             block = pool.blocks.pop(key)
                 if block is None:
-                    # alloc_block: a new segment of get_allocation_size, where the limit allows
-                    if small:
-                        segment = SMALL_BUFFER_BYTES
-                    elif size < MIN_LARGE_ALLOC_BYTES:
-                        segment = LARGE_BUFFER_BYTES
-                    else:
-                        segment = (size + ROUND_LARGE_BYTES - 1) // ROUND_LARGE_BYTES * ROUND_LARGE_BYTES
-                    if limit is None or self.reserved + segment <= limit:
-                        reserved = self.reserved = self.reserved + segment
-                        if reserved > peaks[0]:
-                            peaks[0] = reserved
-                        addr = self.next_addr
-                        self.next_addr = addr + segment
-                        block = new_block(addr, segment, stream, small)
-                    else:
-                        block = (
-                            self._release_available(pool, size, stream) and self._alloc_block(pool, size, stream)
-                        ) or self._retry(pool, size, stream)
-                        if block is None:
-                            return True
+                    block = self._new_segment(pool, size, stream)
+                    if block is None:
+                        return True
                 # alloc_found_block with should_split (no expandable segments here)
                 remaining = block.size - size
                 if remaining >= MIN_BLOCK_BYTES and (small or (size < split_limit and remaining > SMALL_SIZE_BYTES)):

@@ -14,7 +14,7 @@ from ..overheads import fixed_terms
 from ..parallel.step import worst_estimate
 from ..specs import Job
 from ..throughput import Link, StepTime, bubble_fraction, default, step_time
-from ..totals import final
+from ..totals import final, fits
 
 DP_STRATEGIES = ("fsdp-full-shard", "fsdp-hybrid-shard", "ddp")
 """The data-parallel dimension as torchtitan runs it: FSDP2, HSDP or DDP."""
@@ -43,7 +43,7 @@ class LayoutOption:
 
     @property
     def fits(self) -> bool:
-        return _bound_fits(self.job) and self.estimate.fits
+        return _bound_fits(self.job) and fits(self.job)
 
     def describe(self) -> str:
         job = self.job
