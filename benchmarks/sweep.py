@@ -1,8 +1,9 @@
 """Configurations per second of ``memplan.sweep`` on the grid of issue 11: 8 model sizes × 10 GPU
 counts × 5 micro-batches × 4 sequence lengths, every strategy; cold (the estimate and replay
-caches empty, as in a fresh process; the sweep's own per-group caches too) and warm (the same grid again), and the scalar estimate for
-comparison. Every row's total includes the replayed reserved (one replay per configuration), as
-``memplan.estimate``'s; ``sizes`` takes the first few model sizes only (a shorter run).
+caches empty, as in a fresh process, the sweep's own per-group caches too) and warm (the same
+grid again), and the scalar estimate for comparison. Every row's total includes the replayed
+reserved (one replay per configuration), as ``memplan.estimate``'s; ``sizes`` takes the first few
+model sizes only (a shorter run).
 
     python benchmarks/sweep.py [repeats] [sizes]
 """

@@ -597,9 +597,9 @@ class CachingAllocator:
         if self.limit is None or self.reserved + segment <= self.limit:
             self._reserve(segment)
             return _Block(self._new_address(segment), segment, stream, pool.small)
-        return (
-            self._release_available(pool, size, stream) and self._alloc_block(pool, size, stream)
-        ) or self._retry(pool, size, stream)
+        return (self._release_available(pool, size, stream) and self._alloc_block(pool, size, stream)) or self._retry(
+            pool, size, stream
+        )
 
     def _replay_fixed_segments(self, events: Iterable[Event]) -> bool:
         """``_replay_by_rule`` without expandable segments or garbage collection, with the
@@ -613,8 +613,7 @@ class CachingAllocator:
         bisect_left, insort = bisect.bisect_left, bisect.insort
         new_block = _Block
         for event in events:
-            kind = type(event)
-            if kind is Alloc:
+            if type(event) is Alloc:
                 id_, request, stream = event
                 if self.waiting:
                     self._process_events()
@@ -670,7 +669,7 @@ class CachingAllocator:
                     peaks[2] = active
                 if requested > peaks[3]:
                     peaks[3] = requested
-            elif kind is Free:
+            elif type(event) is Free:
                 id_, used_on = event
                 block, request = live.pop(id_)
                 block.allocated = False

@@ -208,7 +208,8 @@ def shape_trace(shape: TraceShape, *, steps: int = 2) -> list[Event]:
             free(logits)
         free(allocs(shape.loss_backward) + (logits if shape.logits_to_loss else []) + outside)
         grads: list[int] = []
-        previous, reducing = [], []
+        previous = []
+        reducing: list[int] = []
         block_buffers = allocs(shape.block_buffers)
         for i in reversed(range(L)):
             gathered = allocs(gather, ALL_GATHER)

@@ -205,9 +205,7 @@ def sweep(
             ),
             [],
         ).append(job)
-    solved = {
-        id(job): c for family in families.values() for job, c in zip(family, _family_coefficients(family))
-    }
+    solved = {id(job): c for family in families.values() for job, c in zip(family, _family_coefficients(family))}
     basis = _basis(b, s).astype(np.int64)
     parts = [_group_rows(job, *solved[id(job)], basis) for _, job in groups]
     columns = {name: np.repeat([labels[name] for labels, _ in groups], len(b)) for name in groups[0][0]}
