@@ -122,10 +122,12 @@ def _group_rows(job: Job, coef: np.ndarray, phases: np.ndarray, basis: np.ndarra
 def _jobs(key: str, source, gpus, precision, ac, fixed: tuple) -> tuple:
     """``build_jobs`` of one point of the grid's outer product, cached where its inputs hash (a
     sweep asked again resolves no model and builds no job)."""
+    args = (key, source, gpus, precision, ac, fixed)
     try:
-        return _cached_jobs(key, source, gpus, precision, ac, fixed)
+        hash(args)
     except TypeError:  # an unhashable input: built each time
-        return _build(key, source, gpus, precision, ac, fixed)
+        return _build(*args)
+    return _cached_jobs(*args)
 
 
 def _build(key: str, source, gpus, precision, ac, fixed: tuple) -> tuple:

@@ -208,8 +208,8 @@ def best_of_layout(job: Job, layout: Layout, link: Link) -> tuple[LayoutOption |
 def search_layouts(job: Job, link: Link) -> LayoutPick:
     """Every layout of ``_layouts`` × ``DP_STRATEGIES`` × ``AC_SEARCHED`` × ``MICRO_BATCHES``; for
     each layout and strategy the AC and micro-batch are searched from the cheapest recompute
-    and the largest batch down, stopping at the first that fits (the fastest of that layout). Cached: ``recommend`` asks
-    whether the pick wins, then prints it."""
+    and the largest batch down, stopping at the first that fits (the fastest of that layout).
+    Cached: ``recommend`` asks whether the pick wins, then prints it."""
     fitting, searched = [], 0
     for layout in _layouts(job):
         for strategy in DP_STRATEGIES:
