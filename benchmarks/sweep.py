@@ -1,8 +1,9 @@
 """Configurations per second of ``memplan.sweep`` on the grid of issue 11: 8 model sizes × 10 GPU
 counts × 5 micro-batches × 4 sequence lengths, every strategy; cold (the estimate and replay
-caches empty, as in a fresh process) and warm (the same grid again), and the scalar estimate for
-comparison. Every row's total includes the replayed reserved (one replay per configuration), as
-``memplan.estimate``'s; ``sizes`` takes the first few model sizes only (a shorter run).
+caches empty, as in a fresh process, the sweep's own per-group caches too) and warm (the same
+grid again), and the scalar estimate for comparison. Every row's total includes the replayed
+reserved (one replay per configuration), as ``memplan.estimate``'s; ``sizes`` takes the first few
+model sizes only (a shorter run).
 
     python benchmarks/sweep.py [repeats] [sizes]
 """
@@ -10,7 +11,7 @@ comparison. Every row's total includes the replayed reserved (one replay per con
 import sys
 import time
 
-from memplan import alloctrace, totals
+from memplan import alloctrace, grid, totals
 from memplan.grid import sweep
 from memplan.inputs import build_jobs
 from memplan.memory import estimate
@@ -30,7 +31,16 @@ def rate(repeats: int, clear: bool) -> tuple[int, float, float]:
     wall = cpu = 0.0
     for _ in range(repeats):
         if clear:
-            for cached in (estimate, totals.final, totals.bound, alloctrace.reserved, alloctrace._excess):
+            for cached in (
+                estimate,
+                totals.final,
+                totals.bound,
+                alloctrace.reserved,
+                alloctrace._excess,
+                grid._group_excess,
+                grid._moments,
+                grid._cached_jobs,
+            ):
                 cached.cache_clear()
         start_wall, start_cpu = time.perf_counter(), time.process_time()
         frame = sweep(**GRID)

@@ -589,15 +589,28 @@ class CachingAllocator:
                 sync(*event)
         return False
 
+    def _new_segment(self, pool: _Pool, size: int, stream: int) -> _Block | None:
+        """``malloc`` where no cached block serves, without expandable segments: ``alloc_block``
+        (a new segment of ``get_allocation_size``, written out) where the limit allows, else
+        ``release_available_cached_blocks`` and the retry; None: out of memory."""
+        segment = allocation_size(size)
+        if self.limit is None or self.reserved + segment <= self.limit:
+            self._reserve(segment)
+            return _Block(self._new_address(segment), segment, stream, pool.small)
+        return (self._release_available(pool, size, stream) and self._alloc_block(pool, size, stream)) or self._retry(
+            pool, size, stream
+        )
+
     def _replay_fixed_segments(self, events: Iterable[Event]) -> bool:
         """``_replay_by_rule`` without expandable segments or garbage collection, with the
-        common paths of ``malloc`` (a cached block found, split) and ``free`` (merged with its
-        free neighbours) written out in the loop: the same rules, the same state after each
-        event (tests/test_allocator.py compares the two on random traces), about a third
-        faster. Everything else (no cached block, events pending) goes through the methods."""
+        common paths of ``malloc`` (a cached block found, split), ``free`` (merged with its free
+        neighbours) and ``sync`` written out in the loop: the same rules, the same state after
+        each event (tests/test_allocator.py compares the two on random traces), about a third
+        faster. Everything else (a new segment, events pending) goes through the methods."""
         split_limit = self.conf.max_split_size_bytes
         pools, live, peaks = self.pools, self.live, self.peaks
         bisect_left, insort = bisect.bisect_left, bisect.insort
+        new_block = _Block
         for event in events:
             if type(event) is Alloc:
                 id_, request, stream = event
@@ -620,17 +633,13 @@ class CachingAllocator:
                             del keys[i]
                             block = pool.blocks.pop(key)
                 if block is None:
-                    block = (
-                        self._alloc_block(pool, size, stream)
-                        or (self._release_available(pool, size, stream) and self._alloc_block(pool, size, stream))
-                        or self._retry(pool, size, stream)
-                    )
+                    block = self._new_segment(pool, size, stream)
                     if block is None:
                         return True
                 # alloc_found_block with should_split (no expandable segments here)
                 remaining = block.size - size
                 if remaining >= MIN_BLOCK_BYTES and (small or (size < split_limit and remaining > SMALL_SIZE_BYTES)):
-                    front = _Block(block.addr, size, block.stream, small)
+                    front = new_block(block.addr, size, stream, small)
                     before = block.prev
                     front.prev, front.next = before, block
                     if before is not None:
@@ -638,20 +647,27 @@ class CachingAllocator:
                     block.prev = front
                     block.addr += size
                     block.size = remaining
-                    pool.insert(block)
+                    # insert_into_blocks (gc ages stay 0: no garbage collection here)
+                    key = remaining << _ADDR_BITS | block.addr
+                    keys = pool.streams.get(block.stream)
+                    if keys is None:
+                        pool.streams[block.stream] = [key]
+                    else:
+                        insort(keys, key)
+                    pool.blocks[key] = block
                     block = front
                 block.allocated = True
                 live[id_] = (block, request)
                 nbytes = block.size
-                self.allocated += nbytes
-                self.active += nbytes
-                self.requested += request
-                if self.allocated > peaks[1]:
-                    peaks[1] = self.allocated
-                if self.active > peaks[2]:
-                    peaks[2] = self.active
-                if self.requested > peaks[3]:
-                    peaks[3] = self.requested
+                allocated = self.allocated = self.allocated + nbytes
+                active = self.active = self.active + nbytes
+                requested = self.requested = self.requested + request
+                if allocated > peaks[1]:
+                    peaks[1] = allocated
+                if active > peaks[2]:
+                    peaks[2] = active
+                if requested > peaks[3]:
+                    peaks[3] = requested
             elif type(event) is Free:
                 id_, used_on = event
                 block, request = live.pop(id_)
@@ -697,7 +713,10 @@ class CachingAllocator:
                 blocks[key] = block
                 block.gc_base = pool.calls
             else:
-                self.sync(*event)
+                # sync: the stream's recorded events have completed
+                stream = event[0]
+                for block in self.waiting:
+                    block.pending.discard(stream)  # type: ignore[union-attr]  # a waiting block's own set
         return False
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache, partial
+from typing import NamedTuple
 
 from .allocator import DEFAULT_CONF, Alloc, AllocConf, Event, Free, Sync, replay
 from .breakdown import Term
@@ -34,55 +35,11 @@ _ALLOC, _FREE = partial(tuple.__new__, Alloc), partial(tuple.__new__, Free)
 _BLOCK_KEYS = ("fsdp.block", "fsdp.prefetched_block", "fsdp.block_grads", "zero3.gathered")
 
 
-class _Trace:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-        self.next_id = 0
-
-    def alloc(self, nbytes: int, stream: int = COMPUTE) -> list[int]:
-        return self.allocs((nbytes,), stream)
-
-    def allocs(self, sizes, stream: int = COMPUTE) -> list[int]:
-        """One tensor per positive size, in order; their ids."""
-        ids, append, i = [], self.events.append, self.next_id
-        for n in sizes:
-            if n > 0:
-                append(_ALLOC((i, n, stream)))
-                ids.append(i)
-                i += 1
-        self.next_id = i
-        return ids
-
-    def free(self, ids: list[int], used_on: tuple[int, ...] = ()) -> None:
-        self.events.extend(_FREE((i, used_on)) for i in ids)
-
-    def sync(self, stream: int) -> None:
-        self.events.append(Sync(stream))
-
-
-def _sizes(terms: list[Term]) -> list[int]:
-    return [t.bytes for t in terms]
-
-
-def _pieces(term: Term, model, groups: list[int]) -> list[int]:
-    """``term`` split in proportion to parameter counts, the rest in a last piece."""
-    params = max(model.num_params, 1)
-    sizes = [term.bytes * n // params for n in groups]
-    return sizes + [term.bytes - sum(sizes)]
-
-
-def _per_block(term: Term, model) -> list[int]:
-    """A state term (allocated once, never freed) as one tensor per block, as FSDP1's flat
-    parameters, and one for the embedding and head: per-parameter tensors would multiply
-    the events for a rounding difference of at most 2 MiB a tensor."""
-    return _pieces(term, model, [model.block_params()] * model.num_layers + [_root(model)])
-
-
-def _per_parameter(term: Term, model) -> list[int]:
-    """A term freed every step (gradients, foreach temporaries) as one tensor per parameter
-    group of each block (``block_param_counts``: fused qkv, attention out, MLP in, MLP out,
-    norms) and one for the embedding and head: these sizes decide which cached blocks they reuse."""
-    return _pieces(term, model, [*model.block_param_counts().values()] * model.num_layers + [_root(model)])
+def _pieces(nbytes: int, params: int, groups: list[int]) -> list[int]:
+    """``nbytes`` split in proportion to parameter counts (of ``params``), the rest in a last piece."""
+    params = max(params, 1)
+    sizes = [nbytes * n // params for n in groups]
+    return sizes + [nbytes - sum(sizes)]
 
 
 def _loss_backward(terms: list[Term]) -> list[int]:
@@ -106,74 +63,175 @@ def _root(model) -> int:
     return model.embedding_params() + model.head_params()
 
 
-def step_trace(step, *, steps: int = 2) -> list[Event]:
-    """The events of ``steps`` training steps of ``step``'s job (a ``memory.Step``)."""
+class TraceShape(NamedTuple):
+    """Everything ``step_trace`` reads of a step, as byte counts: two steps with the same shape
+    have the same trace (the pipeline's middle stages, which differ only in the micro-batches
+    in flight, and often the options of a search), so the replay is cached per shape and a
+    shape costs no events to build."""
+
+    states: tuple[tuple[int, ...], ...]
+    """Each state term as one tensor per block and one for the embedding and head (FSDP1's
+    flat parameters: per-parameter tensors would multiply the events for a rounding
+    difference of at most 2 MiB a tensor)."""
+    forward: tuple[int, ...]
+    """Whole-model buffers gathered for the forward, held to the end of backward."""
+    block_buffers: tuple[int, ...]
+    """Whole-model buffers gathered for backward only."""
+    gather_bytes: int
+    """One block's parameters gathered on the all-gather stream (0: none)."""
+    reduce_bytes: int
+    """One block's unsharded gradients handed to the reduce-scatter (0: none)."""
+    kept: tuple[tuple[int, ...], ...]
+    """Each block's saved activations."""
+    transient: tuple[tuple[int, ...], ...]
+    """Each block's backward transients."""
+    outside: tuple[int, ...]
+    logits: tuple[int, ...]
+    loss_forward: tuple[int, ...]
+    logits_to_loss: bool
+    """Whether the logits are held into the loss's backward."""
+    loss_backward: tuple[int, ...]
+    grads: tuple[int, ...]
+    """The gradients as one tensor per parameter group of each block (``block_param_counts``:
+    fused qkv, attention out, MLP in, MLP out, norms) and one for the embedding and head
+    (none under optimizer-in-backward): these sizes decide which cached blocks they reuse."""
+    per_block: int
+    """Parameter groups per block."""
+    optimizer_step: tuple[int, ...]
+    """The optimizer step's temporaries (foreach ones one tensor per parameter, as the gradients)."""
+
+
+def trace_shape(step) -> TraceShape:
+    """The shape of ``step``'s trace (a ``memory.Step``)."""
     model = step.job.model
     L = model.num_layers
     groups = step.groups()
-    t = _Trace()
-    for term in groups["states"]:
-        t.allocs(_per_block(term, model) if term.bytes else [])
+    params, root = model.num_params, _root(model)
+    per_block = [model.block_params()] * L + [root]
+    counts = list(model.block_param_counts().values())
+    per_parameter = counts * L + [root]
     gathered_block = [x for x in groups["gathered.block"] if x.key in ("fsdp.block", "zero3.gathered")]
-    # the block buffers: one block's parameters, gathered on the all-gather stream
-    gather_bytes = step.gather_bytes * step.block_params if gathered_block else 0
-    reduce_bytes = sum(x.bytes for x in groups["gathered.block"] if x.key == "fsdp.block_grads")
     whole = {g: [x for x in groups[g] if x.key not in _BLOCK_KEYS] for g in ("gathered.forward", "gathered.block")}
-    grad_pieces = [] if step.job.train.optimizer_in_backward else _per_parameter(step.grad_terms()[0], model)
-    per_block = len(model.block_param_counts())
+    forward_keys = {x.key for x in whole["gathered.forward"]}
     foreach = step.job.train.optimizer_impl == "foreach"
-    for _ in range(steps):
-        held = t.allocs(_sizes(whole["gathered.forward"]))
-        kept = []
-        previous: list[int] = []
-        reducing: list[int] = []
-        for i in range(L):
-            gathered = t.alloc(gather_bytes, ALL_GATHER)
-            kept.append(t.allocs(s.bytes for s in step.kept(i)))
-            t.free(previous, (COMPUTE,))
-            t.sync(COMPUTE)
-            previous = gathered
-        t.free(previous, (COMPUTE,))
-        # the loss as memory.MOMENTS has it: its forward's tensors, then its backward's, the
-        # logits held into backward only where the start-of-backward moment holds them
-        outside = t.allocs(_sizes(groups["activations.outside"]))
-        logits = t.allocs(_sizes(groups["logits.forward"]))
-        t.free(t.allocs(_sizes(groups["loss.forward"])))
-        if not groups["logits.loss"]:
-            t.free(logits)
-        t.free(t.allocs(_loss_backward(groups["loss.backward"])) + (logits if groups["logits.loss"] else []) + outside)
-        grads: list[int] = []
-        previous, reducing = [], []
-        forward_keys = {x.key for x in whole["gathered.forward"]}
-        block_buffers = t.allocs(x.bytes for x in whole["gathered.block"] if x.key not in forward_keys)
-        for i in reversed(range(L)):
-            gathered = t.alloc(gather_bytes, ALL_GATHER)
-            transient = t.allocs(_sizes(step.transient_terms(i)))
-            unsharded = t.alloc(reduce_bytes)
-            t.free(transient)
-            grad_stream = REDUCE_SCATTER if reduce_bytes else COMPUTE
-            grads += t.allocs(grad_pieces[i * per_block : (i + 1) * per_block], grad_stream)
-            t.free(kept[i])
-            t.free(previous, (COMPUTE,))
-            t.free(reducing, (REDUCE_SCATTER,))
-            t.sync(COMPUTE)
-            t.sync(REDUCE_SCATTER)
-            previous, reducing = gathered, unsharded
-        t.free(previous, (COMPUTE,))
-        t.free(reducing, (REDUCE_SCATTER,))
-        t.free(block_buffers + held)
-        grads += t.allocs(grad_pieces[L * per_block :])
-        t.sync(COMPUTE)
-        t.sync(REDUCE_SCATTER)
-        # foreach temporaries are one tensor per parameter (_foreach_sqrt over the group)
-        step_sizes = [
+    # a block's kept activations and backward transients depend on its index only through its
+    # kind (``Step.kept``, ``Step.transient_terms``): each kind's sizes are read once
+    kinds = [step.kind(i) for i in range(L)]
+    first = {k: i for i, k in reversed(list(enumerate(kinds)))}
+    kept = {k: _sizes(step.kept(i)) for k, i in first.items()}
+    transient = {k: _sizes(step.transient_terms(i)) for k, i in first.items()}
+    return TraceShape(
+        states=tuple(tuple(_pieces(x.bytes, params, per_block)) if x.bytes else () for x in groups["states"]),
+        forward=_sizes(whole["gathered.forward"]),
+        block_buffers=tuple(x.bytes for x in whole["gathered.block"] if x.key not in forward_keys),
+        gather_bytes=step.gather_bytes * step.block_params if gathered_block else 0,
+        reduce_bytes=sum(x.bytes for x in groups["gathered.block"] if x.key == "fsdp.block_grads"),
+        kept=tuple(kept[k] for k in kinds),
+        transient=tuple(transient[k] for k in kinds),
+        outside=_sizes(groups["activations.outside"]),
+        logits=_sizes(groups["logits.forward"]),
+        loss_forward=_sizes(groups["loss.forward"]),
+        logits_to_loss=bool(groups["logits.loss"]),
+        loss_backward=tuple(_loss_backward(groups["loss.backward"])),
+        grads=()
+        if step.job.train.optimizer_in_backward
+        else tuple(_pieces(step.grad_terms()[0].bytes, params, per_parameter)),
+        per_block=len(counts),
+        optimizer_step=tuple(
             n
             for x in groups["optimizer.step"]
-            for n in (_per_parameter(x, model) if x.key == "optimizer.sqrt_temporaries" and foreach else [x.bytes])
-        ]
-        t.free(t.allocs(step_sizes))
-        t.free(grads)  # zero_grad(set_to_none=True)
-    return t.events
+            for n in (
+                _pieces(x.bytes, params, per_parameter)
+                if x.key == "optimizer.sqrt_temporaries" and foreach
+                else [x.bytes]
+            )
+        ),
+    )
+
+
+def _sizes(terms: list[Term]) -> tuple[int, ...]:
+    return tuple(t.bytes for t in terms)
+
+
+def step_trace(step, *, steps: int = 2) -> list[Event]:
+    """The events of ``steps`` training steps of ``step``'s job (a ``memory.Step``)."""
+    return shape_trace(trace_shape(step), steps=steps)
+
+
+def shape_trace(shape: TraceShape, *, steps: int = 2) -> list[Event]:
+    """The events of ``steps`` training steps of a trace shape; written out as appends to one
+    list (no per-event calls), each tensor's id its position among the allocations."""
+    events: list[Event] = []
+    append = events.append
+    next_id = 0
+
+    def allocs(sizes, stream: int = COMPUTE) -> list[int]:
+        """One tensor per positive size, in order; their ids."""
+        nonlocal next_id
+        ids, i = [], next_id
+        for n in sizes:
+            if n > 0:
+                append(_ALLOC((i, n, stream)))
+                ids.append(i)
+                i += 1
+        next_id = i
+        return ids
+
+    def free(ids: list[int], used_on: tuple[int, ...] = ()) -> None:
+        for i in ids:
+            append(_FREE((i, used_on)))
+
+    sync_compute, sync_reduce = Sync(COMPUTE), Sync(REDUCE_SCATTER)
+    on_compute, on_reduce = (COMPUTE,), (REDUCE_SCATTER,)
+    L, per_block, grad_pieces = len(shape.kept), shape.per_block, shape.grads
+    gather = (shape.gather_bytes,)
+    grad_stream = REDUCE_SCATTER if shape.reduce_bytes else COMPUTE
+    for sizes in shape.states:
+        allocs(sizes)
+    for _ in range(steps):
+        held = allocs(shape.forward)
+        kept = []
+        previous: list[int] = []
+        for i in range(L):
+            gathered = allocs(gather, ALL_GATHER)
+            kept.append(allocs(shape.kept[i]))
+            free(previous, on_compute)
+            append(sync_compute)
+            previous = gathered
+        free(previous, on_compute)
+        # the loss as memory.MOMENTS has it: its forward's tensors, then its backward's, the
+        # logits held into backward only where the start-of-backward moment holds them
+        outside = allocs(shape.outside)
+        logits = allocs(shape.logits)
+        free(allocs(shape.loss_forward))
+        if not shape.logits_to_loss:
+            free(logits)
+        free(allocs(shape.loss_backward) + (logits if shape.logits_to_loss else []) + outside)
+        grads: list[int] = []
+        previous = []
+        reducing: list[int] = []
+        block_buffers = allocs(shape.block_buffers)
+        for i in reversed(range(L)):
+            gathered = allocs(gather, ALL_GATHER)
+            transient = allocs(shape.transient[i])
+            unsharded = allocs((shape.reduce_bytes,))
+            free(transient)
+            grads += allocs(grad_pieces[i * per_block : (i + 1) * per_block], grad_stream)
+            free(kept[i])
+            free(previous, on_compute)
+            free(reducing, on_reduce)
+            append(sync_compute)
+            append(sync_reduce)
+            previous, reducing = gathered, unsharded
+        free(previous, on_compute)
+        free(reducing, on_reduce)
+        free(block_buffers + held)
+        grads += allocs(grad_pieces[L * per_block :])
+        append(sync_compute)
+        append(sync_reduce)
+        free(allocs(shape.optimizer_step))
+        free(grads)  # zero_grad(set_to_none=True)
+    return events
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,13 +247,14 @@ class Reserved:
 
 def excess_bytes(step, conf: AllocConf = DEFAULT_CONF) -> int:
     """reserved − allocated at the replay's peaks (never negative)."""
-    return _excess(tuple(step_trace(step)), conf)
+    return _excess(trace_shape(step), conf)
 
 
 @lru_cache(maxsize=1024)
-def _excess(events: tuple[Event, ...], conf: AllocConf) -> int:
-    """One replay per distinct trace (hybrid-shard on one node replays full-shard's)."""
-    result = replay(events, conf)
+def _excess(shape: TraceShape, conf: AllocConf) -> int:
+    """One replay per distinct trace shape (hybrid-shard on one node replays full-shard's, the
+    pipeline's middle stages one another's)."""
+    result = replay(shape_trace(shape), conf)
     return max(0, result.peak_reserved_bytes - result.peak_allocated_bytes)
 
 

@@ -15,6 +15,7 @@ compares random grids with the scalar path byte for byte.
 from __future__ import annotations
 
 import itertools
+from functools import lru_cache
 
 import numpy as np
 
@@ -34,7 +35,9 @@ def _basis(b, s):
     return np.stack([np.ones_like(s), s, b * s, b * s * s], axis=-1).astype(np.float64)
 
 
+@lru_cache(maxsize=8192)
 def _moments(job: Job, b: int, s: int) -> tuple:
+    """The moments of ``job`` at micro-batch b and sequence s (cached: no job copy when asked again)."""
     return estimate(job.with_(micro_batch=b, seq_len=s)).moments
 
 
@@ -83,10 +86,14 @@ def _excess(job: Job, b: np.ndarray, s: np.ndarray) -> np.ndarray:
     replay per configuration; none on CPU)."""
     if job.train.device == "cpu":
         return np.zeros(len(b), dtype=np.int64)
-    return np.array(
-        [allocator_bytes(final(job.with_(micro_batch=int(bi), seq_len=int(si)))) for bi, si in zip(b, s)],
-        dtype=np.int64,
-    )
+    return np.array(_group_excess(job, tuple(zip(b.tolist(), s.tolist()))), dtype=np.int64)
+
+
+@lru_cache(maxsize=1024)
+def _group_excess(job: Job, points: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    """``_excess`` of one group's (micro-batch, sequence) points, cached per group: a sweep asked
+    again costs one look-up per group, not a job copy per configuration."""
+    return tuple(allocator_bytes(final(job.with_(micro_batch=b, seq_len=s))) for b, s in points)
 
 
 def _group_rows(job: Job, coef: np.ndarray, phases: np.ndarray, basis: np.ndarray) -> dict[str, np.ndarray]:
@@ -110,6 +117,25 @@ def _group_rows(job: Job, coef: np.ndarray, phases: np.ndarray, basis: np.ndarra
         "fits": headroom >= 0,
         "phase": phases[peak],
     }
+
+
+def _jobs(key: str, source, gpus, precision, ac, fixed: tuple) -> tuple:
+    """``build_jobs`` of one point of the grid's outer product, cached where its inputs hash (a
+    sweep asked again resolves no model and builds no job)."""
+    args = (key, source, gpus, precision, ac, fixed)
+    try:
+        hash(args)
+    except TypeError:  # an unhashable input: built each time
+        return _build(*args)
+    return _cached_jobs(*args)
+
+
+def _build(key: str, source, gpus, precision, ac, fixed: tuple) -> tuple:
+    choice, jobs = build_jobs(**{key: source}, gpus=gpus, precision=precision, ac=ac, strategy="all", **dict(fixed))
+    return choice, tuple(jobs)
+
+
+_cached_jobs = lru_cache(maxsize=1024)(_build)
 
 
 @takes_inputs(without=MODEL_INPUTS)
@@ -147,7 +173,7 @@ def sweep(
         raise MemplanError("micro_batch and seq_len must be positive integers")
     groups = []  # (labels, job) in the order of the rows
     for (key, source), n, prec, mode in itertools.product(sources, _listify(gpus), _listify(precision), _listify(ac)):
-        choice, jobs = build_jobs(**{key: source}, gpus=n, precision=prec, ac=mode, strategy="all", **fixed)
+        choice, jobs = _jobs(key, source, n, prec, mode, tuple(sorted(fixed.items())))
         wanted = set(_listify(strategy)) if strategy != "all" else None
         groups += [
             (

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
+from .allocator import parse_alloc_conf
+from .alloctrace import reserved
 from .breakdown import Estimate
 from .memory import estimate
 from .overheads import fixed_terms
@@ -39,8 +41,19 @@ def bound(job: Job) -> Estimate:
 
 
 def fits(job: Job) -> bool:
-    """``final(job).fits``, replaying only where the bound fits."""
-    return bound(job).fits and final(job).fits
+    """``final(job).fits``, replaying only where the bound fits; under a pipeline stage by stage,
+    the most allocated first, stopping at the first whose replayed total does not fit (the worst
+    stage's total is the largest, so any stage over the usable memory decides)."""
+    if not bound(job).fits:
+        return False
+    stages = getattr(estimate(job), "stages", ())
+    if len(stages) > 1 and job.train.device != "cpu":
+        conf = parse_alloc_conf(job.cluster.alloc_conf)
+        fixed = sum(t.bytes for t in fixed_terms(job))
+        for i in sorted(range(len(stages)), key=lambda i: -stages[i].allocated_bytes):
+            if stages[i].allocated_bytes + fixed + reserved(job, conf, i).excess_bytes > job.cluster.usable_bytes:
+                return False
+    return final(job).fits
 
 
 def headrooms(job: Job) -> tuple[int, ...]:

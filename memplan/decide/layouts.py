@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from ..breakdown import Estimate
 from ..layout import Layout
@@ -13,7 +14,7 @@ from ..overheads import fixed_terms
 from ..parallel.step import worst_estimate
 from ..specs import Job
 from ..throughput import Link, StepTime, bubble_fraction, default, step_time
-from ..totals import final
+from ..totals import final, fits
 
 DP_STRATEGIES = ("fsdp-full-shard", "fsdp-hybrid-shard", "ddp")
 """The data-parallel dimension as torchtitan runs it: FSDP2, HSDP or DDP."""
@@ -42,7 +43,7 @@ class LayoutOption:
 
     @property
     def fits(self) -> bool:
-        return _bound_fits(self.job) and self.estimate.fits
+        return _bound_fits(self.job) and fits(self.job)
 
     def describe(self) -> str:
         job = self.job
@@ -203,10 +204,12 @@ def best_of_layout(job: Job, layout: Layout, link: Link) -> tuple[LayoutOption |
     return smallest, smallest
 
 
+@lru_cache(maxsize=64)
 def search_layouts(job: Job, link: Link) -> LayoutPick:
     """Every layout of ``_layouts`` × ``DP_STRATEGIES`` × ``AC_SEARCHED`` × ``MICRO_BATCHES``; for
     each layout and strategy the AC and micro-batch are searched from the cheapest recompute
-    and the largest batch down, stopping at the first that fits (the fastest of that layout)."""
+    and the largest batch down, stopping at the first that fits (the fastest of that layout).
+    Cached: ``recommend`` asks whether the pick wins, then prints it."""
     fitting, searched = [], 0
     for layout in _layouts(job):
         for strategy in DP_STRATEGIES:
