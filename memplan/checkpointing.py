@@ -231,7 +231,7 @@ def compiled_block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: boo
         Saved("rstd of norm 1 and norm 2 (fp32)", "2·4·b·s", 8 * t),
         Saved("norm 1 output (q, k, v projection input)", "c·b·s·h", x.c * t * x.h),
         # torchtune's attention copies k and v per query head before sdpa, which saves the copies
-        # (measured: its own compiled layer, docs/heldout_matrix_cpu.md)
+        # (measured: its own compiled layer, validation/records/heldout_matrix_cpu.md)
         Saved(
             "q, k (after rotary), v",
             "c·b·s·(q + 2·q): k, v per query head" if x.kv_saved != x.kv else "c·b·s·(q + 2·kv)",

@@ -438,7 +438,7 @@ def adapter_block_saved(model, train, full: list[Saved], *, adapter_bytes: int) 
     x first cast to the adapter's dtype): the norms keep their input and rstd but not their
     normalised product with the frozen weight; a frozen linear keeps no input; per adapter,
     lora_A's input (the dropout output and mask, or x's cast, or x itself once per input)
-    and lora_B's input, the b·s·r intermediate (measured: docs/finetune_matrix_cpu.md)."""
+    and lora_B's input, the b·s·r intermediate (measured: validation/records/finetune_matrix_cpu.md)."""
     x = shapes(model, train)
     t, a = x.tokens, adapter_bytes
     targets = targets_of(model, train.tuning)

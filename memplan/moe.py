@@ -133,7 +133,7 @@ def moe_saved(model: ModelSpec, x: Shapes, rows: int, ep: int = 1) -> list[Saved
     """What one sparse block's MLP keeps for backward, ``rows`` routed copies on this rank
     (k·T at balance). Measured with saved-tensor hooks on transformers' MixtralSparseMoeBlock
     and Qwen2MoeSparseMoeBlock (eager experts, tests/test_moe.py); under EP what
-    calibrate/moe_ep.py's torchtitan-style dispatch keeps (docs/moe_matrix_cpu.jsonl)."""
+    calibrate/moe_ep.py's torchtitan-style dispatch keeps (validation/records/moe_matrix_cpu.jsonl)."""
     t, h, E, k, f, c = x.tokens, x.h, model.num_experts, model.experts_per_token, expert_width(model), x.c
     # softmax(logits.float()) keeps its fp32 output, topk its int64 indices; the in-place
     # renormalisation (top / top.sum) keeps the fp32 sum and the result
@@ -222,7 +222,7 @@ def moe_backward_transient(model: ModelSpec, x: Shapes, ep: int = 1) -> list[Sav
     that makes a zero gradient of the whole tensor, summed expert after expert, so the
     accumulated and the newest full-size expert gradients are live at once; plus the
     gradients flowing into the experts and the router (b·s·h each). Measured on CPU
-    (MemTracker's Temp at the DDP backward peak, docs/moe_matrix_cpu.jsonl)."""
+    (MemTracker's Temp at the DDP backward peak, validation/records/moe_matrix_cpu.jsonl)."""
     g = 4 if x.autocast else x.c  # the experts' gradients are in their parameters' dtype
     local = model.num_experts // ep * expert_params(model)
     return [
@@ -250,5 +250,5 @@ def without_block_grads(terms: list) -> list:
     """FSDP's block moment without its unsharded block gradients and reduce-scatter input: those
     appear once a sparse block's backward is done, when the expert loop's full-size gradient
     accumulators (``moe_backward_transient``, the larger) are gone (measured: the FSDP cases
-    of docs/moe_matrix_cpu.jsonl peak inside the loop)."""
+    of validation/records/moe_matrix_cpu.jsonl peak inside the loop)."""
     return [t for t in terms if t.key != "fsdp.block_grads"]

@@ -68,5 +68,7 @@ def finetune_notes(job) -> tuple[str, ...]:
             "estimate; the driver pages them to host RAM under pressure"
         )
     if tuning.mode != "full" and job.train.device == "cuda":
-        notes.append("fine-tuning is measured on CPU (docs/finetune_matrix_cpu.md); CUDA's dropout mask is 1 byte")
+        notes.append(
+            "fine-tuning is measured on CPU (validation/records/finetune_matrix_cpu.md); CUDA's dropout mask is 1 byte"
+        )
     return tuple(notes)

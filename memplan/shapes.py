@@ -46,7 +46,7 @@ def shapes(model: ModelSpec, train: TrainSpec) -> Shapes:
 def _cuda_math(model: ModelSpec, train: TrainSpec, compute_bytes: int) -> bool:
     """fp32 grouped-query sdpa on CUDA runs the math backend: flash takes no fp32 and the
     memory-efficient kernel refuses ``enable_gqa`` ("No available kernel"), measured on an H200
-    with torch 2.11 (docs/gpu_campaign_h200.md, item 4); where the recipe's model copies k and v
+    with torch 2.11 (validation/records/gpu_campaign_h200.md, item 4); where the recipe's model copies k and v
     to every query head first, the efficient kernel takes them."""
     grouped = model.kv_hidden < model.q_hidden and not model.mla and not copied_kv(train)
     return train.device != "cpu" and compute_bytes == 4 and grouped

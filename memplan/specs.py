@@ -765,7 +765,7 @@ MLA_ACCEPTED = (
 
 
 def check_mla_job(job: Job) -> None:
-    """What an MLA estimate is measured for (docs/mla_matrix_cpu.md); anything else refused."""
+    """What an MLA estimate is measured for (validation/records/mla_matrix_cpu.md); anything else refused."""
     model, train = job.model, job.train
     if not model.kv_lora_rank:
         return

@@ -4,7 +4,7 @@ A step is walked through the instants where live memory can peak; each instant i
 ``Moment`` made of named terms, and the estimate is the largest (``memplan.memory``). Between
 these instants memory moves monotonically (activations freed and gradients produced block by
 block), so the maximum over the step is at one of them. Which instant wins, and by how much, was
-checked against real DDP / FSDP2 steps (``calibrate/matrix.py``, README).
+checked against real DDP / FSDP2 steps (``validation/accuracy_matrix.py``, README).
 
 Which terms live at each instant is declared as data (``MOMENTS``): a moment lists groups
 of terms by key; each framework adapter (``memplan.frameworks``) fills the groups it owns and
@@ -168,7 +168,7 @@ FIRST_BLOCK_END = MomentSpec(
 own gradients, so the instant of the block's backward (``MOMENTS``' first-block moment) holds the
 one weight gradient it makes first beside the recompute (``recompute_first_grads``); all of them
 exist only at its end, inside its input norm's backward (``Step.block_end_terms``), once the
-recomputed tensors are freed (measured per module with MemTracker, calibrate.peak_probe: the
+recomputed tensors are freed (measured per module with MemTracker, validation.peak_probe: the
 head-dim matrix's qwen3 single full-AC case and the tuned DDP full-AC eager record, the MLP output
 projection's gradient alone of the block's own at the peak inside its backward)."""
 

@@ -1,10 +1,10 @@
 """A fixed corpus of command lines, and their outputs: what a refactoring must leave byte-identical.
 
 ``tests/data/corpus/commands.txt`` holds command lines drawn once from the property suite's job
-strategies (``--generate N`` redraws them, seeded) plus the README's commands. ``--write OUT``
-runs each in-process and writes one JSON line per command: the command, its exit code and the
-SHA-256 of what it printed (stdout, NUL, stderr), and the text itself; ``--check OUT`` reruns them and names each whose
-exit or output changed.
+strategies (``--generate N`` redraws them, derandomized) plus the README's commands. ``--write OUT``
+runs each in-process and writes one JSON line per command: the command, its exit code, the
+SHA-256 of what it printed (stdout, NUL, stderr; the checkout's path written ``<checkout>``) and
+the text itself; ``--check OUT`` reruns them and names each whose exit or output changed.
 
     python scripts/corpus.py --write corpus.jsonl | --check corpus.jsonl | --generate N
 """
@@ -32,7 +32,8 @@ README_COMMAND = re.compile(r"^\$ (memplan (?:estimate|explain|recommend|min-gpu
 def run(command: str) -> dict:
     """The command's exit code and the digest of everything it printed."""
     result = CliRunner().invoke(memplan, shlex.split(command)[1:], prog_name="memplan")
-    printed = result.stdout + "\0" + result.stderr
+    # the checkout's own path (a calibration file's, in notes) is not part of the output
+    printed = (result.stdout + "\0" + result.stderr).replace(f"{ROOT}/", "<checkout>/")
     digest = hashlib.sha256(printed.encode()).hexdigest()
     return {"command": command, "exit": result.exit_code, "sha256": digest, "printed": printed}
 

@@ -251,7 +251,7 @@ def test_the_trace_frees_all_but_the_states_each_step():
 
 
 def test_reserved_sits_between_allocated_and_total():
-    # DESIGN.md output contract: allocated <= reserved <= total = reserved + context + communicators
+    # docs/design.md output contract: allocated <= reserved <= total = reserved + context + communicators
     est = _estimate(params=13e9, gpus=8, strategy="fsdp-full-shard")
     fixed = sum(t.bytes for t in est.overhead if t.key not in ALLOCATOR_KEYS)
     assert est.allocated_bytes <= reserved_bytes(est) <= est.total_bytes

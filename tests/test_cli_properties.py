@@ -3,7 +3,7 @@
 ``memplan.cli.main`` in-process, plus a few real processes of the installed console script).
 
 Every example is a command line a user could type. The checks are the output contract of
-shared/DESIGN.md: exit 0, or exit 2 with one line and no traceback; every term and component
+docs/design.md: exit 0, or exit 2 with one line and no traceback; every term and component
 >= 0; allocated <= reserved <= total; the table, the JSON and the CSV give the same bytes;
 ``explain``'s terms sum to its moments; ``--micro-batch max`` fits and one more does not; more
 micro-batch, sequence or layers never less memory; more GPUs under full shard never more

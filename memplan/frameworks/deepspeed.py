@@ -139,7 +139,7 @@ class DeepSpeed(Framework):
         # stage_1_and_2.py step (0.19.8, line 3120): with bf16 / fp16 master weights and no offload the
         # gradient partition is copied to fp32 (step_buffers) and every bit16 gradient freed
         # (free_grad_in_param_list, averaged_gradients = None) before _optimizer_step (measured:
-        # calibrate.dsconfig's user-bucket ZeRO-1/2 cases peak in the step); in fp32 the copy is the tensor
+        # validation.dsconfig's user-bucket ZeRO-1/2 cases peak in the step); in fp32 the copy is the tensor
         return step.strategy.shards_params or not step.policy.master or step.states_on_host
 
     def grads_on_host(self, step) -> bool:

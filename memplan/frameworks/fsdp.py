@@ -581,7 +581,7 @@ class FSDP(Framework):
         the input embedding's own unit comes before it and is prefetched (measured: the held-out
         torchtitan llama-h768 mixed-bf16 case, its V·h all-gather output in the first block's
         backward); a tied one is the head unit's, gathered already. Not for a ViT: its FSDP2 full-AC
-        case in docs/accuracy_matrix_cpu.jsonl (3272cd9f97) measures a block's worth more there
+        case in validation/records/accuracy_matrix_cpu.jsonl (3272cd9f97) measures a block's worth more there
         (−3.68 % without the block, +2.44 % with it; cause not found), so it keeps the block."""
         if step.gather_group == 1 or step.job.model.arch == "vit":
             return block

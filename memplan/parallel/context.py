@@ -1,8 +1,8 @@
 """Context parallel, per rank: torch's ``context_parallel`` splits the sequence over the cp ranks
 (each keeps 1/cp of every activation, rotary table and logit) and runs ring attention
 (torch/distributed/tensor/experimental/_context_parallel/_attention.py,
-``_templated_ring_attention``). Measured on CPU (``calibrate.parallel``: torch's ring functions
-on the CPU flash kernel, docs/parallel_matrix_cpu.md); the ring's own buffers are modelled from
+``_templated_ring_attention``). Measured on CPU (``validation.parallel_matrix``: torch's ring functions
+on the CPU flash kernel, validation/records/parallel_matrix_cpu.md); the ring's own buffers are modelled from
 the source where they are not at the measured peaks."""
 
 from __future__ import annotations

@@ -287,7 +287,7 @@ class RankStep(Step):
         reshards it (``post_forward``); only ``perform_reduce_grad``, after the last backward,
         reduce-scatters them. After a stage's first backward its whole unsharded gradients are
         live through every later forward and backward (measured per pipeline action with
-        calibrate.pipeline_probe, FSDP's own state, docs/parallel_fsdp_pp_probe.md: on
+        validation.pipeline_probe, FSDP's own state, validation/records/parallel_fsdp_pp_probe.md: on
         dp2-pp2-fsdp-m4 both stages hold 4·P of unsharded gradients and no sharded ones after
         every backward, every unit gathered after a backward and only the root after a forward;
         rank 0's second backward peaks 7.4 MiB above its first)."""

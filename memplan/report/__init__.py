@@ -1,4 +1,4 @@
-"""Estimates and decisions as data (the JSON contract of DESIGN.md), then as a table, CSV, an
+"""Estimates and decisions as data (the JSON contract of docs/design.md), then as a table, CSV, an
 explanation or a recommendation's text. Bytes stay integers until a human reads them.
 
 Formatting only: every number printed was computed below (the estimate, ``decide``'s

@@ -1,4 +1,4 @@
-"""The data contract of DESIGN.md: an estimate as JSON and CSV, bytes as integers."""
+"""The data contract of docs/design.md: an estimate as JSON and CSV, bytes as integers."""
 
 from __future__ import annotations
 

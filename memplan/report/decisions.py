@@ -139,7 +139,7 @@ def _reason_dict(r: Reason, restricted_by: str | None) -> dict:
 
 
 def recommendation_dict(rec: Recommendation, restricted_by: str | None = None) -> dict:
-    """DESIGN.md's ``recommendation`` keys (None where nothing fits), plus what was rejected,
+    """docs/design.md's ``recommendation`` keys (None where nothing fits), plus what was rejected,
     the rule verdicts and the fixes: each with its sentence and its code and numbers."""
     best = _option_dict(rec.best) if rec.best else {}
     keys = ("strategy", "precision", "activation_checkpointing", "offload", "micro_batch")
