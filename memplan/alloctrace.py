@@ -27,6 +27,9 @@ from typing import NamedTuple
 
 from .allocator import DEFAULT_CONF, Alloc, AllocConf, Event, Free, Sync, replay
 from .breakdown import Term
+from .memory import Step, estimate
+from .parallel import pipeline
+from .parallel.step import RankStep
 
 COMPUTE, ALL_GATHER, REDUCE_SCATTER = 0, 1, 2
 # the events built without NamedTuple's keyword-handling constructor (the trace's hot line)
@@ -263,13 +266,8 @@ def replayed_step(job, stage: int | None = None):
     rank of pipeline stage ``stage`` (None: the estimate's worst), as ``parallel.RankStep``
     counts its bytes. The data-parallel step of a TP job replays the unsliced model: at the
     Qwen3-32B TP 8 job it allocated 179 GiB against the rank's 39."""
-    from .memory import Step, estimate
-
     if job.layout.is_data_parallel:
         return Step(job)
-    from .parallel import pipeline
-    from .parallel.step import RankStep
-
     index = getattr(estimate(job), "worst_stage", 0) if stage is None else stage
     return RankStep(job, pipeline.stages(job.layout, job.model.num_layers)[index])
 
@@ -277,8 +275,6 @@ def replayed_step(job, stage: int | None = None):
 @lru_cache(maxsize=4096)
 def reserved(job, conf: AllocConf = DEFAULT_CONF, stage: int | None = None) -> Reserved:
     """Peak reserved bytes of ``job`` (of its pipeline stage ``stage``; None: the worst) under ``conf``."""
-    from .memory import estimate
-
     est = estimate(job)
     if stage is not None:
         est = getattr(est, "stages", (est,))[stage]

@@ -34,7 +34,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .breakdown import Component, Estimate, Fit
+from .catalog import TABLES_DIR
 from .errors import InputError
+from .overheads import allocator_bytes, communicator_bytes, communicators
 
 GROUPS = {
     "states": (Component.PARAMS, Component.GRADIENTS, Component.OPTIMIZER),
@@ -115,8 +117,6 @@ class Correction:
         fitted; None where nothing was."""
         if self.context_bytes is None or job.train.device == "cpu":
             return None
-        from .overheads import communicator_bytes, communicators
-
         per = communicator_bytes() if self.communicator_bytes is None else self.communicator_bytes
         return self.context_bytes + communicators(job) * per
 
@@ -273,8 +273,6 @@ def apply(est: Estimate, correction: Correction, *, device_matches: bool) -> Cor
     outside = correction.outside_bytes(est.job)
     overhead = est.overhead_bytes
     if outside is not None:
-        from .overheads import allocator_bytes
-
         # the allocator's term is the estimate's own (replayed or flat), never fitted
         overhead = allocator_bytes(est) + outside
     return Corrected(
@@ -295,8 +293,6 @@ SHIPPED_DIR = "calibration"
 def shipped(device_key: str) -> Calibration | None:
     """The corrections shipped in tables/calibration/ for a device (``cpu`` or a tables/gpus.csv
     name), fitted from the record sets beside them; None where none were measured."""
-    from .catalog import TABLES_DIR
-
     paths = sorted((TABLES_DIR / SHIPPED_DIR).glob(f"{device_key}-*.corrections.json"))
     return load(paths[-1]) if paths else None
 

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .api import MODEL_INPUTS, takes_inputs
+from .api import MODEL_INPUTS, check_keywords, takes_inputs
 from .errors import MemplanError
 from .inputs import build_jobs
 from .memory import estimate
@@ -158,8 +158,6 @@ def sweep(
     attention, device, headroom, ...) is held fixed.
     """
     import pandas as pd
-
-    from .api import check_keywords
 
     check_keywords(fixed)
     if (params is None) == (model is None):

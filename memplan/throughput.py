@@ -15,7 +15,9 @@ from functools import cache
 
 from . import catalog
 from .errors import MemplanError
+from .finetune import NF4_BYTES_PER_PARAM, trained
 from .frameworks import adapter
+from .mla import attention_flops_per_token
 from .moe import active_params, fsdp_traffic_params, num_moe_layers, routed_rows
 from .precision import POLICIES
 from .specs import Job
@@ -117,8 +119,6 @@ def flops_per_token(job: Job) -> float:
     n = active_params(m)
     attention_fwd = 4 * m.num_layers * m.q_hidden * s  # q·kᵀ and probs·v over a·d, hidden unless set apart
     if m.mla:  # q·kᵀ over a·(qk_nope + qk_rope), probs·v over a·v_head_dim (memplan.mla)
-        from .mla import attention_flops_per_token
-
         attention_fwd = m.num_layers * attention_flops_per_token(m, s)
     recompute = {"none": 0.0, "selective": attention_fwd, "op": n, "full": 2 * n + attention_fwd}[
         job.train.activation_checkpointing
@@ -126,8 +126,6 @@ def flops_per_token(job: Job) -> float:
     tuning = job.train.tuning
     if tuning.mode == "full":
         return 6 * n + 3 * attention_fwd + recompute
-    from .finetune import trained
-
     t = trained(m, tuning)
     if tuning.adapters:
         # 6·N = 2·N forward + 4·N backward, the backward half input gradients, half weight
@@ -156,8 +154,6 @@ def dequant_seconds(job: Job, link: Link) -> float:
     tuning = job.train.tuning
     if tuning.mode != "qlora":
         return 0.0
-    from .finetune import NF4_BYTES_PER_PARAM, trained
-
     calls = 2 * job.train.grad_accum * job.layout.microbatches
     nbytes = trained(job.model, tuning).quantized * (NF4_BYTES_PER_PARAM + 2)
     return calls * nbytes / link.gpu.memory_bw_bytes_s / job.layout.model_parallel

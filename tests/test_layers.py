@@ -94,10 +94,6 @@ DEFERRED: dict[str, str] = {
     "cli": "start-up: each subcommand imports what it runs",
     "api": "start-up: the searches and the calibration only when a call needs them",
     "plot": "start-up: the sweep only when a plot is drawn",
-    "alloctrace": "written before its imports were untied (the speed branch)",
-    "grid": "written before its imports were untied (the speed branch)",
-    "calibration": "written before its imports were untied",
-    "throughput": "written before its imports were untied",
 }
 """Modules allowed imports of the package inside functions, with why."""
 
