@@ -136,7 +136,6 @@ def test_a_one_gpu_strategy_is_found_on_one_gpu_or_not_at_all():
     assert min_gpus(big, ["single", "fsdp-full-shard"]).strategy == "fsdp-full-shard"
 
 
-
 @settings(max_examples=40, deadline=None)
 @given(
     micro_batch=st.one_of(st.integers(min_value=-2, max_value=1_000_002), st.sampled_from([True, 2.0, "4"])),
