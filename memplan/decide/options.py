@@ -8,6 +8,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache, cached_property, lru_cache, total_ordering
+from typing import Any
 
 from .. import catalog, search
 from ..breakdown import Estimate, Fit
@@ -400,7 +401,7 @@ def _combinations(job: Job, fixed: dict, allowed: tuple[str, ...] | None) -> tup
 
 @lru_cache(maxsize=64)
 def _combinations_of(
-    job: Job, fixed_items: tuple[tuple[str, object], ...], allowed: tuple[str, ...] | None
+    job: Job, fixed_items: tuple[tuple[str, Any], ...], allowed: tuple[str, ...] | None
 ) -> tuple[tuple[Job, str | None], ...]:
     fixed = dict(fixed_items)
     jobs: list[tuple[Job, str | None]] = []
