@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
+from operator import attrgetter
 from typing import Any, TypeVar
 
 from .errors import InputError, MemplanError
@@ -446,16 +447,18 @@ def mla_block_param_counts(model: ModelSpec) -> dict[str, int]:
 
 
 @lru_cache(maxsize=256)
-def _loop(settings: tuple[tuple[str, Any], ...]) -> Loop:
-    """A step's ``loop.Loop`` by its settings' names, built once per distinct loop (the step's hot
-    path reads it)."""
-    return Loop(**dict(settings))
+def _loop(values: tuple[Any, ...]) -> Loop:
+    """A step's ``loop.Loop`` by its settings' values in ``_LOOP_FIELDS``' order, built once per
+    distinct loop (the step's hot path reads it)."""
+    return Loop(**{name: value for (name, _), value in zip(_LOOP_FIELDS, values)})
 
 
 _LOOP_AS = {"ac": "activation_checkpointing"}
 """The TrainSpec field of a Loop setting where the names differ (the rest share theirs)."""
 _LOOP_FIELDS = tuple((f.name, _LOOP_AS.get(f.name, f.name)) for f in fields(Loop))
 """(Loop setting, TrainSpec field) of every Loop field."""
+_loop_values = attrgetter(*(attr for _, attr in _LOOP_FIELDS))
+"""A TrainSpec's values of ``_LOOP_FIELDS``, as a tuple in their order."""
 
 
 @lru_cache(maxsize=1024)
@@ -616,7 +619,7 @@ class TrainSpec:
     @property
     def loop(self):
         """The training loop's conventions as a ``loop.Loop``."""
-        return _loop(tuple((name, getattr(self, attr)) for name, attr in _LOOP_FIELDS))
+        return _loop(_loop_values(self))
 
     def with_ac(self, policy: str, **changes) -> TrainSpec:
         """A copy under AC ``policy`` (and ``changes``): the every-N-th-block setting kept for a
@@ -840,6 +843,8 @@ class Job:
 
     def with_(self, **changes) -> Job:
         """Copy with fields of the nested specs changed by name, e.g. ``with_(gpus=16, micro_batch=2)``."""
+        if changes.keys() == {"micro_batch"}:
+            return self._with_micro_batch(changes["micro_batch"])
         unknown = next((key for key in changes if key not in _PART_OF), None)
         if unknown is not None:
             raise MemplanError(f"unknown setting {unknown!r}")
@@ -853,6 +858,23 @@ class Job:
             plan=_changed(self.plan, changes),
             layout=_changed(self.layout, changes),
         )
+
+    def _with_micro_batch(self, micro_batch) -> Job:
+        """``with_(micro_batch=...)`` of a job already checked: only the micro-batch's own checks
+        run again (no other check of a job reads it), the rest is copied as it is."""
+        if type(micro_batch) is not int or not 0 < micro_batch <= 1_000_000 or self.model.arch == "vit":
+            return Job(
+                model=self.model,
+                train=replace(self.train, micro_batch=micro_batch),
+                cluster=self.cluster,
+                plan=self.plan,
+                layout=self.layout,
+            )
+        train = object.__new__(TrainSpec)
+        train.__dict__.update(self.train.__dict__, micro_batch=micro_batch)
+        job = object.__new__(Job)
+        job.__dict__.update(self.__dict__, train=train)
+        return job
 
 
 _Part = TypeVar("_Part", ModelSpec, TrainSpec, ClusterSpec, Plan, Layout)

@@ -1,6 +1,8 @@
 """Searches are exact to the integer: the answer fits and the next step does not."""
 
 import itertools
+import re
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -132,3 +134,24 @@ def test_a_one_gpu_strategy_is_found_on_one_gpu_or_not_at_all():
     _, [big] = build_jobs(params="70e9", gpus=1, gpu="a100-80gb", strategy="single", ac="full")
     assert min_gpus_for(big) is None
     assert min_gpus(big, ["single", "fsdp-full-shard"]).strategy == "fsdp-full-shard"
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    micro_batch=st.one_of(st.integers(min_value=-2, max_value=1_000_002), st.sampled_from([True, 2.0, "4"])),
+    model=st.sampled_from(["gpt2", "llama-2-7b", "vit-large-patch16-224"]),
+)
+def test_a_micro_batch_copy_is_the_checked_copy(micro_batch, model):
+    """``Job.with_(micro_batch=...)`` copies a checked job without re-running every check: the
+    same job as one built through the constructors, and the same error for a bad micro-batch."""
+    _, (job, *_) = build_jobs(model=model, gpus=8, **({} if model.startswith("vit") else {"seq_len": 128}))
+    try:
+        checked = replace(job, train=replace(job.train, micro_batch=micro_batch))
+    except MemplanError as error:
+        with pytest.raises(MemplanError, match=re.escape(str(error))):
+            job.with_(micro_batch=micro_batch)
+        return
+    copied = job.with_(micro_batch=micro_batch)
+    assert copied == checked and repr(copied) == repr(checked)
+    assert copied.train.loop == checked.train.loop
+    assert bound(copied).total_bytes == bound(checked).total_bytes

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from ..breakdown import Estimate
 from ..layout import Layout
@@ -41,7 +41,7 @@ class LayoutOption:
     def estimate(self) -> Estimate:
         return final(self.job)
 
-    @property
+    @cached_property
     def fits(self) -> bool:
         return _bound_fits(self.job) and fits(self.job)
 

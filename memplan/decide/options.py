@@ -7,7 +7,8 @@ import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from functools import cache, cached_property, total_ordering
+from functools import cache, cached_property, lru_cache, total_ordering
+from typing import Any
 
 from .. import catalog, search
 from ..breakdown import Estimate, Fit
@@ -148,6 +149,10 @@ class Basis:
     calibration: Calibration | None = None
     correction: Correction | None = None
     device_matches: bool = False
+    _steps: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """``step`` per job: a search times the same job for many options and rankings."""
+    _rank_bounds: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """``rank_bound`` per (settings, limit, priority): the rules rank the recommendation's options again."""
 
     @property
     def measured_compute(self) -> bool:
@@ -155,6 +160,12 @@ class Basis:
         return bool(self.correction and self.device_matches and any(t.mfu is None for t in self.correction.throughput))
 
     def step(self, job: Job) -> StepTime:
+        found = self._steps.get(job)
+        if found is None:
+            found = self._steps[job] = self._step(job)
+        return found
+
+    def _step(self, job: Job) -> StepTime:
         fit = self.correction.speed(job.plan.strategy) if self.correction else None
         if fit is None:
             return step_time(job, self.link)
@@ -256,6 +267,14 @@ def rank_bound(option: Option, priority: str) -> tuple:
     micro-batch), a safe margin, and the total left off (a tuple's prefix sorts before it);
     ``()`` (before all) where it is not bounded: by memory, or where the bound allows none (its
     confirmation then needs no replay either)."""
+    key = (option.settings, option.limit, priority)
+    found = option.basis._rank_bounds.get(key)
+    if found is None:
+        found = option.basis._rank_bounds[key] = _rank_bound(option, priority)
+    return found
+
+
+def _rank_bound(option: Option, priority: str) -> tuple:
     batches = option.micro_batches()
     if priority == "memory" or not batches or len(batches) > BOUNDED_MICRO_BATCHES:
         return ()
@@ -374,8 +393,17 @@ def candidate_jobs(job: Job, fixed: dict, allowed: tuple[str, ...] | None = None
     return [j for j, why in _combinations(job, fixed, allowed) if why is None]
 
 
-def _combinations(job: Job, fixed: dict, allowed: tuple[str, ...] | None) -> list[tuple[Job, str | None]]:
-    """Each combination searched, with why the model cannot estimate it (None: it can)."""
+def _combinations(job: Job, fixed: dict, allowed: tuple[str, ...] | None) -> tuple[tuple[Job, str | None], ...]:
+    """Each combination searched, with why the model cannot estimate it (None: it can); built
+    once per job and choices (a recommendation asks for the candidates and the skipped ones)."""
+    return _combinations_of(job, tuple(fixed.items()), allowed)
+
+
+@lru_cache(maxsize=64)
+def _combinations_of(
+    job: Job, fixed_items: tuple[tuple[str, Any], ...], allowed: tuple[str, ...] | None
+) -> tuple[tuple[Job, str | None], ...]:
+    fixed = dict(fixed_items)
     jobs: list[tuple[Job, str | None]] = []
     strategies = [fixed["strategy"]] if "strategy" in fixed else strategies_on(job.cluster.gpus)
     if allowed is not None:
@@ -395,7 +423,7 @@ def _combinations(job: Job, fixed: dict, allowed: tuple[str, ...] | None) -> lis
             jobs.append((job, str(error)))
             continue
         jobs.append((candidate, unmodelled(candidate)))
-    return jobs
+    return tuple(jobs)
 
 
 def search_options(

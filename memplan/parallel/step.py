@@ -433,7 +433,10 @@ def layout_notes(layout) -> tuple[str, ...]:
     return notes
 
 
+@lru_cache(maxsize=4096)
 def _rank_estimate(job: Job, stage: Stage) -> Estimate:
+    """One pipeline rank's estimate; cached: the layout search weighs the worst ranks
+    (``worst_estimate``), then the bound and the replay read every rank (``estimate_layout``)."""
     step = RankStep(job, stage)
     moments = step.moments()
     peak = max(moments, key=lambda m: m.allocated_bytes)
