@@ -109,9 +109,8 @@ def block_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False
     saved += _linear_inputs(model, x)
     if model.mla:  # DeepSeek's latent attention in place of q/k/v/o (memplan.mla)
         saved += mla_saved(model, x)
-    elif model.arch in ("llama", "neox") and x.c < 4 and inputs_cast:
-        # FSDP cast cos, sin once on entry; q and k share them (measured: 2·c·s·d per block)
-        saved.append(Saved("rotary cos/sin (cast by FSDP)", "2·c·s·d", 2 * x.c * x.s * x.d))
+    elif inputs_cast and _rotary_cast(model, x):
+        saved += _rotary_cast(model, x)
     elif model.arch in ("llama", "neox") and x.c < 4:
         # cos/sin cast to the compute dtype for q and for k: 4 tables of s×d
         saved.append(Saved("rotary cos/sin casts", "4·c·s·d", 4 * x.c * x.s * x.d))
@@ -148,13 +147,32 @@ def _attention_internals(model: ModelSpec, train: TrainSpec) -> list[Saved]:
     return _attention_core(model, shapes(model, train))
 
 
+def _rotary_cast(model: ModelSpec, x: Shapes) -> list[Saved]:
+    """A block's rotary cos/sin as FSDP2's MixedPrecisionPolicy (cast_forward_inputs) casts its
+    floating-point forward inputs to the compute dtype on entry: a copy per block, which q and
+    k share (measured: 2·c·s·d per block)."""
+    if model.arch not in ("llama", "neox") or model.mla or x.c == 4:
+        return []
+    return [Saved("rotary cos/sin (cast by FSDP)", "2·c·s·d", 2 * x.c * x.s * x.d)]
+
+
+def checkpoint_inputs(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False) -> list[Saved]:
+    """What a checkpointed block keeps as its checkpoint's inputs (torch.utils.checkpoint
+    holds the arguments for the recompute): the block input, and under FSDP's input cast the
+    block's own cos/sin copies (traced at full size: 8B FSDP 8 full AC, per block 2·c·s·d, and
+    no fp32 tables left, which the blocks no longer reference)."""
+    x = shapes(model, train)
+    block_input = Saved("checkpointed block input", "r·b·s·h", x.r * x.tokens * x.h)
+    return [block_input, *(_rotary_cast(model, x) if inputs_cast else [])]
+
+
 def block_kept(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False) -> list[Saved]:
     """What each block holds from its forward until its backward, under the AC mode."""
     x = shapes(model, train)
     mode = train.activation_checkpointing
     if mode == "full":
-        # checkpoint keeps only the block's input; everything else is recomputed in backward
-        return [Saved("checkpointed block input", "r·b·s·h", x.r * x.tokens * x.h)]
+        # checkpoint keeps only the block's inputs; everything else is recomputed in backward
+        return checkpoint_inputs(model, train, inputs_cast=inputs_cast)
     saved = block_saved(model, train, inputs_cast=inputs_cast)
     if mode == "selective":
         # the checkpointed core keeps only its inputs: q, k, v before repeat_kv (kv wide)
@@ -194,8 +212,9 @@ def block_backward_transient(model: ModelSpec, train: TrainSpec, *, inputs_cast:
     return out
 
 
-def model_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[Saved]]:
-    """Saved outside the blocks: before them (embeddings) and after (final norm, head input, logits)."""
+def model_saved(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False) -> tuple[list[Saved], list[Saved]]:
+    """Saved outside the blocks: before them (embeddings) and after (final norm, head input, logits).
+    ``inputs_cast`` as in ``block_saved``: the blocks hold their own casts of the rotary tables."""
     x = shapes(model, train)
     if model.arch == "vit":
         return _vit_embedding_saved(model, x), _vit_head_saved(model, x)
@@ -203,7 +222,8 @@ def model_saved(model: ModelSpec, train: TrainSpec) -> tuple[list[Saved], list[S
         return _bert_embedding_saved(model, x), _bert_head_saved(model, x)
     t = x.tokens
     pre = []
-    if model.arch in ("llama", "neox") and (x.c == 4 or train.activation_checkpointing == "full"):
+    full_uncast = train.activation_checkpointing == "full" and not (inputs_cast and _rotary_cast(model, x))
+    if model.arch in ("llama", "neox") and (x.c == 4 or full_uncast):
         # the fp32 rotary cos/sin tables, made once per forward: saved by every block's q·cos,
         # k·sin in fp32, and as checkpoint inputs under full AC (measured: 2·4·s·d, once)
         pre.append(Saved("rotary cos/sin (shared by the blocks)", "2·4·s·d", 8 * x.s * x.d))

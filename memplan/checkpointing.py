@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .activations import Saved, Shapes, block_backward_transient, block_kept, shapes
+from .activations import Saved, Shapes, block_backward_transient, block_kept, checkpoint_inputs, shapes
 from .errors import MemplanError
 from .loop import Loop
 from .specs import ModelSpec, TrainSpec
@@ -119,7 +119,8 @@ def block_kept_under(
     inductor's partitioner saves. ``inputs_cast`` as in ``activations.block_saved``."""
     policy = _policy(loop, index)
     if policy == "op":
-        return op_sac_kept(model, train)
+        # the checkpoint's inputs beside the ops' saved outputs (the block input is op_sac_kept's first)
+        return op_sac_kept(model, train) + checkpoint_inputs(model, train, inputs_cast=inputs_cast)[1:]
     if policy == "none" and loop.compile:
         return compiled_block_saved(model, train, inputs_cast=inputs_cast)
     return block_kept(model, _under(train, policy), inputs_cast=inputs_cast)

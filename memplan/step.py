@@ -297,7 +297,8 @@ class Step(Quantities):
         MemTracker: the tuned DDP full-AC eager record's peak holds r·b·s·h + 2·4·s·d beyond the
         recompute and the MLP output projection's gradient, the head-dim qwen3 case's too)."""
         model, x = self.job.model, shapes(self.job.model, self.job.train)
-        rotary = [s for s in model_saved(model, self.job.train)[0] if s.name.startswith("rotary")]
+        pre = model_saved(model, self.job.train, inputs_cast=self.casts_block_inputs)[0]
+        rotary = [s for s in pre if s.name.startswith("rotary")]
         return [
             term(A, "block.backward", "gradient of the block's output", "r·b·s·h", x.r * x.tokens * x.h),
             *_terms(A, rotary, "activations.outside"),
@@ -425,7 +426,7 @@ class Step(Quantities):
                 f"loss {loop.loss} is modelled for decoders' logits and loss, not for {model.name} ({model.arch}, "
                 "whose head computes its own cross-entropy); use loss ce"
             )
-        pre, post = outside_saved(self, *model_saved(model, train))
+        pre, post = outside_saved(self, *model_saved(model, train, inputs_cast=self.casts_block_inputs))
         if loop.loss == "fused-linear-ce":
             post = [t for t in post if t.name not in FUSED_DROPS and t.key != "logits"]
         if loop.loss == "cce-compile" and self.policy.autocast:

@@ -1,0 +1,86 @@
+"""The full-size traced matrix (validation/records/trace_fullsize.jsonl) against the analytic
+model: the job the trace ran (``traced_loop``) within the issue's 2 % on allocated, and the
+gaps to the planned job's estimate derived from the two settings the trace does not share
+with it (the gradients' zero_grad, CPU sdpa under per-op SAC)."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from calibrate import records
+from memplan.memory import estimate
+from validation.trace_matrix import CASES, OUT, rows, traced_loop
+
+
+def _ok_rows() -> list[dict]:
+    return [r for r in rows() if r["status"] == "ok"]
+
+
+def _record(name: str) -> dict:
+    (case,) = [c for c in CASES if c.name == name]
+    for recorded in reversed(records.read([OUT])):
+        job = records.job_from_spec(recorded["spec"])
+        train = job.train
+        same = (job.model.name, train.seq_len, train.activation_checkpointing)
+        if same == (case.flags.get("model"), case.flags["seq_len"], case.flags["ac"]):
+            return recorded
+    raise AssertionError(f"no record of {name}")
+
+
+def _params(model) -> int:
+    """A llama's parameter count from its shapes: embedding and head V·h, per block the q, k,
+    v, o projections, the gated MLP's three and two norm weights, and the final norm."""
+    h, f, V = model.hidden, model.ffn_hidden, model.vocab_size
+    kv = h // model.num_heads * model.num_kv_heads
+    block = h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h
+    return 2 * V * h + model.num_layers * block + h
+
+
+def test_every_case_traced():
+    assert len(_ok_rows()) == len(CASES)
+
+
+def test_traced_loop_within_two_percent_median_one():
+    errors = [abs(r["traced_loop_allocated_gib"] / r["trace_allocated_gib"] - 1) for r in _ok_rows()]
+    assert max(errors) < 0.02
+    assert statistics.median(errors) < 0.01
+
+
+def test_no_ac_gap_is_the_sharded_gradients():
+    # torchtitan 0.3.0 keeps the gradients (set_to_none=False); the trace's loop frees them:
+    # 4·P/N fp32 shards at the peak, the whole gap without AC (no sdpa output saved by SAC)
+    job = records.job_from_spec(_record("llama-3.1-8b fsdp8 8k no-ac")["spec"])
+    gap = estimate(job).allocated_bytes - estimate(traced_loop(job)).allocated_bytes
+    assert gap == pytest.approx(4 * _params(job.model) / job.cluster.gpus, rel=1e-6)
+
+
+def test_op_sac_gap_adds_cuda_sdpa_outputs():
+    # under --ac op the CUDA sdpa kernels' output (c·b·s·q) and logsumexp (4·b·a·s) are in the
+    # save list; the CPU flash kernel's are not (torch/_functorch/partitioners.py)
+    job = records.job_from_spec(_record("llama-3.1-8b fsdp8 2x8k op-sac")["spec"])
+    m, t = job.model, job.train
+    gap = estimate(job).allocated_bytes - estimate(traced_loop(job)).allocated_bytes
+    sdpa = m.num_layers * (2 * t.micro_batch * t.seq_len * m.hidden + 4 * t.micro_batch * m.num_heads * t.seq_len)
+    assert gap == pytest.approx(4 * _params(m) / job.cluster.gpus + sdpa, rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ac", ["full", "op"])
+def test_a_small_traced_fsdp_job_keeps_each_blocks_rotary_casts(ac):
+    """The full-size miss at a small shape: under FSDP2's input cast a checkpointed block keeps
+    its own compute-dtype cos/sin (2·c·s·d per block). The trace holds the int64 labels
+    (8·b·s) and a few scalars beyond the estimate, nothing else."""
+    pytest.importorskip("torch")
+    from calibrate import trace
+    from calibrate.runs import plan
+    from validation.trace_matrix import _COMMON
+
+    flags = {"arch": "llama", "layers": 3, "hidden": 384, "heads": 6, "kv_heads": 2, "ffn": 1408}
+    flags |= {"vocab": 32000, "gpus": 8, "seq_len": 2048, "micro_batch": 1, "ac": ac}
+    (run,) = plan([_COMMON | flags], mode="trace", steps=2, warmup=1)[0]
+    traced = trace.run(run.job, steps=2, warmup=1)
+    estimated = estimate(traced_loop(run.job)).allocated_bytes
+    labels = 8 * run.job.train.micro_batch * run.job.train.seq_len
+    assert 0 <= traced.peak_allocated_bytes - estimated - labels < 1024
