@@ -33,8 +33,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import catalog
 from .breakdown import Component, Estimate, Fit
-from .catalog import TABLES_DIR
 from .errors import InputError
 from .overheads import allocator_bytes, communicator_bytes, communicators
 
@@ -293,7 +293,8 @@ SHIPPED_DIR = "calibration"
 def shipped(device_key: str) -> Calibration | None:
     """The corrections shipped in tables/calibration/ for a device (``cpu`` or a tables/gpus.csv
     name), fitted from the record sets beside them; None where none were measured."""
-    paths = sorted((TABLES_DIR / SHIPPED_DIR).glob(f"{device_key}-*.corrections.json"))
+    # catalog.TABLES_DIR read at call time (a test points it at its own tables)
+    paths = sorted((catalog.TABLES_DIR / SHIPPED_DIR).glob(f"{device_key}-*.corrections.json"))
     return load(paths[-1]) if paths else None
 
 
