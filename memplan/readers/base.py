@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields, is_dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from ..catalog import read_table
@@ -153,3 +154,14 @@ def classify(path: str, fmt: str, tree: dict, prefix: str = "") -> list[FieldUse
             raise refuse(path, name, value, f"{default} or more ({row['source']})")
         uses.append(FieldUse(field=name, value=value, status=status, input=row["input"], note=row["source"]))
     return uses
+
+
+def load_json(path: Path, what: str) -> dict:
+    """A JSON file holding one object (``what`` names it in the error: "a DeepSpeed config")."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}: not JSON ({exc})", field="from", value=str(path), accepted="a JSON file") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: not {what} (a JSON object)", field="from", value=str(path), accepted="a JSON object")
+    return data

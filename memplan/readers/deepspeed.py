@@ -12,13 +12,11 @@ it leaves out is DeepSpeed's default (``overlap_comm``: on for stage 3 only). ``
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
 from ..specs import AUTO, ZeroConfig
-from .base import FieldUse, FileConfig, _number, classify, refuse
+from .base import FieldUse, FileConfig, _number, classify, load_json, refuse
 
 DEFAULTS = {f: ZeroConfig.__dataclass_fields__[f].default for f in ZeroConfig.__dataclass_fields__}
 ZERO_KEYS = tuple(DEFAULTS)
@@ -26,18 +24,6 @@ STAGES = {1: "zero1", 2: "zero2", 3: "zero3"}
 OPTIMIZERS = {"adam": "adamw", "adamw": "adamw"}
 """DeepSpeed's optimizer types memplan models (deepspeed/runtime/config.py ADAM_OPTIMIZER,
 ADAMW_OPTIMIZER: FusedAdam / DeepSpeedCPUAdam, two fp32 states each)."""
-
-
-def _load(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: not JSON ({exc})", field="from", value=str(path), accepted="a JSON file") from None
-    if not isinstance(data, dict):
-        raise InputError(
-            f"{path}: not a DeepSpeed config (a JSON object)", field="from", value=str(path), accepted="a JSON object"
-        )
-    return data
 
 
 def _count(path: Path, field: str, value: Any, *, auto: bool = False) -> int | str:
@@ -108,7 +94,7 @@ def _precision(path: Path, data: dict) -> str | None:
 
 
 def read(path: Path) -> FileConfig:
-    return parse(_load(path), path)
+    return parse(load_json(path, "a DeepSpeed config"), path)
 
 
 def parse(data: dict, path: Path | str = "<config>") -> FileConfig:

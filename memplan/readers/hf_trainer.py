@@ -15,9 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
 from . import deepspeed as _deepspeed
-from .base import FileConfig, _number, classify, refuse
+from .base import FileConfig, _number, classify, load_json, refuse
 
 OPTIMIZERS: dict[str, tuple[str, str | None]] = {
     "adamw_torch": ("adamw", None),
@@ -41,20 +40,8 @@ AC_FIELDS = (
 is used only when the new one is not set)."""
 
 
-def _load(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: not JSON ({exc})", field="from", value=str(path), accepted="a JSON file") from None
-    if not isinstance(data, dict):
-        raise InputError(
-            f"{path}: not TrainingArguments (a JSON object)", field="from", value=str(path), accepted="a JSON object"
-        )
-    return data
-
-
 def read(path: Path) -> FileConfig:
-    return parse(_load(path), path)
+    return parse(load_json(path, "TrainingArguments"), path)
 
 
 def _ac(path: str, data: dict) -> str:
@@ -92,7 +79,7 @@ def _deepspeed_config(path: Path, value: Any) -> dict:
     found = next((p for p in candidates if p.is_file()), None)
     if found is None:
         raise refuse(str(path), "deepspeed", value, "a DeepSpeed config file that exists, or a JSON object")
-    return _deepspeed._load(found)
+    return load_json(found, "a DeepSpeed config")
 
 
 def parse(data: dict, path: Path | str = "<arguments>") -> FileConfig:
