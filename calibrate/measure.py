@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from memplan.loop import loss_in_model
 from memplan.precision import POLICIES
 from memplan.specs import Job
 
@@ -101,7 +102,13 @@ def _micro_step(model: nn.Module, inputs, labels, train, autocast, on_forward_en
     if train.loss != "ce":
         raise Unsupported(f"loss {train.loss} is not in the calibration harness (ce, chunked-ce)")
     with autocast:
-        loss, logits = model(inputs, labels)
+        if loss_in_model(train.recipe):
+            loss, logits = model(inputs, labels)
+        else:
+            # torchtitan's train_step (0.3.0 trainer.py forward_backward_step): pred = model(inputs),
+            # then loss_fn(pred, labels) outside the model, after FSDP's root post-forward
+            _, logits = model(inputs, None)
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
     if train.logits == "freed":
         del logits
         logits = None
@@ -300,7 +307,8 @@ def run(job: Job, *, steps: int = 3, warmup: int = 2, emulated: bool = False, wo
                 if measured:
                     phase_peaks["backward"] = max(phase_peaks.get("backward", 0), meter.peak())
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            # the recipe's clearing (Loop.zero_grad): torchtitan keeps its gradients allocated
+            optimizer.zero_grad(set_to_none=train.zero_grad == "none")
             if on_cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)

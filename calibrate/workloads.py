@@ -183,6 +183,8 @@ class CausalLM(nn.Module):
         if chunks:
             return None, [self.lm_head(chunk) for chunk in self.norm(x).chunk(chunks, dim=1)]
         logits = self.lm_head(self.norm(x))
+        if labels is None:  # the loop computes the loss (torchtitan)
+            return None, logits
         # ForCausalLMLoss: cross-entropy on logits upcast to fp32
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
         return loss, logits
@@ -397,5 +399,5 @@ class HFCausalLM(nn.Module):
         return base.h if hasattr(base, "h") else base.layers
 
     def forward(self, input_ids, labels):
-        out = self.hf(input_ids=input_ids, labels=labels)
+        out = self.hf(input_ids=input_ids, labels=labels)  # labels None: no loss in the model
         return out.loss, out.logits
