@@ -102,6 +102,8 @@ class TraceShape(NamedTuple):
     """Parameter groups per block."""
     optimizer_step: tuple[int, ...]
     """The optimizer step's temporaries (foreach ones one tensor per parameter, as the gradients)."""
+    grads_after_forward: bool = False
+    """The gradients cleared after the next step's forward (``Loop.zero_grad`` after-forward)."""
 
 
 def trace_shape(step) -> TraceShape:
@@ -140,6 +142,7 @@ def trace_shape(step) -> TraceShape:
         if step.job.train.optimizer_in_backward
         else tuple(_pieces(step.grad_terms()[0].bytes, params, per_parameter)),
         per_block=len(counts),
+        grads_after_forward=step.job.train.zero_grad == "after-forward",
         optimizer_step=tuple(
             n
             for x in groups["optimizer.step"]
@@ -191,6 +194,7 @@ def shape_trace(shape: TraceShape, *, steps: int = 2) -> list[Event]:
     grad_stream = REDUCE_SCATTER if shape.reduce_bytes else COMPUTE
     for sizes in shape.states:
         allocs(sizes)
+    stale: list[int] = []  # the step before's gradients, under Lightning's zero_grad order
     for _ in range(steps):
         held = allocs(shape.forward)
         kept = []
@@ -207,6 +211,8 @@ def shape_trace(shape: TraceShape, *, steps: int = 2) -> list[Event]:
         outside = allocs(shape.outside)
         logits = allocs(shape.logits)
         free(allocs(shape.loss_forward))
+        free(stale)  # zero_grad after the forward (Lightning's closure)
+        stale = []
         if not shape.logits_to_loss:
             free(logits)
         free(allocs(shape.loss_backward) + (logits if shape.logits_to_loss else []) + outside)
@@ -233,7 +239,10 @@ def shape_trace(shape: TraceShape, *, steps: int = 2) -> list[Event]:
         append(sync_compute)
         append(sync_reduce)
         free(allocs(shape.optimizer_step))
-        free(grads)  # zero_grad(set_to_none=True)
+        if shape.grads_after_forward:
+            stale = grads
+        else:
+            free(grads)  # zero_grad(set_to_none=True)
     return events
 
 

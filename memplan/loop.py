@@ -20,7 +20,7 @@ from .settings import check_choice, check_choices, check_positive, setting, show
 LOGITS = ("kept", "freed")
 LOSSES = ("ce", "chunked-ce", "fused-linear-ce", "cce-compile")
 AC_POLICIES = ("none", "selective", "op", "full")
-ZERO_GRADS = ("none", "zeros")
+ZERO_GRADS = ("none", "zeros", "after-forward")
 RECIPES = ("plain", "hf-trainer", "torchtitan", "torchtune", "lightning", "accelerate")
 
 
@@ -59,7 +59,9 @@ class Loop:
     """How gradients are cleared between steps: none frees them (``zero_grad(set_to_none=True)``,
     torch ≥ 2.0's default); zeros fills them with zeros (``set_to_none=False``, torch < 2.0's
     default and the 2022 HF Trainer's ``model.zero_grad()``), so they stay allocated through
-    the next step's forward."""
+    the next step's forward; after-forward frees them after the next step's forward, before its
+    backward (Lightning's automatic optimization: its closure runs ``training_step``, then
+    ``zero_grad``, then ``backward``), so the step before's live through the forward."""
     recipe: str = setting("plain", choices=RECIPES)
     """The framework whose defaults filled the flags not given explicitly."""
 

@@ -660,7 +660,19 @@ class Step(Quantities):
 
     def moments(self) -> list[Moment]:
         groups = self.groups()
-        return [Moment(m.phase, m.label, tuple(t for g in m.groups for t in groups[g])) for m in self.moment_specs()]
+        if self.job.train.zero_grad == "after-forward":
+            # Lightning's closure clears the gradients between the forward and the backward:
+            # the step before's live through the forward (measured: validation.lightning_loop)
+            groups["grads.previous"] = groups["grads"]
+        return [
+            Moment(m.phase, m.label, tuple(t for g in self._groups_of(m) for t in groups[g]))
+            for m in self.moment_specs()
+        ]
+
+    def _groups_of(self, moment: MomentSpec) -> tuple[str, ...]:
+        if moment.phase != "forward" or self.job.train.zero_grad != "after-forward":
+            return moment.groups
+        return tuple("grads.previous" if g == "grads.carried" else g for g in moment.groups)
 
     def host_terms(self) -> list[Term]:
         """Host RAM per GPU for what is offloaded."""

@@ -61,7 +61,8 @@ def measure(name: str) -> dict | None:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
         def training_step(self, batch, batch_idx):
-            return self.model(input_ids=batch, labels=batch).loss
+            (ids,) = batch
+            return self.model(input_ids=ids, labels=ids).loss
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
@@ -78,7 +79,7 @@ def measure(name: str) -> dict | None:
 
     torch.manual_seed(0)
     ids = torch.randint(0, spec.vocab_size, (case["micro_batch"] * case["devices"] * STEPS, case["seq_len"]))
-    loader = torch.utils.data.DataLoader(ids, batch_size=case["micro_batch"])
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=case["micro_batch"])
     trainer = L.Trainer(
         accelerator="cpu",
         devices=case["devices"],
