@@ -131,8 +131,8 @@ def torchtitan_sections(job: Job) -> dict[str, dict]:
         raise _titan_refuse(f"offload {job.plan.offload} (all, under FSDP)")
     if layout.pp > 1 and layout.pp_virtual != (2 if layout.pp_schedule in ("interleaved-1f1b", "zero-bubble") else 1):
         raise _titan_refuse(f"{layout.pp_virtual} stages per rank under {layout.pp_schedule}")
-    if strategy.id == "fsdp-full-shard" and layout.pp > 1:
-        raise _titan_refuse("full shard under PP (its default keeps the gathered parameters: fsdp-shard-grad-op)")
+    if strategy.id in ("fsdp-full-shard", "fsdp-hybrid-shard") and layout.pp > 1:
+        raise _titan_refuse(f"{strategy.id} under PP (its default keeps the gathered parameters: fsdp-shard-grad-op)")
     # HSDP shards within the node's dp ranks and replicates across; FSDP shards over every dp rank
     shard = {"ddp": 1, "fsdp-hybrid-shard": max(1, job.cluster.gpus_per_node // (layout.tp * layout.cp))}.get(
         strategy.id, job.dp

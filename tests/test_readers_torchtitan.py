@@ -5,11 +5,11 @@ copied from pytorch/torchtitan's llama3 train_configs, the commit on each file's
 import ast
 import dataclasses
 import json
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from memplan.catalog import model_preset
 from memplan.errors import InputError
@@ -163,7 +163,7 @@ def test_explain_config_lists_the_8b_file_s_fields():
     result = _cli("estimate", "--from", str(DATA / "llama3_8b.toml"), "--explain-config")
     assert result.exit_code == 0, result.output
     out = result.stdout
-    assert "model.flavor = \"8B\" → model" in out and "ignored (no memory effect)" in out
+    assert 'model.flavor = "8B" → model' in out and "ignored (no memory effect)" in out
     assert "optimizer.lr" in out and "training.batch_size = 1 → micro_batch" in out
 
 
@@ -175,15 +175,29 @@ BASE = {"model": {"name": "llama3", "flavor": "8B"}}
 @pytest.mark.parametrize(
     ("change", "want"),
     [
-        ({"parallelism": {"data_parallel_shard_degree": 4, "data_parallel_replicate_degree": 2}},
-         {"strategy": "fsdp-hybrid-shard", "gpus": 8, "gpus_per_node": 4}),
-        ({"parallelism": {"data_parallel_shard_degree": 1, "data_parallel_replicate_degree": 8}},
-         {"strategy": "ddp", "precision": "amp-bf16"}),
+        (
+            {"parallelism": {"data_parallel_shard_degree": 4, "data_parallel_replicate_degree": 2}},
+            {"strategy": "fsdp-hybrid-shard", "gpus": 8, "gpus_per_node": 4},
+        ),
+        (
+            {"parallelism": {"data_parallel_shard_degree": 1, "data_parallel_replicate_degree": 8}},
+            {"strategy": "ddp", "precision": "amp-bf16"},
+        ),
         ({"parallelism": {"fsdp_reshard_after_forward": "never"}}, {"strategy": "fsdp-shard-grad-op"}),
-        ({"parallelism": {"pipeline_parallel_degree": 2, "pipeline_parallel_schedule": "Interleaved1F1B"},
-          "training": {"local_batch_size": 4}},
-         {"strategy": "fsdp-shard-grad-op", "pp": 2, "pp_schedule": "interleaved-1f1b", "pp_virtual": 2,
-          "micro_batch": 1, "pp_microbatches": 4}),
+        (
+            {
+                "parallelism": {"pipeline_parallel_degree": 2, "pipeline_parallel_schedule": "Interleaved1F1B"},
+                "training": {"local_batch_size": 4},
+            },
+            {
+                "strategy": "fsdp-shard-grad-op",
+                "pp": 2,
+                "pp_schedule": "interleaved-1f1b",
+                "pp_virtual": 2,
+                "micro_batch": 1,
+                "pp_microbatches": 4,
+            },
+        ),
         ({"training": {"dtype": "bfloat16"}}, {"precision": "bf16"}),
         ({"training": {"mixed_precision_param": "float32"}}, {"precision": "fp32"}),
         ({"training": {"local_batch_size": 2, "global_batch_size": 64}}, {"micro_batch": 2, "grad_accum": 4}),
@@ -191,11 +205,18 @@ BASE = {"model": {"name": "llama3", "flavor": "8B"}}
         ({"activation_checkpoint": {"mode": "selective", "selective_ac_option": "3"}}, {"ac": "full", "ac_every": 3}),
         ({"activation_checkpoint": {"mode": "none"}}, {"ac": "none"}),
         ({}, {"ac": "full", "ac_every": 2}),  # JobConfig's default: selective, option "2"
-        ({"compile": {"enable": True}, "parallelism": {"tensor_parallel_degree": 2, "enable_async_tensor_parallel": True}},
-         {"compile": True, "async_tp": True, "tp": 2, "sp": True}),
+        (
+            {
+                "compile": {"enable": True},
+                "parallelism": {"tensor_parallel_degree": 2, "enable_async_tensor_parallel": True},
+            },
+            {"compile": True, "async_tp": True, "tp": 2, "sp": True},
+        ),
         ({"model": {"name": "llama3", "flavor": "8B", "converters": ["float8"]}}, {"float8": True}),
-        ({"optimizer": {"name": "Adam", "implementation": "for-loop", "early_step_in_backward": True}},
-         {"optimizer": "adam", "optimizer_impl": "single", "optimizer_in_backward": True}),
+        (
+            {"optimizer": {"name": "Adam", "implementation": "for-loop", "early_step_in_backward": True}},
+            {"optimizer": "adam", "optimizer_impl": "single", "optimizer_in_backward": True},
+        ),
         ({"parallelism": {"data_parallel_shard_degree": 4, "context_parallel_degree": 2}}, {"cp": 2, "gpus": 8}),
     ],
 )
@@ -211,21 +232,32 @@ def test_each_memory_field_sets_its_input(tmp_path, change, want):
         ({"model": {"name": "deepseek_v3", "flavor": "16B"}}, "model.name"),
         ({"model": {"name": "llama3", "flavor": "8B", "converters": ["mx"]}}, "model.converters"),
         ({"activation_checkpoint": {"mode": "memory_budget"}}, "activation_checkpoint.mode"),
-        ({"activation_checkpoint": {"mode": "selective", "selective_ac_option": "layer"}},
-         "activation_checkpoint.selective_ac_option"),
-        ({"parallelism": {"tensor_parallel_degree": 2, "disable_loss_parallel": True}}, "parallelism.disable_loss_parallel"),
+        (
+            {"activation_checkpoint": {"mode": "selective", "selective_ac_option": "layer"}},
+            "activation_checkpoint.selective_ac_option",
+        ),
+        (
+            {"parallelism": {"tensor_parallel_degree": 2, "disable_loss_parallel": True}},
+            "parallelism.disable_loss_parallel",
+        ),
         ({"parallelism": {"fsdp_reshard_after_forward": "always"}}, "parallelism.fsdp_reshard_after_forward"),
-        ({"parallelism": {"pipeline_parallel_degree": 2, "pipeline_parallel_schedule": "DualPipeV"}},
-         "parallelism.pipeline_parallel_schedule"),
-        ({"parallelism": {"data_parallel_shard_degree": 3}, "training": {}}, "parallelism.data_parallel_shard_degree"),
-        ({"parallelism": {"tensor_parallel_degree": 2, "enable_async_tensor_parallel": True}},
-         "parallelism.enable_async_tensor_parallel"),
+        (
+            {"parallelism": {"pipeline_parallel_degree": 2, "pipeline_parallel_schedule": "DualPipeV"}},
+            "parallelism.pipeline_parallel_schedule",
+        ),
+        ({"parallelism": {"data_parallel_shard_degree": 3}}, "parallelism.data_parallel_shard_degree"),
+        (
+            {"parallelism": {"tensor_parallel_degree": 2, "enable_async_tensor_parallel": True}},
+            "parallelism.enable_async_tensor_parallel",
+        ),
         ({"optimizer": {"name": "Muon"}}, "optimizer.name"),
         ({"compile": {"enable": True, "components": ["model"]}}, "compile.components"),
         ({"training": {"dtype": "float16"}}, "training.dtype"),
         ({"training": {"local_batch_size": 3, "global_batch_size": 32}}, "training.global_batch_size"),
-        ({"quantize.linear.float8": {"enable_fsdp_float8_all_gather": True}},
-         "quantize.linear.float8.enable_fsdp_float8_all_gather"),
+        (
+            {"quantize.linear.float8": {"enable_fsdp_float8_all_gather": True}},
+            "quantize.linear.float8.enable_fsdp_float8_all_gather",
+        ),
         ({"validation": {"enable": True}}, "validation.enable"),
         ({"experimental": {"custom_import": "my.module"}}, "experimental.custom_import"),
         ({"training": {"no_such_key": 1}}, "training.no_such_key"),
@@ -269,8 +301,15 @@ ROUND_TRIP = [
     ("fsdp-full-shard", 8, "mixed-bf16", {"tp": 2, "async_tp": True}, "op", 1, {"compile": True}),
     ("fsdp-shard-grad-op", 8, "mixed-bf16", {}, "full", 1, {"grad_accum": 4}),
     ("fsdp-shard-grad-op", 16, "mixed-bf16", {"pp": 2, "pp_microbatches": 4}, "full", 1, {}),
-    ("fsdp-shard-grad-op", 16, "mixed-bf16", {"pp": 2, "pp_schedule": "interleaved-1f1b", "pp_virtual": 2,
-                                              "pp_microbatches": 4}, "full", 1, {}),
+    (
+        "fsdp-shard-grad-op",
+        16,
+        "mixed-bf16",
+        {"pp": 2, "pp_schedule": "interleaved-1f1b", "pp_virtual": 2, "pp_microbatches": 4},
+        "full",
+        1,
+        {},
+    ),
     ("fsdp-hybrid-shard", 16, "mixed-bf16", {}, "full", 1, {}),
     ("ddp", 8, "amp-bf16", {}, "none", 1, {"optimizer_impl": "foreach"}),
     ("ddp", 8, "fp32", {}, "full", 1, {"optimizer": "adam"}),
@@ -326,13 +365,24 @@ def test_an_emitted_file_uses_only_torchtitan_0_2_2_s_fields():
     from memplan.inputs import build_jobs
     from memplan.request import Request
 
-    request = Request.of(model="llama-3.1-8b", gpus=16, strategy="fsdp-shard-grad-op", tp=2, pp=2,
-                         pp_microbatches=4, compile=True, async_tp=True, float8=True, ac="op")
+    request = Request.of(
+        model="llama-3.1-8b",
+        gpus=16,
+        strategy="fsdp-shard-grad-op",
+        tp=2,
+        pp=2,
+        pp_microbatches=4,
+        compile=True,
+        async_tp=True,
+        float8=True,
+        ac="op",
+    )
     (job,) = build_jobs(request)[1]
     data = tomllib.loads(emit(job, "torchtitan"))
     leaves = [f"{s}.{k}" for s, values in data.items() for k in values]
-    assert leaves and all(_known(f) and "before 0.2" not in field_table("torchtitan").get(f, {}).get("source", "")
-                          for f in leaves)
+    assert leaves and all(
+        _known(f) and "before 0.2" not in field_table("torchtitan").get(f, {}).get("source", "") for f in leaves
+    )
 
 
 @pytest.mark.parametrize(
@@ -341,7 +391,7 @@ def test_an_emitted_file_uses_only_torchtitan_0_2_2_s_fields():
         ({"ac": "selective"}, "ac selective"),
         ({"sp": False, "tp": 2}, "sequence parallel"),
         ({"precision": "mixed-fp16"}, "precision mixed-fp16"),
-        ({"pp": 2, "pp_microbatches": 4}, "full shard under PP"),
+        ({"pp": 2, "pp_microbatches": 4}, "fsdp-full-shard under PP"),
         ({"optimizer": "lion"}, "optimizer lion"),
     ],
 )
@@ -351,7 +401,23 @@ def test_a_job_torchtitan_cannot_say_is_refused_by_the_emitter_in_one_line(chang
     from memplan.inputs import build_jobs
     from memplan.request import Request
 
-    (job,) = build_jobs(Request.of(**({"model": "llama-3.1-8b", "gpus": 16, "strategy": "fsdp-full-shard"} | change)))[1]
+    base = {"model": "llama-3.1-8b", "gpus": 16, "strategy": "fsdp-full-shard"}
+    (job,) = build_jobs(Request.of(**(base | change)))[1]
     with pytest.raises(MemplanError) as err:
         emit(job, "torchtitan")
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_note_lists_every_torchtitan_field_by_its_status():
+    """docs/readers.md's three lists are the table's torchtitan rows, in order."""
+    import re
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "readers.md").read_text()
+    table = field_table("torchtitan")
+    for status, label in (
+        ("modelled", "modelled"),
+        ("default-only", "refused unless at torchtitan's default"),
+        ("ignored", "ignored (no memory effect)"),
+    ):
+        line = next(x for x in text.splitlines() if x.startswith(f"- {label} ("))
+        assert re.findall(r"`([^`]+)`", line) == [f for f, row in table.items() if row["status"] == status]

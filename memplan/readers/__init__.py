@@ -11,9 +11,9 @@ specs' inputs) and below the API and the CLI, which merge a file's inputs with e
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 
+import tomllib
 import yaml
 
 from ..errors import InputError
@@ -59,7 +59,9 @@ def detect(path: Path) -> str:
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
-            raise InputError(f"{path}: not TOML ({exc})", field="from", value=str(path), accepted="a TOML file") from None
+            raise InputError(
+                f"{path}: not TOML ({exc})", field="from", value=str(path), accepted="a TOML file"
+            ) from None
         if torchtitan.is_torchtitan(data):
             return "torchtitan"
     if path.suffix in (".yaml", ".yml"):

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..catalog import read_table
 from ..errors import InputError
+from ..specs import ModelSpec
 
 STATUSES = ("modelled", "ignored", "default-only", "at-least")
 
@@ -48,8 +49,8 @@ class FileConfig:
         """Which inputs came from the file, which from explicit flags, which the file left to them."""
 
         def show(value) -> str:
-            if is_dataclass(value) and getattr(value, "name", ""):  # a ModelSpec: its name (the header shows its shapes)
-                return str(value.name)
+            if isinstance(value, ModelSpec):  # its name: the report's header shows its shapes
+                return value.name
             if is_dataclass(value):
                 return "(" + ", ".join(f"{f.name} {show(getattr(value, f.name))}" for f in fields(value)) + ")"
             return str(value).lower() if isinstance(value, bool) else str(value)

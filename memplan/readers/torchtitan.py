@@ -18,10 +18,11 @@ set_to_none).
 
 from __future__ import annotations
 
-import tomllib
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from ..catalog import read_table
 from ..errors import InputError
@@ -30,7 +31,12 @@ from .base import FileConfig, classify, refuse
 
 NGPU = 8
 """run_train.sh: ``NGPU=${NGPU:-"8"}``, torchrun's --nproc_per_node."""
-SCHEDULES = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved1F1B": "interleaved-1f1b", "InterleavedZeroBubble": "zero-bubble"}
+SCHEDULES = {
+    "GPipe": "gpipe",
+    "1F1B": "1f1b",
+    "Interleaved1F1B": "interleaved-1f1b",
+    "InterleavedZeroBubble": "zero-bubble",
+}
 """torch.distributed.pipelining's schedule names memplan models (schedules.py get_schedule_class)."""
 LOOPED = ("interleaved-1f1b", "zero-bubble")
 """Multi-stage schedules: 2 stages per rank without pipeline_parallel_layers_per_stage
@@ -124,7 +130,7 @@ def parse(data: dict, path: Path | str = "<config>", gpus: int | None = None) ->
     inputs |= _batch(f, mesh)
     inputs |= _precision(f, mesh)
     inputs |= _loop(f, mesh)
-    assumed = (("gpus", f"run_train.sh's NGPU default; the degrees leave it open: give --gpus"),) * mesh.assumed
+    assumed = (("gpus", "run_train.sh's NGPU default; the degrees leave it open: give --gpus"),) * mesh.assumed
     return FileConfig(path=f.path, format="torchtitan", inputs=inputs, fields=tuple(uses), assumed=assumed)
 
 
@@ -176,12 +182,16 @@ class _Mesh:
             kept = reshard == "never" or self.pp > 1  # parallelize.py apply_fsdp: default is not pp_enabled
             if self.replicate > 1:
                 if kept:
-                    raise refuse(f.path, "parallelism.fsdp_reshard_after_forward", reshard, "default without PP under HSDP")
+                    raise refuse(
+                        f.path, "parallelism.fsdp_reshard_after_forward", reshard, "default without PP under HSDP"
+                    )
                 return "fsdp-hybrid-shard"
             return "fsdp-shard-grad-op" if kept else "fsdp-full-shard"
         if self.replicate > 1:
             if self.replicate != self.world:  # parallelize.py: "DDP has not supported > 1D parallelism"
-                raise refuse(f.path, "parallelism.data_parallel_replicate_degree", self.replicate, "the world size alone")
+                raise refuse(
+                    f.path, "parallelism.data_parallel_replicate_degree", self.replicate, "the world size alone"
+                )
             return "ddp"
         return "single"
 
@@ -291,4 +301,3 @@ def _compile(f: _File) -> bool:
     if enabled and sorted(components) != ["loss", "model"]:
         raise refuse(f.path, "compile.components", components, '["model", "loss"] (memplan compiles both)')
     return enabled
-
