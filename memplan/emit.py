@@ -165,6 +165,8 @@ def torchtitan_sections(job: Job) -> dict[str, dict]:
     if layout.pp > 1:
         parallelism["pipeline_parallel_schedule"] = TORCHTITAN_SCHEDULES[layout.pp_schedule]
         parallelism["pipeline_parallel_microbatch_size"] = t.micro_batch
+    if job.plan.ep > 1:
+        parallelism["expert_parallel_degree"] = job.plan.ep
     if layout.async_tp:  # distributed/tensor_parallel.py: async TP is an inductor pass, so it needs compile
         parallelism["enable_async_tensor_parallel"] = True
     sections: dict[str, dict] = {}

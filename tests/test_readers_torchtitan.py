@@ -352,7 +352,7 @@ def test_an_emitted_torchtitan_file_reads_back_to_the_same_estimate(
     assert "runs this with" not in text and "[model]" in text
     path = tmp_path / "job.toml"
     path.write_text(text)
-    (back,) = build_jobs(Request.of(**read(path, gpus=gpus).inputs))[1]
+    (back,) = build_jobs(Request.of(gpus=gpus, **read(path, gpus=gpus).inputs))[1]
     assert back.plan == job.plan and back.train == job.train and back.model == job.model
     assert back.layout.microbatches == job.layout.microbatches
     assert dataclasses.replace(back.layout, pp_microbatches=1) == dataclasses.replace(job.layout, pp_microbatches=1)

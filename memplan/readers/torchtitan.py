@@ -168,7 +168,7 @@ class _Mesh:
         self.shard, self.world = shard, world
         self.fsdp = shard > 1 or self.cp > 1  # ParallelDims.fsdp_enabled
         self.dp = self.replicate * shard
-        self.inputs: dict[str, Any] = {"gpus": world, "strategy": self._strategy(f)}
+        self.inputs: dict[str, Any] = {"strategy": self._strategy(f)} | ({} if gpus else {"gpus": world})
         self.inputs |= {"tp": self.tp, "cp": self.cp, "pp": self.pp}
         if self.tp > 1:
             self.inputs["sp"] = True  # parallelize.py apply_tp: norms always sequence-parallel
