@@ -261,7 +261,7 @@ def _converters(f: _File) -> list[str]:
 
 
 def _loop(f: _File, mesh: _Mesh) -> dict[str, Any]:
-    inputs: dict[str, Any] = {"zero_grad": "none"}  # train.py l.550: optimizers.zero_grad(), set_to_none
+    inputs: dict[str, Any] = dict(zero_grad="none")  # train.py l.550: optimizers.zero_grad(), set_to_none
     inputs["float8"] = "float8" in _converters(f)
     name = f.choice("optimizer", "name", "AdamW", tuple(OPTIMIZERS))
     impl = f.choice("optimizer", "implementation", "fused", tuple(IMPLEMENTATIONS))
