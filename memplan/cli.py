@@ -181,8 +181,9 @@ def _request(flags: dict):
 
     from .readers import read
 
-    config, ctx = read(source), click.get_current_context()
+    ctx = click.get_current_context()
     explicit = {k for k in flags if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, None)}
+    config = read(source, gpus=flags.get("gpus") if "gpus" in explicit else None)
     if explain:
         click.echo(config.explain())
         raise click.exceptions.Exit(0)

@@ -14,7 +14,7 @@ from .frameworks import FRAMEWORKS, adapter
 from .frameworks import deepspeed as _deepspeed
 from .frameworks import fsdp as _fsdp
 from .frameworks.base import header
-from .precision import POLICIES
+from .readers.torchtitan import flavor_spec, flavors, model_of
 from .specs import Job
 from .strategies import STRATEGIES
 
@@ -24,7 +24,7 @@ WRITES = {
     "fsdp2": _fsdp.FSDP2_STRATEGIES,
     "fsdp1": tuple(_fsdp.FSDP1_SHARDING),
     "deepspeed": tuple(_deepspeed.ZERO_STAGE),
-    "torchtitan": ("fsdp-full-shard", "fsdp-hybrid-shard", "ddp"),
+    "torchtitan": ("fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid-shard", "ddp", "single"),
 }
 """The strategies each framework's own form writes (accelerate and torchrun launch any)."""
 
@@ -86,55 +86,125 @@ TORCHTITAN_SCHEDULES = {
 }
 """torch.distributed.pipelining's schedule names (schedules.py get_schedule_class), as torchtitan's
 pipeline_parallel_schedule takes them."""
-TORCHTITAN_AC = {"none": "none", "selective": "selective", "op": "selective", "full": "full"}
-"""memplan's AC policies as torchtitan's: none, SelectiveAC (per-op) or FullAC."""
+TORCHTITAN_OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam"}
+TORCHTITAN_IMPLS = {"fused": "fused", "foreach": "foreach", "single": "for-loop", None: "fused"}
+
+
+def _titan_refuse(what: str) -> MemplanError:
+    return MemplanError(lambda n: f"{n('emit')} torchtitan: torchtitan 0.2.2's job config cannot say {what}")
+
+
+def _titan_ac(t) -> dict[str, str]:
+    """memplan's AC as torchtitan's activation_checkpoint (distributed/activation_checkpoint.py):
+    op → selective "op"; full on every N-th block → selective "N" (layer SAC), every block → full."""
+    if t.activation_checkpointing == "none":
+        return {"mode": "none"}
+    if t.activation_checkpointing == "op" and t.ac_every == 1:
+        return {"mode": "selective", "selective_ac_option": "op"}
+    if t.activation_checkpointing == "full":
+        return {"mode": "full"} if t.ac_every == 1 else {"mode": "selective", "selective_ac_option": str(t.ac_every)}
+    raise _titan_refuse(f"ac {t.activation_checkpointing} every {t.ac_every} (none, op, full or full every N)")
+
+
+def _titan_model(job: Job) -> dict[str, str]:
+    """[model] name and flavor where the job's model is a torchtitan flavor's (tables/torchtitan_models.csv)."""
+    for (name, flavor), row in flavors().items():
+        if job.model.name == model_of(row) or job.model == flavor_spec(row):
+            return {"name": name, "flavor": flavor}
+    return {}
 
 
 def torchtitan_sections(job: Job) -> dict[str, dict]:
-    """The [training], [parallelism] and [activation_checkpoint] sections of a torchtitan job
-    config (TrainingConfig and ParallelismConfig field names, torchtitan/config/configs.py)."""
+    """A torchtitan 0.2.2 job config (config/job_config.py JobConfig: [model], [training],
+    [parallelism], [activation_checkpoint], [compile], [optimizer]); what the file leaves out is
+    JobConfig's default. ``memplan estimate --from`` reads it back to the same job."""
     layout, strategy, t = job.layout, STRATEGIES[job.plan.strategy], job.train
     if job.plan.strategy not in WRITES["torchtitan"]:
         raise MemplanError(
             lambda n: f"{n('emit')} torchtitan writes FSDP2, HSDP or DDP over dp, not strategy {job.plan.strategy}"
         )
+    if layout.tp > 1 and not layout.sp:
+        raise _titan_refuse("TP without sequence parallel (apply_tp always shards the norms)")
+    if t.optimizer not in TORCHTITAN_OPTIMIZERS:
+        raise _titan_refuse(f"optimizer {t.optimizer} (adamw, adam)")
+    if job.plan.offload not in ("none", "all") or (job.plan.offload == "all" and job.dp == 1):
+        raise _titan_refuse(f"offload {job.plan.offload} (all, under FSDP)")
+    if layout.pp > 1 and layout.pp_virtual != (2 if layout.pp_schedule in ("interleaved-1f1b", "zero-bubble") else 1):
+        raise _titan_refuse(f"{layout.pp_virtual} stages per rank under {layout.pp_schedule}")
+    if strategy.id in ("fsdp-full-shard", "fsdp-hybrid-shard") and layout.pp > 1:
+        raise _titan_refuse(f"{strategy.id} under PP (its default keeps the gathered parameters: fsdp-shard-grad-op)")
     # HSDP shards within the node's dp ranks and replicates across; FSDP shards over every dp rank
     shard = {"ddp": 1, "fsdp-hybrid-shard": max(1, job.cluster.gpus_per_node // (layout.tp * layout.cp))}.get(
         strategy.id, job.dp
     )
-    local = t.micro_batch * layout.microbatches
-    training: dict[str, int | str] = {
+    fsdp = shard > 1 or layout.cp > 1  # ParallelDims.fsdp_enabled: FSDP's mixed precision, else autocast
+    amp = not fsdp and layout.tp == layout.pp == 1
+    if t.precision not in ("fp32", "bf16", "mixed-bf16" if fsdp else "amp-bf16" if amp else "fp32"):
+        raise _titan_refuse(f"precision {t.precision} under {strategy.id} (FSDP: mixed-bf16, DDP / one GPU: amp-bf16)")
+    local = t.micro_batch * (layout.microbatches if layout.pp > 1 else 1)
+    training: dict[str, object] = {
         "local_batch_size": local,
         "global_batch_size": local * job.dp * t.grad_accum,
         "seq_len": t.seq_len,
     }
-    if POLICIES[t.precision].master:
-        training["mixed_precision_param"] = {"bf16": "bfloat16", "fp16": "float16"}[POLICIES[t.precision].compute_dtype]
-    parallelism = {
+    if t.precision == "bf16":
+        training["dtype"] = "bfloat16"
+    elif t.precision == "fp32":
+        training["mixed_precision_param"] = "float32"
+    if job.plan.offload == "all":
+        training["enable_cpu_offload"] = True
+    parallelism: dict[str, object] = {
         "data_parallel_replicate_degree": job.dp // shard,
         "data_parallel_shard_degree": shard,
         "tensor_parallel_degree": layout.tp,
-        "enable_sequence_parallel": layout.sp,
         "context_parallel_degree": layout.cp,
         "pipeline_parallel_degree": layout.pp,
-        "pipeline_parallel_schedule": TORCHTITAN_SCHEDULES[layout.pp_schedule],
-        "pipeline_parallel_microbatch_size": t.micro_batch,
-        "expert_parallel_degree": job.plan.ep,
     }
-    sections: dict[str, dict] = {
-        "training": training,
-        "parallelism": parallelism,
-        "activation_checkpoint": {"mode": TORCHTITAN_AC[t.activation_checkpointing]},
+    if strategy.id == "fsdp-shard-grad-op" and layout.pp == 1:
+        parallelism["fsdp_reshard_after_forward"] = "never"
+    if layout.pp > 1:
+        parallelism["pipeline_parallel_schedule"] = TORCHTITAN_SCHEDULES[layout.pp_schedule]
+        parallelism["pipeline_parallel_microbatch_size"] = t.micro_batch
+    if job.plan.ep > 1:
+        parallelism["expert_parallel_degree"] = job.plan.ep
+    if layout.async_tp:  # distributed/tensor_parallel.py: async TP is an inductor pass, so it needs compile
+        parallelism["enable_async_tensor_parallel"] = True
+    sections: dict[str, dict] = {}
+    model = _titan_model(job)
+    if model or t.float8:
+        sections["model"] = model | ({"converters": ["float8"]} if t.float8 else {})
+    sections |= {"training": training, "parallelism": parallelism, "activation_checkpoint": _titan_ac(t)}
+    if t.compile or layout.async_tp:
+        sections["compile"] = {"enable": True, "components": ["model", "loss"]}
+    sections["optimizer"] = {
+        "name": TORCHTITAN_OPTIMIZERS[t.optimizer],
+        "implementation": TORCHTITAN_IMPLS[t.optimizer_impl],
+        "early_step_in_backward": t.optimizer_in_backward,
     }
-    if layout.async_tp:
-        # CompileConfig: async TP is an inductor pass, so it needs the model compiled
-        sections["compile"] = {"enable": True, "enable_async_tensor_parallel": True}
     return sections
 
 
+def _titan_runs(job: Job) -> list[str]:
+    """What torchtitan 0.2.2 runs otherwise than the job says: its loop (train.py: logits freed,
+    cross-entropy, zero_grad(set_to_none)) and FSDP's fp32 reduction (apply_fsdp)."""
+    t, layout = job.train, job.layout
+    runs = [] if t.recipe == "torchtitan" else ["recipe torchtitan"]
+    if t.zero_grad != "none":
+        runs.append("zero-grad none")
+    sharded = job.plan.strategy.startswith("fsdp") or layout.cp > 1
+    if sharded and t.reduce_dtype != "fp32":
+        runs.append("reduce-dtype fp32")
+    return runs
+
+
 def torchtitan_toml(job: Job) -> str:
-    """``torchtitan_sections`` as TOML text (flat tables of scalars: written here, no dependency)."""
+    """``torchtitan_sections`` as TOML text (flat tables of scalars and lists: written here, no dependency)."""
     lines = [f"# {header(job)}", f"# layout: {job.layout.describe()} × dp {job.dp}"]
+    if not _titan_model(job):
+        lines.append("# [model]: not a torchtitan llama3 flavor; give memplan --model")
+    runs = _titan_runs(job)
+    if runs:
+        lines.append(f"# torchtitan 0.2.2 runs this with {', '.join(runs)} (memplan estimate --from this file)")
     for section, values in torchtitan_sections(job).items():
         lines += ["", f"[{section}]"]
         lines += [f"{key} = {_toml(value)}" for key, value in values.items()]
@@ -144,6 +214,8 @@ def torchtitan_toml(job: Job) -> str:
 def _toml(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
     return f'"{value}"' if isinstance(value, str) else str(value)
 
 

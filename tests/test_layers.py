@@ -30,6 +30,7 @@ LAYERS: list[list[str]] = [
         "readers.torchtune",
         "readers.accelerate",
         "readers.hf_trainer",
+        "readers.torchtitan",
         "readers",
         "breakdown",
         "saved",

@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import tomllib
 import yaml
 
 from ..errors import InputError
-from . import accelerate, deepspeed, hf_trainer, torchtune
+from . import accelerate, deepspeed, hf_trainer, torchtitan, torchtune
 from .base import STATUSES, FieldUse, FileConfig, classify, field_table, refuse
 
 __all__ = ["STATUSES", "FieldUse", "FileConfig", "classify", "detect", "field_table", "read", "refuse"]
@@ -28,6 +29,7 @@ def _formats():
         "torchtune": torchtune.read,
         "hf-trainer": hf_trainer.read,
         "accelerate": accelerate.read,
+        "torchtitan": torchtitan.read,
     }
 
 
@@ -50,8 +52,18 @@ def _detect_yaml(path: Path, text: str) -> str | None:
 def detect(path: Path) -> str:
     """The format of a file by its content: JSON with zero_optimization or DeepSpeed's batch keys
     is DeepSpeed's; JSON with TrainingArguments' batch, optim or output_dir is the Trainer's; YAML
-    with a ``model._component_`` is torchtune's, with ``distributed_type`` accelerate's."""
+    with a ``model._component_`` is torchtune's, with ``distributed_type`` accelerate's; TOML with a
+    torchtitan section ([job], [model], [training], [parallelism] ...) is torchtitan's."""
     text = path.read_text(encoding="utf-8")
+    if path.suffix == ".toml":
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise InputError(
+                f"{path}: not TOML ({exc})", field="from", value=str(path), accepted="a TOML file"
+            ) from None
+        if torchtitan.is_torchtitan(data):
+            return "torchtitan"
     if path.suffix in (".yaml", ".yml"):
         found = _detect_yaml(path, text)
         if found:
@@ -77,8 +89,9 @@ def detect(path: Path) -> str:
     )
 
 
-def read(source: str | Path) -> FileConfig:
-    """A config file (``path``, or ``format:path``) read into memplan's inputs."""
+def read(source: str | Path, gpus: int | None = None) -> FileConfig:
+    """A config file (``path``, or ``format:path``) read into memplan's inputs; ``gpus``: the world
+    size the launch gives (torchtitan's TOML leaves it to torchrun)."""
     formats = _formats()
     text = str(source)
     fmt, _, rest = text.partition(":")
@@ -88,4 +101,5 @@ def read(source: str | Path) -> FileConfig:
         fmt, path = "", Path(text)
     if not path.is_file():
         raise InputError(f"--from {text}: no such file", field="from", value=text, accepted="a config file")
-    return formats[fmt or detect(path)](path)
+    fmt = fmt or detect(path)
+    return torchtitan.read(path, gpus=gpus) if fmt == "torchtitan" else formats[fmt](path)

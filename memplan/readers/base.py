@@ -11,6 +11,7 @@ from typing import Any
 
 from ..catalog import read_table
 from ..errors import InputError
+from ..specs import ModelSpec
 
 STATUSES = ("modelled", "ignored", "default-only", "at-least")
 
@@ -41,17 +42,23 @@ class FileConfig:
     fields: tuple[FieldUse, ...]
     deferred: tuple[str, ...] = ()
     """Inputs the file leaves to the caller (Hugging Face's ``"auto"``: the Trainer's value)."""
+    assumed: tuple[tuple[str, str], ...] = ()
+    """Inputs the file does not hold, set to the framework's launch default: (keyword, why)."""
 
     def describe(self, explicit: set[str] | frozenset[str] = frozenset()) -> str:
         """Which inputs came from the file, which from explicit flags, which the file left to them."""
 
         def show(value) -> str:
+            if isinstance(value, ModelSpec):  # its name: the report's header shows its shapes
+                return value.name
             if is_dataclass(value):
                 return "(" + ", ".join(f"{f.name} {show(getattr(value, f.name))}" for f in fields(value)) + ")"
             return str(value).lower() if isinstance(value, bool) else str(value)
 
-        taken = [f"{k.replace('_', '-')} {show(v)}" for k, v in self.inputs.items() if k not in explicit]
+        guessed = {k: why for k, why in self.assumed if k not in explicit}
+        taken = [f"{k.replace('_', '-')} {show(v)}" for k, v in self.inputs.items() if k not in explicit | set(guessed)]
         parts = [f"{self.path} ({self.format}) sets {', '.join(taken) or 'nothing'}"]
+        parts += [f"assumed {k.replace('_', '-')} {show(self.inputs[k])} ({why})" for k, why in guessed.items()]
         won = sorted(explicit & set(self.inputs))
         if won:
             parts.append(f"explicit flags win: {', '.join(k.replace('_', '-') for k in won)}")
@@ -111,7 +118,7 @@ def _number(value: Any) -> Any:
 
 def _at_default(value: Any, default: str) -> bool:
     if default == "":  # a section absent, empty, null, false or not enabled
-        return value in (None, False, {}, []) or (isinstance(value, dict) and value.get("enabled") in (False, None))
+        return value in (None, False, {}, [], "") or (isinstance(value, dict) and value.get("enabled") in (False, None))
     if isinstance(value, bool) or default in ("true", "false"):
         return str(value).lower() == default
     try:
