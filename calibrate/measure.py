@@ -117,6 +117,24 @@ def _micro_step(model: nn.Module, inputs, labels, train, autocast, on_forward_en
     del loss, logits
 
 
+def _zero_grad(optimizer, zero_grad: str) -> None:
+    """The recipe's clearing (``Loop.zero_grad``): torchtitan keeps its gradients allocated,
+    zero-filled in place (``Optimizer.zero_grad(set_to_none=False)``), which DTensor refuses for
+    a tensor-parallel norm's Partial gradient under torch 2.13 (``aten._foreach_zero_``: no
+    strategy preserves the placement): each gradient's local tensor is zeroed instead, the same
+    bytes. After-forward (Lightning's closure) clears them in the next forward's end instead."""
+    if zero_grad == "after-forward":
+        return
+    if zero_grad == "none":
+        optimizer.zero_grad(set_to_none=True)
+        return
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    getattr(p.grad, "_local_tensor", p.grad).zero_()
+
+
 def _compile_blocks(model: nn.Module) -> None:
     """torch.compile (inductor) of each transformer block in place, before wrapping, as
     torchtitan's apply_compile and torchtune's compile_model do; the loss is not compiled."""
@@ -296,19 +314,20 @@ def run(job: Job, *, steps: int = 3, warmup: int = 2, emulated: bool = False, wo
             if measured:
                 meter.reset_peak()
             start = time.perf_counter()
-            for _ in range(train.grad_accum):
+            for micro in range(train.grad_accum):
                 meter.new_step()
 
-                def forward_end(measured=measured):
+                def forward_end(measured=measured, first=micro == 0):
                     if measured:
                         phase_peaks["forward"] = max(phase_peaks.get("forward", 0), meter.peak())
+                    if first and train.zero_grad == "after-forward":
+                        optimizer.zero_grad(set_to_none=True)  # Lightning's closure: after training_step
 
                 _micro_step(model, inputs, labels, train, autocast, forward_end)
                 if measured:
                     phase_peaks["backward"] = max(phase_peaks.get("backward", 0), meter.peak())
             optimizer.step()
-            # the recipe's clearing (Loop.zero_grad): torchtitan keeps its gradients allocated
-            optimizer.zero_grad(set_to_none=train.zero_grad == "none")
+            _zero_grad(optimizer, train.zero_grad)
             if on_cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)

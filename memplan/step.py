@@ -316,6 +316,11 @@ class Step(Quantities):
             and self.framework.sums_tied_grads
         )
 
+    def holds_all_grads(self) -> bool:
+        """Whether every gradient is live all through the step: accumulated over micro-batches,
+        held by the framework, or zero-filled and kept from the step before."""
+        return self.job.train.grad_accum > 1 or self.framework.grads_held(self) or self.zero_filled()
+
     def grad_groups(self) -> dict[str, list[Term]]:
         groups = self._grad_groups()
         if not self.framework.grads_at_step(self):
@@ -324,7 +329,7 @@ class Step(Quantities):
 
     def _grad_groups(self) -> dict[str, list[Term]]:
         model, grads = self.job.model, self.grad_terms()
-        if self.job.train.grad_accum > 1 or self.framework.grads_held(self) or self.zero_filled():
+        if self.holds_all_grads():
             # with accumulation, earlier micro-batches' gradients are live all through the step;
             # zero-filled ones, the previous step's (measured: the zero-grad cases of the matrices)
             # (every backward moment holds them all, the last checkpointed block's under ac-every too)

@@ -216,8 +216,10 @@ class RankStep(Step):
     def grad_groups(self) -> dict[str, list[Term]]:
         groups = super().grad_groups()
         grads = self.grad_terms() + self.whole_embedding_grad()
-        if not self.stage.carries_grads:
+        if not self.stage.carries_grads and not self.holds_all_grads():
             # in the last block's backward only the head's gradients exist: none on a stage without it
+            # (zero-filled ones, the step before's, are all there: measured, the 405B FSDP 64 × TP 8
+            # trace, validation/records/trace_fullsize.md, −6.8 % without them)
             head = self.grad_share(self.root_params - self.pending_params(), "head params")
             return {**groups, "grads": grads, "grads.last_block": head}
         return {key: grads if key.startswith("grads") else value for key, value in groups.items()}
