@@ -318,10 +318,13 @@ def model_from_hf_config(source: str | Path | dict, *, name: str | None = None) 
     cfg, path = load_config(source)
     model_type = read(cfg, ("model_type",), str)
     family = FAMILIES.get(model_type)
+    # trace mode builds any model transformers knows (calibrate/trace.py): the way to a number
+    trace = f"; measure it with `memplan calibrate run --config {path or 'config.json'} --mode trace --gpus N`"
     if model_type in UNDESCRIBED:
-        raise MemplanError(f"model_type {model_type!r} cannot be described yet: {UNDESCRIBED[model_type]}")
+        raise MemplanError(f"model_type {model_type!r} cannot be described yet: {UNDESCRIBED[model_type]}{trace}")
     if family is None:
-        raise MemplanError(f"model_type {model_type!r} is not supported; supported: " + ", ".join(sorted(FAMILIES)))
+        supported = ", ".join(sorted(FAMILIES))
+        raise MemplanError(f"model_type {model_type!r} is not supported (supported: {supported}){trace}")
     fields = family.extra(cfg)
     for spec_field, keys in SHAPE_KEYS.items():
         if spec_field not in fields:

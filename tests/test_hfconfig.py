@@ -160,8 +160,9 @@ def test_non_object_json(tmp_path):
 def test_unsupported_model_type():
     one_line_error(
         {"model_type": "t5"},
-        "model_type 't5' is not supported; supported: bert, deepseek_v3, gpt2, gpt_neox, llama, mistral, mixtral, "
-        "phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, roberta, vit",
+        "model_type 't5' is not supported (supported: bert, deepseek_v3, gpt2, gpt_neox, llama, mistral, mixtral, "
+        "phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, roberta, vit); measure it with "
+        "`memplan calibrate run --config config.json --mode trace --gpus N`",
     )
 
 
