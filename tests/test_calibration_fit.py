@@ -272,10 +272,11 @@ HELP_EXAMPLE = "docs/calibrate_help_example_cpu.jsonl"
 """The five runs of `memplan calibrate run --help`'s example (llama 2L h64, fp32, emulate×2), measured."""
 
 
-@pytest.mark.parametrize(("n", "term"), [(3, "offset"), (5, "buffers")])
-def test_calibrate_fit_of_the_help_example_uses_one_term_and_a_held_out_band(tmp_path, n, term):
-    # before: 4 free parameters on 3 or 5 records, "0.000 % after", band ±0.00 % (3 records),
-    # buffers ×0.11 and activations ×1.68; now one term, within its physical range
+@pytest.mark.parametrize("n", [3, 5])
+def test_calibrate_fit_of_the_help_example_keeps_memplans_arithmetic_and_a_held_out_band(tmp_path, n):
+    # at first: 4 free parameters on 3 or 5 records, "0.000 % after", band ±0.00 % (3 records),
+    # buffers ×0.11 and activations ×1.68; then one term (offset, buffers); since fsdp-no-shard
+    # took full shard's block instants (its record +12.1 % -> -2.1 %) no term lowers the held-out error
     from pathlib import Path
 
     from click.testing import CliRunner
@@ -290,11 +291,13 @@ def test_calibrate_fit_of_the_help_example_uses_one_term_and_a_held_out_band(tmp
     result = CliRunner().invoke(main, ["calibrate", "fit", str(path), "-o", str(out)])
     assert result.exit_code == 0, result.output
     [fitted] = cal.load(out).corrections
-    assert fitted.terms == (term,) and f"{n} records: 1 of 4 free parameters fitted" in result.output
-    assert "states: refused, states ×0.79" in result.output and "is outside its physical range" in result.output
+    assert (
+        fitted.terms == () and f"{n} records: 0 of 4 free parameters fitted; memplan's arithmetic kept" in result.output
+    )
+    assert result.output.count("not fitted, it does not lower the held-out error") == 4
     data = observations(records.read([path]))
     assert fitted.residual_pct == pytest.approx(_loo_band_pct(data, fitted.terms), rel=1e-6)
-    assert fitted.residual_pct > 5  # the records are 0-14 % off memplan: the band says so
+    assert fitted.residual_pct > 2  # the records are -2 to +14 % off memplan: the band says so
 
 
 def test_calibrate_fit_to_a_missing_directory_is_one_line(tmp_path):
