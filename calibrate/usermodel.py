@@ -127,12 +127,18 @@ class UserWrapper(nn.Module):
     def __init__(self, inner: nn.Module, units: str | None):
         super().__init__()
         self.inner = inner
-        self.units = units
+        try:
+            self.units: str | None = find_units(inner, units)
+            self.no_units = ""
+        except UserModelError as exc:
+            if units is not None:
+                raise
+            self.units, self.no_units = None, str(exc)  # refused only where something needs units
 
     @property
     def layers(self) -> nn.ModuleList:
         if self.units is None:
-            raise UserModelError(f"{type(self.inner).__name__} has no FSDP2 units")
+            raise UserModelError(self.no_units)
         return self.inner.get_submodule(self.units)  # type: ignore[return-value]
 
     @property
@@ -163,12 +169,12 @@ def apply_ac(model: UserWrapper, ac: str) -> None:
         layers[i] = checkpoint_wrapper(layer) if ac == "full" else op_checkpoint(layer)
 
 
-def _vocab(model: nn.Module) -> int:
+def _vocab(model: nn.Module, user: UserModel) -> int:
     embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if embedding is None:
         raise UserModelError(
-            f"{type(model).__name__} has no nn.Embedding to draw token ids for: define "
-            "example_input(batch, seq) beside the factory"
+            f"--module {user.factory}: {type(model).__name__} has no nn.Embedding to draw token ids for: "
+            "define example_input(batch, seq) beside the factory"
         )
     return embedding.num_embeddings
 
@@ -194,9 +200,9 @@ class UserWorkload:
         apply_ac(model, job.train.activation_checkpointing)
         return model
 
-    def batch(self, model: nn.Module, *, micro_batch: int, seq_len: int, device) -> tuple[tuple, dict]:
+    def batch(self, model: UserWrapper, *, micro_batch: int, seq_len: int, device) -> tuple[tuple, dict]:
         """(positional, keyword) arguments of the forward."""
-        inner = model.inner if isinstance(model, UserWrapper) else model
+        inner = model.inner
         module = _factory_module(self.user)
         example = getattr(module, "example_input", None)
         if example is not None:
@@ -206,7 +212,7 @@ class UserWorkload:
                 return (), made
             return (made if isinstance(made, tuple) else (made,)), {}
         with torch.device(device):
-            ids = torch.randint(0, _vocab(inner), (micro_batch, seq_len))
+            ids = torch.randint(0, _vocab(inner, self.user), (micro_batch, seq_len))
         return ((), {"input_ids": ids, "labels": ids}) if _takes_labels(inner) else ((ids,), {})
 
     def micro_step(self, model: nn.Module, batch: tuple[tuple, dict], train, autocast, on_forward_end) -> None:
@@ -249,13 +255,11 @@ def probe(user: UserModel) -> dict:
             resolve(user.step, "--step")
         with _fake():
             model = build(user)
+            wrapped = UserWrapper(model, user.units)  # a wrong --units: refused whatever the strategy
             found: dict[str, Any] = {"model": type(model).__name__}
-            try:
-                found["units"] = find_units(model, user.units)
-            except UserModelError as exc:
-                found["no_units"] = str(exc)
-            workload = UserWorkload(user)
-            workload.batch(UserWrapper(model, None), micro_batch=1, seq_len=2, device="cpu")
+            # no list: refused where the strategy shards (FSDP2)
+            found |= {"units": wrapped.units} if wrapped.units else {"no_units": wrapped.no_units}
+            UserWorkload(user).batch(wrapped, micro_batch=1, seq_len=2, device="cpu")
         found["spec"] = _described(model)
         return found
     except UserModelError as exc:

@@ -60,3 +60,8 @@ def not_a_module():
 def flat():
     """No nn.ModuleList: nothing to shard as FSDP2 units."""
     return nn.Sequential(nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, VOCAB))
+
+
+def no_input():
+    """No nn.Embedding and no example_input here: no input can be made for it."""
+    return nn.Linear(WIDTH, WIDTH)
