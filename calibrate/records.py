@@ -104,7 +104,8 @@ class UserModel:
             raise MemplanError("a user model is built by a factory or from a config, exactly one")
 
     def name(self) -> str:
-        return f"module {self.factory}" if self.factory else f"{self.config.get('model_type')} (config)"  # type: ignore[union-attr]
+        model = f"module {self.factory}" if self.factory else f"{(self.config or {}).get('model_type')} (config)"
+        return model + (f" step {self.step}" if self.step else "")
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v not in (None, "")}

@@ -179,9 +179,9 @@ def _vocab(model: nn.Module, user: UserModel) -> int:
     return embedding.num_embeddings
 
 
-def _takes_labels(model: nn.Module) -> bool:
+def _takes(model: nn.Module, keyword: str) -> bool:
     try:
-        return "labels" in inspect.signature(model.forward).parameters
+        return keyword in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
 
@@ -192,12 +192,16 @@ class UserWorkload:
     def __init__(self, user: UserModel):
         self.user = user
         self.own_step = resolve(user.step, "--step") if user.step else None
+        self.no_cache = False
 
     def build(self, job: Job) -> nn.Module:
         if job.train.finetune != "full":
             raise UserModelError(f"--finetune {job.train.finetune} adapts calibrate's models; a user model trains full")
         model = UserWrapper(build(self.user), self.user.units)
         apply_ac(model, job.train.activation_checkpointing)
+        # a transformers model's KV cache would grow again as a checkpointed block recomputes:
+        # off under AC, as transformers' own gradient checkpointing turns it off in training
+        self.no_cache = job.train.activation_checkpointing != "none" and _takes(model.inner, "use_cache")
         return model
 
     def batch(self, model: UserWrapper, *, micro_batch: int, seq_len: int, device) -> tuple[tuple, dict]:
@@ -213,10 +217,12 @@ class UserWorkload:
             return (made if isinstance(made, tuple) else (made,)), {}
         with torch.device(device):
             ids = torch.randint(0, _vocab(inner, self.user), (micro_batch, seq_len))
-        return ((), {"input_ids": ids, "labels": ids}) if _takes_labels(inner) else ((ids,), {})
+        return ((), {"input_ids": ids, "labels": ids}) if _takes(inner, "labels") else ((ids,), {})
 
     def micro_step(self, model: nn.Module, batch: tuple[tuple, dict], train, autocast, on_forward_end) -> None:
         args, kwargs = batch
+        if self.no_cache:
+            kwargs = {**kwargs, "use_cache": False}
         with autocast:
             out = model(*args, **kwargs)
             loss = _loss(out)
