@@ -184,9 +184,7 @@ class Run:
 
     @property
     def key(self) -> str:
-        return run_key(
-            spec_dict(self.job), self.mode, self.steps, self.workload, self.layers_scaled, self._user_dict()
-        )
+        return run_key(spec_dict(self.job), self.mode, self.steps, self.workload, self.layers_scaled, self._user_dict())
 
     def _user_dict(self) -> dict | None:
         return self.user.to_dict() if self.user else None

@@ -29,6 +29,7 @@ from pathlib import Path
 from memplan.errors import MemplanError
 from memplan.frameworks import runs_natively
 from memplan.inputs import build_jobs
+from memplan.request import SHAPES
 from memplan.strategies import STRATEGIES
 
 from . import records
@@ -67,7 +68,8 @@ def grid_points(grid: dict[str, list]) -> list[dict]:
     return [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]
 
 
-_MODEL_FLAGS = ("params", "model", "config", "arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "head_dim")
+_MODEL_FLAGS = ("params", "model", "config", "arch", *SHAPES)
+"""The flags that name the model (``memplan.request.ModelRequest``)."""
 
 
 def user_model(

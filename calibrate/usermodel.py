@@ -35,7 +35,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from memplan.errors import MemplanError
@@ -60,7 +59,7 @@ def resolve(ref: str, what: str) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise UserModelError(f"{what} {ref!r}: module {module_name!r} cannot be imported ({exc})") from None
-    found = module
+    found: Any = module
     for part in attr.split("."):
         found = getattr(found, part, None)
         if found is None:
@@ -80,9 +79,8 @@ def build(user: UserModel) -> nn.Module:
     if user.factory is None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = dict(user.config or {})
-        config = AutoConfig.for_model(config.pop("model_type"), **config)
-        return AutoModelForCausalLM.from_config(config)
+        values = dict(user.config or {})
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values))
     try:
         model = resolve(user.factory, "--module")()
     except UserModelError:
@@ -159,7 +157,9 @@ def apply_ac(model: UserWrapper, ac: str) -> None:
     if ac == "none":
         return
     if ac == "selective":
-        raise UserModelError("--ac selective checkpoints calibrate's own attention; a user model takes none, full or op")
+        raise UserModelError(
+            "--ac selective checkpoints calibrate's own attention; a user model takes none, full or op"
+        )
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     from .workloads import op_checkpoint

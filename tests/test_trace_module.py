@@ -156,7 +156,7 @@ def test_a_module_makes_its_own_input_and_without_units_runs_unsharded_only():
     # the input made by example_input (b × s × FEATURES fp32), live through the step
     param_bytes = 4 * sum(p.numel() for p in build().parameters())
     assert traced.peak_allocated_bytes >= 4 * param_bytes + 4 * BATCH * SEQ * FEATURES
-    with pytest.raises(usermodel.UserModelError, match="Sequential has no nn.ModuleList"):
+    with pytest.raises(usermodel.UserModelError, match=r"Sequential has no nn\.ModuleList"):
         trace.run(_job(), user=regressor)
 
 
