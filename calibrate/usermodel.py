@@ -80,17 +80,27 @@ def build(user: UserModel) -> nn.Module:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         values = dict(user.config or {})
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values))
+        model_type = values.pop("model_type", None)
+        try:
+            return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **values))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UserModelError(
+                f"--config model_type {model_type!r}: transformers builds no causal LM of it ({_first_line(exc)})"
+            ) from None
     try:
         model = resolve(user.factory, "--module")()
     except UserModelError:
         raise
     except Exception as exc:
-        raise UserModelError(f"--module {user.factory} raised {type(exc).__name__}: {exc}") from None
+        raise UserModelError(f"--module {user.factory} raised {type(exc).__name__}: {_first_line(exc)}") from None
     if not isinstance(model, nn.Module):
         what = "tensor" if isinstance(model, torch.Tensor) else type(model).__name__
         raise UserModelError(f"--module {user.factory} returned a {what}, not a torch nn.Module")
     return model
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or ["no message"])[0]
 
 
 def find_units(model: nn.Module, path: str | None) -> str:
@@ -104,8 +114,7 @@ def find_units(model: nn.Module, path: str | None) -> str:
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
         raise UserModelError(
-            f"{type(model).__name__} has no nn.ModuleList of blocks to shard as FSDP2 units; "
-            "name one with --units, or run --strategy ddp"
+            f"{type(model).__name__} has no nn.ModuleList of blocks to shard as FSDP2 units; name one with --units"
         )
     return max(lists, key=lambda item: len(item[1]))[0]
 

@@ -75,6 +75,12 @@ def test_a_bad_factory_is_refused_in_one_line(factory, words):
     assert words in found["error"] and factory in found["error"] and "\n" not in found["error"]
 
 
+def test_a_config_transformers_cannot_build_is_refused_in_one_line():
+    found = usermodel.probe(UserModel(config={"model_type": "nosuchmodel", "hidden_size": 64}))
+    assert found["error"].startswith("--config model_type 'nosuchmodel': transformers builds no causal LM of it (")
+    assert "\n" not in found["error"]
+
+
 def test_the_probe_finds_the_units_and_a_spec_where_memplan_reads_the_config():
     gpt = usermodel.probe(UserModel(factory="tinygpt:build"))
     assert gpt == {"model": "TinyGPT", "units": "blocks", "spec": None}
