@@ -32,6 +32,9 @@ RUN_ONLY_FLAGS = (
     "submit",
     "poll_s",
     "quiet",
+    "module",
+    "step",
+    "units",
 )
 
 
@@ -98,6 +101,54 @@ def _sweep_options(f):
     return f
 
 
+def _user_model_options(f):
+    """A model built by its own code (``calibrate.usermodel``), traced: ``calibrate run`` only."""
+    options = [
+        click.option(
+            "--module",
+            metavar="PKG.MOD:FACTORY",
+            help="With --mode trace: the model is what FACTORY() returns (an nn.Module; imported with the "
+            "current directory on sys.path), traced instead of a memplan model; no estimate unless it "
+            "carries a Hugging Face config memplan reads.",
+        ),
+        click.option(
+            "--step",
+            metavar="PKG.MOD:TRAIN_STEP",
+            help="With --module: TRAIN_STEP(model, batch, optimizer) runs each whole step (the user's own loop).",
+        ),
+        click.option(
+            "--units",
+            metavar="ATTR.PATH",
+            help="With --module: the nn.ModuleList whose items are the FSDP2 units; default: its largest.",
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _with_user_model(flags: dict, *, mode, machine, module, step, units, layers_scaled):
+    """The user model the flags name, checked by building it in the runs' interpreter (its
+    units, and its spec where memplan describes it), with the flags planned from; (None, flags)."""
+    from dataclasses import replace
+
+    from memplan.specs import ModelSpec
+
+    from . import preflight
+    from .runs import user_model
+
+    user, flags = user_model(flags, mode=mode, module=module, step=step, units=units)
+    if user is None:
+        return None, flags, None
+    if layers_scaled:
+        raise MemplanError(f"--layers-scaled rebuilds memplan's models at other depths, not {user.name()}")
+    found = preflight.check_user(user, machine=machine)
+    user = replace(user, units=found.get("units"))
+    if found.get("spec"):  # a module with a config memplan reads: estimated as any model
+        user, flags = replace(user, no_estimate=""), flags | {"model": ModelSpec(**found["spec"])}
+    return user, flags, found.get("no_units")
+
+
 def _grid_flag_sets(ctx: click.Context, flags: dict, grid_path) -> list[dict]:
     """The command's flags, once per point of the grid (once without a grid)."""
     from .runs import grid_points, load_grid
@@ -134,15 +185,19 @@ def _apply_nodes(ctx: click.Context, flags: dict, nodes) -> dict:
     return flags | {"gpus": nodes * per_node}
 
 
-def _plan(ctx, flags, *, mode, steps, warmup, workload, grid, nodes, layers_scaled):
+def _plan(ctx, flags, *, mode, steps, warmup, workload, grid, nodes, layers_scaled, user=None, no_units=None):
+    from memplan.strategies import STRATEGIES
+
     from .runs import plan
 
     if layers_scaled and mode == "cluster":
         raise MemplanError("--layers-scaled runs here (--mode local or emulate), not as a cluster job")
     flag_sets = [_apply_nodes(ctx, f, nodes) for f in _grid_flag_sets(ctx, flags, grid)]
     runs, skipped = plan(
-        flag_sets, mode=mode, steps=steps, warmup=warmup, workload=workload, layers_scaled=layers_scaled
+        flag_sets, mode=mode, steps=steps, warmup=warmup, workload=workload, layers_scaled=layers_scaled, user=user
     )
+    if no_units and any(STRATEGIES[r.job.plan.strategy].framework == "fsdp" for r in runs):
+        raise MemplanError(no_units)
     for reason, strategies in skipped.items():
         click.echo(f"skipping {', '.join(strategies)}: {reason} (--strategy all)", err=True)
     if not runs:
@@ -289,6 +344,9 @@ def _execute(
     quiet=False,
     submit=False,
     poll_s=None,
+    module=None,
+    step=None,
+    units=None,
     **flags,
 ):
     from . import preflight
@@ -296,6 +354,9 @@ def _execute(
     if timeout_s <= 0:
         raise MemplanError(f"--timeout must be a positive number of seconds, got {timeout_s:g}")
     machine, flags = _machine_and_device(ctx, flags, mode)
+    user, flags, no_units = _with_user_model(
+        flags, mode=mode, machine=machine, module=module, step=step, units=units, layers_scaled=layers_scaled
+    )
     runs = _plan(
         ctx,
         flags,
@@ -306,6 +367,8 @@ def _execute(
         grid=grid,
         nodes=nodes,
         layers_scaled=layers_scaled,
+        user=user,
+        no_units=no_units,
     )
     preflight.check_runs(runs, machine=machine or preflight.Machine(python=sys.executable), mode=mode)
     if submit:
@@ -349,6 +412,7 @@ def calibrate():
     "under fake tensors, at full size with no bytes allocated (FSDP2, DDP, FSDP2 × TP).",
 )
 @_sweep_options
+@_user_model_options
 @click.pass_context
 @user_errors
 def run(ctx, **params):
@@ -449,6 +513,13 @@ def fit(files, output):
     from .fit import TERMS, fit_records
 
     ok = records.read(files, warn=lambda m: click.echo(f"warning: {m}", err=True))
+    unestimated = [r for r in ok if r["status"] == "ok" and not r.get("estimate")]
+    if unestimated:
+        why = unestimated[0].get("estimate_error") or "no estimate recorded"
+        click.echo(
+            f"skipping {len(unestimated)} ok record(s) without an estimate, nothing to fit against (first: {why})",
+            err=True,
+        )
     calibration = fit_records(ok, sources=files)
     if not calibration.corrections:
         raise MemplanError(f"no ok records with an estimate in {', '.join(files)}: nothing to fit")

@@ -277,15 +277,19 @@ class _CudaMeter:
         }
 
 
-def run(job: Job, *, steps: int = 3, warmup: int = 2, emulated: bool = False, workload: str = "native") -> Measurement:
-    """Build, wrap and train the job's model; measure the last of ``steps`` steps."""
+def run(
+    job: Job, *, steps: int = 3, warmup: int = 2, emulated: bool = False, workload: str = "native", user=None
+) -> Measurement:
+    """Build, wrap and train the job's model; measure the last of ``steps`` steps. ``user``: a
+    model built by its own code (``calibrate.usermodel.UserWorkload``), not the spec's."""
     if steps <= warmup:
         raise ValueError("steps must exceed warmup: the measured step needs optimizer states")
     torch.manual_seed(dist.get_rank() if dist.is_initialized() else 0)
     on_cuda = torch.cuda.is_available() and job.train.device == "cuda"
     meter = _CudaMeter() if on_cuda else _CpuMeter()
     train = job.train
-    inputs, labels = make_batch(job.model, micro_batch=train.micro_batch, seq_len=train.seq_len, device=meter.device)
+    if user is None:
+        batch = make_batch(job.model, micro_batch=train.micro_batch, seq_len=train.seq_len, device=meter.device)
     policy = POLICIES[train.precision]
     autocast = (
         torch.autocast(meter.device.type, dtype=DTYPES[policy.compute_dtype])
@@ -294,10 +298,14 @@ def run(job: Job, *, steps: int = 3, warmup: int = 2, emulated: bool = False, wo
     )
     with meter:
         with torch.device(meter.device):
-            model = build_model(
-                job.model, attention=train.attention, ac=train.activation_checkpointing, workload=workload
-            )
-        if train.finetune != "full":
+            if user is None:
+                model = build_model(
+                    job.model, attention=train.attention, ac=train.activation_checkpointing, workload=workload
+                )
+            else:
+                model = user.build(job)
+                batch = user.batch(model, micro_batch=train.micro_batch, seq_len=train.seq_len, device=meter.device)
+        if train.finetune != "full" and user is None:
             if workload != "hf":
                 raise Unsupported(f"finetune {train.finetune} adapts a transformers model: use workload hf")
             from .finetune import adapt
@@ -314,29 +322,36 @@ def run(job: Job, *, steps: int = 3, warmup: int = 2, emulated: bool = False, wo
             if measured:
                 meter.reset_peak()
             start = time.perf_counter()
-            for micro in range(train.grad_accum):
+            if user is not None and user.own_step:
                 meter.new_step()
+                user.own_step(model, batch, optimizer)  # the user's whole step: no phases told apart
+            else:
+                for micro in range(train.grad_accum):
+                    meter.new_step()
 
-                def forward_end(measured=measured, first=micro == 0):
+                    def forward_end(measured=measured, first=micro == 0):
+                        if measured:
+                            phase_peaks["forward"] = max(phase_peaks.get("forward", 0), meter.peak())
+                        if first and train.zero_grad == "after-forward":
+                            optimizer.zero_grad(set_to_none=True)  # Lightning's closure: after training_step
+
+                    if user is None:
+                        _micro_step(model, *batch, train, autocast, forward_end)
+                    else:
+                        user.micro_step(model, batch, train, autocast, forward_end)
                     if measured:
-                        phase_peaks["forward"] = max(phase_peaks.get("forward", 0), meter.peak())
-                    if first and train.zero_grad == "after-forward":
-                        optimizer.zero_grad(set_to_none=True)  # Lightning's closure: after training_step
-
-                _micro_step(model, inputs, labels, train, autocast, forward_end)
-                if measured:
-                    phase_peaks["backward"] = max(phase_peaks.get("backward", 0), meter.peak())
-            optimizer.step()
-            _zero_grad(optimizer, train.zero_grad)
+                        phase_peaks["backward"] = max(phase_peaks.get("backward", 0), meter.peak())
+                optimizer.step()
+                _zero_grad(optimizer, train.zero_grad)
             if on_cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
             if measured:
-                phase_peaks["optimizer"] = meter.peak()
+                phase_peaks["step" if "backward" not in phase_peaks else "optimizer"] = meter.peak()
         peak = meter.peak()
         categories = meter.categories()
         extra = meter.extra()
-    phase = next(p for p in ("forward", "backward", "optimizer") if phase_peaks[p] == peak)
+    phase = next(p for p in ("forward", "backward", "optimizer", "step") if phase_peaks.get(p) == peak)
     step_s = times[-1]
     return Measurement(
         peak_allocated_bytes=peak,

@@ -22,7 +22,7 @@ from memplan.errors import MemplanError
 from memplan.frameworks import adapter, runs_natively
 from memplan.strategies import STRATEGIES
 
-from .records import Run
+from .records import Run, UserModel
 
 MIN_TORCH = (2, 4)
 """The calibrate extra's floor (setup.cfg: torch>=2.4): FSDP2's fully_shard, the fake process
@@ -139,3 +139,22 @@ def check_runs(runs: list[Run], *, machine: Machine, mode: str) -> None:
                 f"{what}: --mode local needs {ranks} CUDA devices, this machine has {machine.cuda_devices}; "
                 "--mode emulate runs one rank of it on a fake process group, --mode cluster on Slurm"
             )
+
+
+def check_user(user: UserModel, *, machine: Machine) -> dict:
+    """What the runs' interpreter finds of a model built by its own code (``calibrate.usermodel``
+    ``probe``: it imports the factory and builds the model under fake tensors): its units, a spec
+    memplan describes; why it cannot run, as one error."""
+    command = [machine.python, "-m", "calibrate.usermodel", json.dumps(user.to_dict())]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False)
+    except (subprocess.TimeoutExpired, OSError) as exc:
+        raise MemplanError(f"{user.name()} could not be built to check it ({exc})") from None
+    try:
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise MemplanError(f"{user.name()} could not be built to check it: {last}") from None
+    if "error" in found:
+        raise MemplanError(found["error"])
+    return found

@@ -21,6 +21,11 @@ A record (``schema`` 1)::
     measurement   calibrate.measure.Measurement as a dict (null unless ok)
     device, torch_version, host, finished_at (UTC, ISO 8601), wall_s
     slurm_job_id  the Slurm job that ran (or left unfinished) the run; only in cluster mode
+    user          only for a model built by its own code (``--module``, or ``--config`` of a
+                  family memplan does not describe; ``--mode trace``): ``UserModel`` as a dict,
+                  its FSDP2 units and why there is no estimate (then ``estimate`` is null and
+                  ``estimate_error`` says why); the spec's model is then a stand-in
+                  (``STAND_IN``), never estimated
 
 Example usage::
 
@@ -71,6 +76,45 @@ _LATER_DEFAULTS: dict[str, dict[str, Any]] = {
 """Inputs added after records existed, by part: kept in a record only where not at their default."""
 
 
+STAND_IN = ModelSpec(name="user-model", num_layers=1, hidden=1, num_heads=1, ffn_hidden=1, vocab_size=1)
+"""The spec's model of a run whose model memplan does not describe (``UserModel``): the Job
+needs one for its step, cluster and strategy; nothing estimates or builds it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class UserModel:
+    """A model built by its own code in the run (``--mode trace``), not from a ModelSpec: a
+    user's factory, or a Hugging Face config of a family memplan does not describe."""
+
+    factory: str | None = None
+    """``package.module:function`` returning the ``nn.Module`` (``--module``)."""
+    config: dict | None = None
+    """A Hugging Face config (``AutoModelForCausalLM.from_config``), when no factory."""
+    step: str | None = None
+    """``package.module:function(model, batch, optimizer)`` running one whole step (``--step``);
+    None: calibrate's (forward, loss, backward, optimizer step, zero_grad)."""
+    units: str | None = None
+    """The attribute path of the ``nn.ModuleList`` whose items are the FSDP2 units (the
+    module's largest where not given: ``--units``)."""
+    no_estimate: str = ""
+    """Why memplan has no estimate of it ("" where the probe found a spec memplan describes)."""
+
+    def __post_init__(self):
+        if (self.factory is None) == (self.config is None):
+            raise MemplanError("a user model is built by a factory or from a config, exactly one")
+
+    def name(self) -> str:
+        model = f"module {self.factory}" if self.factory else f"{(self.config or {}).get('model_type')} (config)"
+        return model + (f" step {self.step}" if self.step else "")
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v not in (None, "")}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> UserModel:
+        return cls(**data)
+
+
 def spec_dict(job: Job) -> dict:
     """The four specs of a job as plain dicts (the ``spec`` field of a record), and its layout
     where it has one."""
@@ -95,11 +139,15 @@ def job_from_spec(spec: dict) -> Job:
         raise MemplanError(f"a record's spec does not describe a memplan Job ({exc})") from None
 
 
-def run_key(spec: dict, mode: str, steps: int, workload: str, layers_scaled: bool = False) -> str:
+def run_key(
+    spec: dict, mode: str, steps: int, workload: str, layers_scaled: bool = False, user: dict | None = None
+) -> str:
     """Canonical JSON of what makes two runs the same run (``--resume`` skips a recorded key)."""
-    key = {"spec": spec, "mode": mode, "steps": steps, "workload": workload}
+    key: dict[str, Any] = {"spec": spec, "mode": mode, "steps": steps, "workload": workload}
     if layers_scaled:
         key["layers_scaled"] = True
+    if user:
+        key["user"] = user
     return json.dumps(key, sort_keys=True, separators=(",", ":"))
 
 
@@ -119,6 +167,8 @@ class Run:
     layers_scaled: bool = False
     """Measure 2-, 3- and 4-block copies at full width and extrapolate to the real depth
     (calibrate.layerscale), for a model too big for the calibration device."""
+    user: UserModel | None = None
+    """The model built by its own code (trace mode only), not from the spec's model."""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -129,10 +179,15 @@ class Run:
             raise MemplanError(
                 f"steps must exceed warmup and warmup be at least 1 (got steps {self.steps}, warmup {self.warmup})"
             )
+        if self.user is not None and self.mode != "trace":
+            raise MemplanError(f"a model built by its own code runs under --mode trace, not --mode {self.mode}")
 
     @property
     def key(self) -> str:
-        return run_key(spec_dict(self.job), self.mode, self.steps, self.workload, self.layers_scaled)
+        return run_key(spec_dict(self.job), self.mode, self.steps, self.workload, self.layers_scaled, self._user_dict())
+
+    def _user_dict(self) -> dict | None:
+        return self.user.to_dict() if self.user else None
 
     @property
     def id(self) -> str:
@@ -141,7 +196,7 @@ class Run:
         return hashlib.sha1(self.key.encode()).hexdigest()[:10]
 
     def to_dict(self) -> dict:
-        return {
+        data = {
             "spec": spec_dict(self.job),
             "mode": self.mode,
             "steps": self.steps,
@@ -149,6 +204,9 @@ class Run:
             "workload": self.workload,
             "layers_scaled": self.layers_scaled,
         }
+        if self.user:
+            data["user"] = self.user.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Run:
@@ -159,16 +217,17 @@ class Run:
             warmup=data["warmup"],
             workload=data["workload"],
             layers_scaled=data.get("layers_scaled", False),
+            user=UserModel.from_dict(data["user"]) if data.get("user") else None,
         )
 
     def describe(self) -> str:
-        name = describe(spec_dict(self.job), self.mode, self.workload)
+        name = describe(spec_dict(self.job), self.mode, self.workload, self._user_dict())
         return name + (" layer-scaled" if self.layers_scaled else "")
 
 
-def describe(spec: dict, mode: str, workload: str = "native") -> str:
+def describe(spec: dict, mode: str, workload: str = "native", user: dict | None = None) -> str:
     """A short human name of a run: strategy, precision, model shape (transformers' model of
-    those shapes: "hf"), batch, world, mode."""
+    those shapes: "hf"; a model built by its own code: its name), batch, world, mode."""
     m, t, c, p = spec["model"], spec["train"], spec["cluster"], spec["plan"]
     layout = Layout(**spec["layout"]).describe() if spec.get("layout") else ""
     extras = [
@@ -183,7 +242,9 @@ def describe(spec: dict, mode: str, workload: str = "native") -> str:
             *filter(None, [layout]),
             t["precision"],
             *filter(None, extras),
-            f"{m['arch']}{' (hf)' if workload == 'hf' else ''} {m['num_layers']}L h{m['hidden']}",
+            UserModel.from_dict(user).name()
+            if user
+            else f"{m['arch']}{' (hf)' if workload == 'hf' else ''} {m['num_layers']}L h{m['hidden']}",
             f"b{t['micro_batch']}×s{t['seq_len']}",
             f"{mode}×{c['gpus']}",
         ]
@@ -229,6 +290,8 @@ def make_record(
     if status not in STATUSES:
         raise ValueError(f"status {status!r} is not one of {STATUSES}")
     try:
+        if run.user and run.user.no_estimate:
+            raise MemplanError(run.user.no_estimate)
         estimate, estimate_error = estimate_summary(run.job), None
     except MemplanError as exc:
         estimate, estimate_error = None, str(exc)
@@ -308,7 +371,12 @@ def read(paths, *, warn=_warn_stderr) -> list[dict]:
 
 def record_key(record: dict) -> str:
     return run_key(
-        record["spec"], record["mode"], record["steps"], record["workload"], record.get("layers_scaled", False)
+        record["spec"],
+        record["mode"],
+        record["steps"],
+        record["workload"],
+        record.get("layers_scaled", False),
+        record.get("user"),
     )
 
 

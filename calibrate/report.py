@@ -4,7 +4,8 @@ Rows are computed once, then rendered as a table, JSON or CSV. The compared quan
 peak allocated bytes: ``torch.cuda.max_memory_allocated`` on a GPU, MemTracker's peak of
 live tensors on CPU, against memplan's ``allocated`` (the composition at the peak) as
 memplan estimates the spec now; the record keeps the estimate made when it ran, which is
-used only where today's memplan refuses the spec.
+used only where today's memplan refuses the spec. A model memplan does not describe (a
+record's ``user`` with ``no_estimate``) shows its measured side only.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ COLUMNS = (
 
 
 def _current_estimate(record: dict, job_of) -> dict:
+    if (record.get("user") or {}).get("no_estimate"):
+        return {}  # a model memplan does not describe: its spec's model is a stand-in
     try:
         return estimate_summary(job_of(record))
     except MemplanError:
@@ -45,7 +48,7 @@ def _row(record: dict, job_of) -> dict:
     return {
         "id": record.get("id", ""),
         "status": record["status"],
-        "run": describe(record["spec"], record["mode"], record.get("workload", "native")),
+        "run": describe(record["spec"], record["mode"], record.get("workload", "native"), record.get("user")),
         "measured_bytes": measured,
         "estimated_bytes": estimated,
         "error_pct": error_pct,

@@ -66,7 +66,7 @@ def execute(run: Run, *, max_host_mem_bytes: int | None = None) -> dict:
         if run.mode == "trace":
             from . import trace
 
-            return trace.run(job, steps=run.steps, warmup=run.warmup, workload=run.workload)
+            return trace.run(job, steps=run.steps, warmup=run.warmup, workload=run.workload, user=run.user)
         if run.mode == "local":
             return launch.local(job, nprocs=world, **kwargs)[0]
         raise measure.Unsupported(f"mode {run.mode} runs under torchrun, not here")

@@ -29,10 +29,11 @@ from pathlib import Path
 from memplan.errors import MemplanError
 from memplan.frameworks import runs_natively
 from memplan.inputs import build_jobs
+from memplan.request import SHAPES
 from memplan.strategies import STRATEGIES
 
 from . import records
-from .records import Run
+from .records import STAND_IN, Run, UserModel
 
 HARNESS_FRAMEWORKS = ("none", "ddp", "fsdp")
 """What calibrate.measure drives: DDP and FSDP2. DeepSpeed (zero1/2/3) is not installed
@@ -67,6 +68,44 @@ def grid_points(grid: dict[str, list]) -> list[dict]:
     return [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]
 
 
+_MODEL_FLAGS = ("params", "model", "config", "arch", *SHAPES)
+"""The flags that name the model (``memplan.request.ModelRequest``)."""
+
+
+def user_model(
+    flags: dict, *, mode: str, module: str | None, step: str | None = None, units: str | None = None
+) -> tuple[UserModel | None, dict]:
+    """The model built by its own code that the flags name, and the flags with the spec's model
+    its stand-in: ``--module``, or under ``--mode trace`` a ``--config`` of a family memplan does
+    not describe (transformers builds it); (None, the flags) for a model memplan describes."""
+    from memplan.hfconfig import load_config, model_from_hf_config
+
+    user = None
+    if module is not None:
+        if mode != "trace":
+            raise MemplanError(f"--module {module} runs under --mode trace, not --mode {mode}")
+        given = [k for k in _MODEL_FLAGS if flags.get(k) is not None]
+        if given:
+            raise MemplanError(f"--module {module} names the model; drop --{given[0].replace('_', '-')}")
+        user = UserModel(factory=module, step=step, units=units, no_estimate=f"memplan does not describe {module}")
+    elif mode == "trace" and flags.get("config") is not None:
+        config, _ = load_config(flags["config"])
+        try:
+            model_from_hf_config(config)
+        except MemplanError as exc:
+            user = UserModel(config=config, step=step, units=units, no_estimate=str(exc))
+    if user is None:
+        if step is not None or units is not None:
+            raise MemplanError(
+                f"--{'step' if step is not None else 'units'} goes with --module (or, under --mode trace, a "
+                "--config of a family memplan does not describe)"
+            )
+        return None, flags
+    if step is not None and (flags.get("grad_accum") or 1) > 1:
+        raise MemplanError(f"--step {step} runs a whole step; drop --grad-accum {flags['grad_accum']}")
+    return user, flags | {"config": None, "model": STAND_IN}
+
+
 def plan(
     flag_sets: list[dict],
     *,
@@ -75,6 +114,7 @@ def plan(
     warmup: int = 2,
     workload: str = "native",
     layers_scaled: bool = False,
+    user: UserModel | None = None,
 ) -> tuple[list[Run], dict[str, list[str]]]:
     """The runs of a sweep (each distinct run once) and what ``--strategy all`` left out: the
     DeepSpeed strategies, and those without a native form of the precision, each list by reason."""
@@ -94,7 +134,15 @@ def plan(
                     if strategy.id not in skipped.setdefault(reason, []):
                         skipped[reason].append(strategy.id)
                     continue
-            run = Run(job=job, mode=mode, steps=steps, warmup=warmup, workload=workload, layers_scaled=layers_scaled)
+            run = Run(
+                job=job,
+                mode=mode,
+                steps=steps,
+                warmup=warmup,
+                workload=workload,
+                layers_scaled=layers_scaled,
+                user=user,
+            )
             runs.setdefault(run.key, run)
     return list(runs.values()), skipped
 

@@ -39,16 +39,19 @@ from memplan.strategies import STRATEGIES
 
 from . import measure
 from .alloctrace import Recorder
+from .records import UserModel
 from .wrappers import Unsupported
 
 DEVICE = "trace (fake tensors, cpu kernels)"
 """The ``device`` of a trace measurement: no device ran it."""
 
 
-def refusal(job: Job) -> str | None:
+def refusal(job: Job, user: UserModel | None = None) -> str | None:
     """Why trace mode cannot run this job (one line), or None."""
     strategy = STRATEGIES[job.plan.strategy]
     layout = job.layout
+    if user is not None and (layout.tp > 1 or job.plan.ep > 1):
+        return f"--mode trace applies no TP or EP plan to {user.name()}: its module names are its own"
     if strategy.framework not in ("none", "ddp", "fsdp"):
         return f"--mode trace wraps DDP and FSDP2, not {strategy.id} ({strategy.framework})"
     for name, degree in (("cp", layout.cp), ("pp", layout.pp)):
@@ -222,15 +225,25 @@ def _on_cpu(job: Job) -> Job:
     return dataclasses.replace(job, train=dataclasses.replace(job.train, device="cpu"))
 
 
-def run(job: Job, *, steps: int = 2, warmup: int = 1, workload: str = "native") -> measure.Measurement:
+def run(
+    job: Job, *, steps: int = 2, warmup: int = 1, workload: str = "native", user: UserModel | None = None
+) -> measure.Measurement:
     """The measurement ``--mode emulate`` would make, traced: no bytes allocated; with the
     reserved peak of the run's events from the sharded model on (``after_setup``; the pool the
-    measured step meets was filled by the steps before it) replayed through memplan's allocator."""
-    reason = refusal(job)
+    measured step meets was filled by the steps before it) replayed through memplan's allocator.
+    ``user``: the model built by its own code (``calibrate.usermodel``), not the spec's."""
+    reason = refusal(job, user)
     if reason:
         raise Unsupported(reason)
+    workload_of_user = None
+    if user is not None:
+        from .usermodel import UserWorkload
+
+        workload_of_user = UserWorkload(user)
     with fake_world(job.cluster.gpus) as recorder, _tensor_parallel(job, workload), _mark_setup(recorder) as mark:
-        measured = measure.run(_on_cpu(job), steps=steps, warmup=warmup, emulated=True, workload=workload)
+        measured = measure.run(
+            _on_cpu(job), steps=steps, warmup=warmup, emulated=True, workload=workload, user=workload_of_user
+        )
     replayed = replay(after_setup(recorder.events, mark[0]))
     return dataclasses.replace(
         measured,
