@@ -53,12 +53,16 @@ def refusal(job: Job, user: UserModel | None = None) -> str | None:
     if user is not None and (layout.tp > 1 or job.plan.ep > 1):
         return f"--mode trace applies no TP or EP plan to {user.name()}: its module names are its own"
     if strategy.framework not in ("none", "ddp", "fsdp"):
-        return f"--mode trace wraps DDP and FSDP2, not {strategy.id} ({strategy.framework})"
+        return f"--mode trace wraps FSDP2, not {strategy.id} ({strategy.framework})"
     for name, degree in (("cp", layout.cp), ("pp", layout.pp)):
         if degree > 1:
-            return f"--mode trace does not trace --{name} {degree} yet; it traces DDP, FSDP2 and FSDP2 × TP"
+            return f"--mode trace does not trace --{name} {degree} yet; it traces one GPU, FSDP2 and FSDP2 × TP"
     if layout.tp > 1 and (strategy.framework != "fsdp" and job.dp > 1):
         return f"--mode trace traces --tp {layout.tp} alone or under FSDP2, not under {strategy.id}"
+    if strategy.framework == "ddp":
+        # DistributedDataParallel's C++ Reducer allocates its buckets and broadcasts the module's
+        # states on real storage, which fake tensors do not have ("data is not allocated yet")
+        return "--mode trace does not trace ddp (its C++ reducer needs real storage); use --mode emulate"
     if layout.tp > 1 and job.model.arch != "llama":
         return f"--mode trace applies torchtitan's TP plan to llama-family blocks, not to {job.model.arch}"
     if job.plan.offload != "none":

@@ -179,3 +179,9 @@ def test_a_trace_runs_the_recipes_loop(ac):
     traced = trace.run(job, steps=2, warmup=1)
     assert traced.categories["Gradient"] > 0  # kept from the step before
     assert estimate(job).allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.001)
+
+
+def test_ddp_is_refused_in_one_line():
+    # DDP's C++ reducer broadcasts and buckets on real storage: it failed mid-run under fake tensors
+    job = replace(_tiny(), plan=replace(_tiny().plan, strategy="ddp"))
+    assert "use --mode emulate" in trace.refusal(job)
