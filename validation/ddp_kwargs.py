@@ -83,14 +83,31 @@ class Case:
         return f"{self.model}-{kwargs}-accum{self.grad_accum}-zg{self.zero_grad}"
 
     def job(self) -> Job:
-        """The case as memplan's job, DDP's keywords at their defaults (what memplan models today)."""
         spec, b, s = SHAPES[self.model]
-        train = TrainSpec(
-            seq_len=s, micro_batch=b, grad_accum=self.grad_accum, precision="fp32", device="cpu", zero_grad=self.zero_grad
-        )
-        job = Job(model=spec, train=train, cluster=ClusterSpec(gpus=WORLD), plan=Plan(strategy="ddp"))
-        # the plain loop on a Hugging Face block: the loss's logits freed, sdpa's own grouped-query path
-        return job.with_(recipe="plain", logits="freed", kv_copies=False)
+        return job_of(spec, b, s, self.grad_accum, self.zero_grad, self.ddp)
+
+
+def job_of(spec: ModelSpec, micro_batch: int, seq_len: int, grad_accum: int, zero_grad: str, ddp: dict) -> Job:
+    """A case as memplan's job, DDP's keywords as given (``Plan``'s fields of their names)."""
+    train = TrainSpec(
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        precision="fp32",
+        device="cpu",
+        zero_grad=zero_grad,
+    )
+    job = Job(model=spec, train=train, cluster=ClusterSpec(gpus=WORLD), plan=Plan(strategy="ddp", **ddp))
+    # the plain loop on a Hugging Face block: the loss's logits freed, sdpa's own grouped-query path
+    return job.with_(recipe="plain", logits="freed", kv_copies=False)
+
+
+def record_job(record: dict) -> Job:
+    """The job a record ran, from the record alone."""
+    spec = ModelSpec(**record["model"])
+    return job_of(
+        spec, record["micro_batch"], record["seq_len"], record["grad_accum"], record["zero_grad"], record["ddp"]
+    )
 
 
 def _cases() -> tuple[Case, ...]:
@@ -137,7 +154,7 @@ def _rank_measurement(case: Case) -> dict:
     spec, b, s = SHAPES[case.model]
     torch.manual_seed(0)
     ids = torch.randint(0, spec.vocab_size, (b, s))
-    meter, phases = _CpuMeter(), {}
+    meter, phases = _CpuMeter(), dict[str, int]()
     with meter:
         model = AutoModelForCausalLM.from_config(hf_config(spec, attention="sdpa"))
         ddp = DistributedDataParallel(model, **case.ddp)
@@ -205,7 +222,7 @@ def estimate(record: dict) -> tuple[int, str]:
     """memplan's estimate of the record's job (allocated bytes at the peak, and its phase)."""
     from memplan.memory import estimate as estimate_job
 
-    est = estimate_job(BY_ID[record["case"]].job())
+    est = estimate_job(record_job(record))
     return est.allocated_bytes, est.phase
 
 
@@ -217,10 +234,8 @@ def report(records: list[dict]) -> str:
     for record in records:
         m = record["measurement"]
         measured, (est, phase) = m["peak_allocated_bytes"], estimate(record)
-        error = 100 * (est - measured) / measured
-        lines.append(
-            f"| {record['case']} | {measured / 2**20:.2f} | {m['phase']} | {est / 2**20:.2f} | {phase} | {error:+.2f} % |"
-        )
+        cells = (record["case"], f"{measured / 2**20:.2f}", m["phase"], f"{est / 2**20:.2f}", phase)
+        lines.append(f"| {' | '.join(cells)} | {100 * (est - measured) / measured:+.2f} % |")
     return "\n".join(lines)
 
 
