@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memplan import api
 from memplan.cli import main
 from memplan.memory import estimate
-from memplan.specs import Plan
+from memplan.specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 from validation import ddp_kwargs
 
 TOLERANCE = 0.02
@@ -59,6 +61,46 @@ def test_bucket_views_free_the_second_copy_of_the_gradients_at_the_optimizer_ste
     assert step[0].allocated_bytes - step[1].allocated_bytes == grads
     for before, after in zip(copies.moments, views.moments, strict=True):
         assert after.label == before.label and after.allocated_bytes <= before.allocated_bytes, before.label
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    layers=st.integers(1, 48),
+    heads=st.sampled_from([4, 8, 16]),
+    ffn=st.integers(64, 20_000),
+    vocab=st.integers(256, 150_000),
+    tied=st.booleans(),
+    seq=st.integers(1, 8192),
+    accum=st.integers(1, 3),
+    precision=st.sampled_from(["fp32", "amp-bf16", "mixed-bf16", "bf16"]),
+    ac=st.sampled_from(["none", "selective", "full"]),
+    zero_grad=st.sampled_from(["none", "zeros"]),
+    cap=st.sampled_from([None, 1, 25, 512.5]),
+    static=st.booleans(),
+)
+def test_bucket_views_never_add_and_the_other_keywords_change_nothing(
+    layers, heads, ffn, vocab, tied, seq, accum, precision, ac, zero_grad, cap, static
+):
+    model = ModelSpec(
+        num_layers=layers, hidden=64 * heads, num_heads=heads, ffn_hidden=ffn, vocab_size=vocab, tied_embeddings=tied
+    )
+    train = TrainSpec(
+        seq_len=seq, grad_accum=accum, precision=precision, activation_checkpointing=ac, zero_grad=zero_grad
+    )
+
+    def ddp(**keywords):
+        plan = Plan(strategy="ddp", **keywords)
+        return estimate(Job(model=model, train=train, cluster=ClusterSpec(gpus=4), plan=plan))
+
+    plain = ddp()
+    assert ddp(bucket_cap_mb=cap, static_graph=static).moments == plain.moments
+    views = ddp(gradient_as_bucket_view=True, bucket_cap_mb=cap, static_graph=static)
+    assert views.allocated_bytes <= plain.allocated_bytes
+    # the buckets stay at every moment: each gradient lives in one
+    for before, after in zip(plain.moments, views.moments, strict=True):
+        assert [t.bytes for t in after.terms if t.key == "ddp.buckets"] == [
+            t.bytes for t in before.terms if t.key == "ddp.buckets"
+        ]
 
 
 def test_the_harness_passes_the_keywords_ddp_takes():

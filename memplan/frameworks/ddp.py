@@ -48,8 +48,12 @@ class DDP(Framework):
             return {}
         if train.grad_accum > 1 and not step.zero_filled():
             return {}
-        in_flight = step.one_gradient("gradient just made, before its bucket takes it (the largest)")
-        return {"grads.carried": [], **{key: in_flight for key in BACKWARD_GRADS if key in groups}}
+        one = step.one_gradient("gradient just made, before its bucket takes it (the largest)")
+
+        def in_flight(held: list[Term]) -> list[Term]:  # never more than the copies hold then
+            return held if sum(t.bytes for t in held) <= sum(t.bytes for t in one) else one
+
+        return {"grads.carried": [], **{key: in_flight(groups[key]) for key in BACKWARD_GRADS if key in groups}}
 
     def accelerate(self, job, strategy) -> dict:
         return {"distributed_type": "MULTI_GPU"}
