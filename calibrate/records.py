@@ -70,7 +70,7 @@ _LATER_DEFAULTS: dict[str, dict[str, Any]] = {
         for f in fields(ModelSpec)
         if f.name in (*MOE_FIELDS, *MLA_FIELDS, "qk_norm", "type_vocab_size", "num_labels", "head_dim")
     },
-    "plan": {"ep": 1, "zero": None},
+    "plan": {"ep": 1, "zero": None, "gradient_as_bucket_view": False, "bucket_cap_mb": None, "static_graph": False},
     "cluster": {"alloc_conf": ""},
 }
 """Inputs added after records existed, by part: kept in a record only where not at their default."""

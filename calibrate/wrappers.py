@@ -33,7 +33,7 @@ def _single(model: nn.Module, job: Job, emulated: bool) -> nn.Module:
 def _ddp(model: nn.Module, job: Job, emulated: bool) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp = DDP(model)
+    ddp = DDP(model, **job.plan.ddp_kwargs())  # gradient_as_bucket_view, bucket_cap_mb, static_graph as given
     if emulated:
         # the fake backend's all-reduce returns no tensor: hand the bucket back unchanged
         def keep_bucket(_, bucket):

@@ -302,8 +302,14 @@ def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
 @click.option(
     "--emit",
     type=_choice(("fsdp2", "fsdp1", "accelerate", "deepspeed", "torchrun", "torchtitan")),
-    help="Print the launch configuration of the recommendation in this form (fsdp2, fsdp1 and "
-    "deepspeed search only the strategies they write).",
+    help="Write the launch configuration of the recommendation in this form: the file alone on stdout "
+    "and the report on stderr, or the file to --output (fsdp2, fsdp1 and deepspeed search only the "
+    "strategies they write; --format json: the file is the document's launch field).",
+)
+@click.option(
+    "-o",
+    "--output",
+    help="With --emit: write the launch configuration to this file; the report then goes to stdout.",
 )
 @click.option(
     "--framework",
@@ -321,7 +327,7 @@ def estimate(fmt, calibration, plot_path, priority, interconnect, bw, **flags):
     "parallel's pick, the safe margin of headroom first, then tokens/s].",
 )
 @user_errors
-def recommend(priority, interconnect, bw, calibration, emit, framework, fmt, search_layout, **flags):
+def recommend(priority, interconnect, bw, calibration, emit, output, framework, fmt, search_layout, **flags):
     """The best option that fits (strategy, precision, AC, offload, micro-batch), why, what was
     rejected, and which documented rules the arithmetic agrees with or contradicts.
 
@@ -332,11 +338,14 @@ def recommend(priority, interconnect, bw, calibration, emit, framework, fmt, sea
     import json
 
     from . import api, report
-    from .emit import WRITES
-    from .emit import emit as emit_text
+    from .emit import WRITES, check_destination
 
+    if output is not None:
+        if not emit:
+            raise MemplanError(lambda n: f"{n('output')} writes the launch configuration: it needs {n('emit')} KIND")
+        check_destination(output)
     if search_layout:
-        click.echo(_layout_pick(flags, interconnect, bw, emit, fmt))
+        _deliver(*_layout_pick(flags, interconnect, bw, emit, fmt), emit, output, fmt)
         return
     writes = WRITES.get(emit)  # --emit fsdp2 | fsdp1 | deepspeed: search only what it writes
     source = ", ".join([f"--framework {framework}"] * bool(framework) + [f"--emit {emit}"] * bool(writes)) or None
@@ -351,18 +360,50 @@ def recommend(priority, interconnect, bw, calibration, emit, framework, fmt, sea
         strategies=writes,
     )
     if search_layout is None and _layout_wins(flags, rec, interconnect, bw):
-        click.echo(_layout_pick(flags, interconnect, bw, emit, fmt))
+        _deliver(*_layout_pick(flags, interconnect, bw, emit, fmt), emit, output, fmt)
         return
-    launch = emit_text(rec.best.job, emit) if emit and rec.best else None
-    if emit and rec.best is None:
+    launch = _launch(rec.best, emit)
+    if fmt == "json":
+        text = json.dumps({**report.recommendation_dict(rec, source), "launch": launch}, indent=2)
+    else:
+        text = report.render_recommendation(choice, rec, source)
+    _deliver(text, launch, emit, output, fmt)
+
+
+def _launch(best, emit: str | None) -> str | None:
+    """The launch configuration of the pick in the form ``--emit`` names (None without --emit)."""
+    from .emit import emit as emit_text
+
+    if not emit:
+        return None
+    if best is None:
         raise MemplanError(
             "nothing fits, so there is nothing to --emit; apply one of the changes listed "
             "(run without --emit to see them)"
         )
-    if fmt == "json":
-        click.echo(json.dumps({**report.recommendation_dict(rec, source), "launch": launch}, indent=2))
-    else:
-        click.echo(report.render_recommendation(choice, rec, launch, source))
+    return emit_text(best.job, emit)
+
+
+def _deliver(text: str, launch: str | None, emit: str | None, output: str | None, fmt: str) -> None:
+    """The report and the emitted file. With --emit the file is a file: alone on stdout (what the
+    framework reads, ``> ds_config.json``) with the report on stderr, or written to --output with
+    the report on stdout. --format json keeps one JSON document on stdout, the file as its
+    ``launch`` field (and written to --output where given)."""
+    if launch is None:
+        click.echo(text)
+        return
+    if output is not None:
+        from .emit import write_file
+
+        write_file(output, launch)
+    where = f"written to {output}" if output is not None else "on stdout"
+    if fmt != "json":
+        text += f"\n\nLaunch configuration ({emit}): {where}"
+    if output is not None or fmt == "json":
+        click.echo(text)
+        return
+    click.echo(text, err=True)
+    click.echo(launch if launch.endswith("\n") else launch + "\n", nl=False)
 
 
 def _layout_wins(flags: dict, rec, interconnect, bw) -> bool:
@@ -380,18 +421,17 @@ def _layout_wins(flags: dict, rec, interconnect, bw) -> bool:
     return prefer_layout(pick, best and best.step.tokens_per_s, best is not None and tight(best.final))
 
 
-def _layout_pick(flags: dict, interconnect, bw, emit, fmt) -> str:
-    """``recommend --search-layout``: the layout search's pick, why, and its launch form."""
+def _layout_pick(flags: dict, interconnect, bw, emit, fmt) -> tuple[str, str | None]:
+    """``recommend --search-layout``: the layout search's pick and why, and its launch form."""
     from . import report
     from .decide.layouts import search_layouts
-    from .emit import emit as emit_text
     from .inputs import build_jobs
     from .throughput import link_for
 
     choice, jobs = build_jobs(_request({**flags, "strategy": "fsdp-full-shard"}))
     pick = search_layouts(jobs[0], link_for(jobs[0], interconnect=interconnect, bw_gbs=bw))
-    launch = emit_text(pick.best.job, emit) if emit and pick.best else None
-    return report.render_layout_pick(choice, pick, launch, fmt)
+    launch = _launch(pick.best, emit)
+    return report.render_layout_pick(choice, pick, launch, fmt), launch
 
 
 @main.command("min-gpus")

@@ -7,6 +7,8 @@ memory model charges.
 
 from __future__ import annotations
 
+import os
+
 import yaml
 
 from .errors import MemplanError
@@ -231,3 +233,24 @@ def emit(job: Job, kind: str) -> str:
     if kind == "torchtitan":
         return torchtitan_toml(job)
     raise MemplanError(f"emit {kind!r} is not one of: {', '.join(KINDS)}")
+
+
+def check_destination(path: str) -> None:
+    """``--output FILE`` names a file that can be written: not a directory, in one that exists
+    (checked before the search, so a typo costs no wait)."""
+    if os.path.isdir(path):
+        raise MemplanError(lambda n: f"{n('output')} {path!r} is a directory; name the file to write")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise MemplanError(lambda n: f"{n('output')} {path!r}: directory {parent!r} does not exist")
+
+
+def write_file(path: str, text: str) -> None:
+    """The emitted launch configuration written to ``path`` (replaced if it exists)."""
+    check_destination(path)
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise MemplanError(lambda n: f"{n('output')} {path!r} cannot be written: {why}") from None

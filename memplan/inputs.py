@@ -158,8 +158,15 @@ def build_jobs(request: Request | None = None, /, **inputs) -> tuple[ModelChoice
             model=choice.spec,
             train=train,
             cluster=cluster,
-            # the zero_optimization settings are a DeepSpeed strategy's own
-            plan=Plan(strategy=s, offload=plan.offload, ep=plan.ep, zero=plan.zero if s in ZERO_STRATEGIES else None),
+            # the zero_optimization settings are a DeepSpeed strategy's own; DDP's keywords are in
+            # every plan (a search derives the ddp option from another), read by DDP's adapter alone
+            plan=Plan(
+                strategy=s,
+                offload=plan.offload,
+                ep=plan.ep,
+                zero=plan.zero if s in ZERO_STRATEGIES else None,
+                **plan.ddp_kwargs(),
+            ),
             layout=layout,
         )
         for s in ids

@@ -23,6 +23,7 @@ from .settings import optional, setting
 from .specs import (
     ARCHS,
     ATTENTIONS,
+    DDP_KEYWORDS,
     DEVICES,
     OFFLOADS,
     OPTIMIZER_IMPLS,
@@ -257,6 +258,15 @@ class StrategyRequest:
     zero: ZeroConfig | None = None
     """DeepSpeed's ``zero_optimization`` settings (a ZeRO strategy's buckets and thresholds); None:
     those ``--emit deepspeed`` writes. ``--from ds_config.json`` reads them from the user's file."""
+    # DistributedDataParallel's keywords of the same names (the ddp strategy's; specs.Plan)
+    gradient_as_bucket_view: bool = Plan.gradient_as_bucket_view
+    """DDP: gradients as views into the all-reduce buckets, not a second copy of them (the ddp
+    strategy's; the others have no such keyword)."""
+    bucket_cap_mb: float | None = setting(None, default_help="DDP's 25, the first bucket 1")
+    """DDP: all-reduce bucket size in MiB: accepted, it changes no memory (the buckets hold every
+    gradient whatever their size; measured, validation/records/ddp_kwargs_cpu.md)."""
+    static_graph: bool = Plan.static_graph
+    """DDP: the graph declared static: accepted, it changes no memory after the first step (measured)."""
 
     def __post_init__(self):
         if self.zero is not None and not isinstance(self.zero, ZeroConfig):
@@ -267,6 +277,7 @@ class StrategyRequest:
                 accepted="a ZeroConfig",
             )
 
+        Plan(strategy="ddp", **self.ddp_kwargs())  # DDP's keywords checked (each strategy's plan holds them)
         for name, value, accepted in (
             ("strategy", self.strategy, ("all", *STRATEGIES)),
             ("offload", self.offload, OFFLOADS),
@@ -278,6 +289,10 @@ class StrategyRequest:
                     value=value,
                     accepted=", ".join(accepted),
                 )
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """DistributedDataParallel's keywords as ``Plan`` takes them."""
+        return {k: getattr(self, k) for k in DDP_KEYWORDS}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -730,11 +730,26 @@ class Plan:
     """Expert-parallel degree (experts sharded over ep ranks); moves into the Layout at merge."""
     zero: ZeroConfig | None = None
     """A DeepSpeed strategy's ``zero_optimization`` settings; None: those ``--emit deepspeed`` writes."""
+    # DistributedDataParallel's keywords (torch/nn/parallel/distributed.py), a ddp strategy's own
+    gradient_as_bucket_view: bool = False
+    """DDP: each gradient is a view into its all-reduce bucket, not a second copy."""
+    bucket_cap_mb: float | None = None
+    """DDP: the all-reduce buckets' size in MiB; None: DDP's 25 (the first bucket 1)."""
+    static_graph: bool = False
+    """DDP: the graph declared the same every step."""
 
     def __post_init__(self):
         if isinstance(self.zero, dict):  # a record's spec (dataclasses.asdict)
             object.__setattr__(self, "zero", ZeroConfig(**self.zero))
         _check_positive(self, "ep")
+        cap = self.bucket_cap_mb
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+            raise InputError(
+                lambda n: f"{n('bucket_cap_mb')} must be a positive number of MiB, got {cap!r}",
+                field="bucket_cap_mb",
+                value=cap,
+                accepted="a positive number of MiB",
+            )
 
         _check_choice(self.strategy, tuple(STRATEGIES), "strategy")
         _check_choice(self.offload, OFFLOADS, "offload")
@@ -743,6 +758,19 @@ class Plan:
                 f"offload {self.offload!r} is not available with {self.strategy}; "
                 f"it needs {STRATEGIES[self.strategy].offload_hint()}"
             )
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """The keywords given to ``DistributedDataParallel`` beyond its defaults (the harness passes
+        them as they are, calibrate/wrappers.py; another strategy's adapter reads none of them)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name in DDP_KEYWORDS and getattr(self, f.name) != f.default
+        }
+
+
+DDP_KEYWORDS = ("gradient_as_bucket_view", "bucket_cap_mb", "static_graph")
+"""The ``Plan`` fields that are DistributedDataParallel's keywords of the same names."""
 
 
 def _vit_train(model: ModelSpec, train: TrainSpec) -> TrainSpec:

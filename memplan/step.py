@@ -374,6 +374,15 @@ class Step(Quantities):
             )
         return groups
 
+    def one_gradient(self, what: str) -> list[Term]:
+        """The one gradient alive where each is freed (or moved) as soon as it is made: the largest
+        parameter's, at whichever instant it is made."""
+        nbytes = 4 if self.shard_master else self.train_policy.grad_bytes
+        largest = self.local(self.largest_trained(), self.strategy.shards_grads)
+        return [
+            term(G, "grads", what, f"{nbytes}·largest tensor{self.div(self.strategy.shards_grads)}", nbytes * largest)
+        ]
+
     def holds_root_grads(self) -> bool:
         """A root unit holds its gradients after the input embedding's backward (FSDP's ``ROOT_BACKWARD``)."""
         return self.framework.holds_root_grads(self)
@@ -388,16 +397,7 @@ class Step(Quantities):
                 "is refused, as torchtune refuses it; use grad-accum 1"
             )
         pol, largest = self.train_policy, self.local(self.largest_trained(), self.strategy.shards_grads)
-        nbytes = 4 if self.shard_master else pol.grad_bytes
-        one = [
-            term(
-                G,
-                "grads",
-                "gradient of the largest parameter (stepped in backward)",
-                f"{nbytes}·largest tensor{self.div(self.strategy.shards_grads)}",
-                nbytes * largest,
-            )
-        ]
+        one = self.one_gradient("gradient of the largest parameter (stepped in backward)")
         # one optimizer per parameter (torchtune's OptimizerInBackwardWrapper): a foreach step's
         # sqrt(v) temporary covers that parameter alone, a single-tensor step's two copies of it
         copies = {"foreach": 1, "single": 2}.get(self.job.train.optimizer_impl or "", 0)

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import tomllib
 import yaml
 from click.testing import CliRunner
 
@@ -113,8 +114,107 @@ def test_cli_recommend_emit():
         main, ["recommend", "--params", "7e9", "--gpus", "8", "--gpu", "a100-40gb", "--emit", "fsdp2"]
     )
     assert result.exit_code == 0, result.output
-    code = result.output.split("Launch configuration:\n", 1)[1]
-    compile(code, "<cli>", "exec")
+    compile(result.stdout, "<cli>", "exec")
+
+
+RECOMMEND = ["recommend", "--model", "gpt2", "--gpus", "8", "--gpu", "a100-80gb"]
+
+
+def _emitted(kind: str, *extra: str) -> str:
+    """What ``--emit kind`` writes for RECOMMEND's job, from the library (not from the command)."""
+    import memplan
+
+    _, rec = memplan.api.recommend(model="gpt2", gpus=8, gpu="a100-80gb", strategies=WRITES.get(kind))
+    return emit(rec.best.job, kind)
+
+
+PARSERS = {
+    "deepspeed": json.loads,
+    "accelerate": yaml.safe_load,
+    "torchtitan": tomllib.loads,
+    "fsdp2": lambda text: compile(text, "<fsdp2>", "exec"),
+    "fsdp1": lambda text: compile(text, "<fsdp1>", "exec"),
+    "torchrun": lambda text: text.splitlines(),
+}
+"""How each framework reads the file (torchrun's: a shell script's lines)."""
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_with_emit_stdout_is_the_file_alone_and_the_report_goes_to_stderr(kind):
+    """``recommend --emit X > file``: stdout is exactly what the framework reads; the reasoning
+    is on stderr, ending with where the file went."""
+    result = CliRunner().invoke(main, [*RECOMMEND, "--emit", kind])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == _emitted(kind)
+    assert PARSERS[kind](result.stdout)
+    assert "Recommendation (speed): " in result.stderr
+    assert result.stderr.endswith(f"\n\nLaunch configuration ({kind}): on stdout\n")
+
+
+def test_a_deepspeed_config_on_stdout_through_a_real_pipe_is_json():
+    """The same through the process's own streams (``memplan … --emit deepspeed > ds_config.json``)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "memplan.cli", *RECOMMEND, "--emit", "deepspeed"], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == json.loads(_emitted("deepspeed"))
+    assert "Recommendation (speed): " in run.stderr
+
+
+@pytest.mark.parametrize("kind", ["deepspeed", "accelerate"])
+def test_output_writes_the_file_and_the_report_goes_to_stdout(tmp_path, kind):
+    path = tmp_path / "launch.out"
+    path.write_text("an older file, replaced")
+    result = CliRunner().invoke(main, [*RECOMMEND, "--emit", kind, "-o", str(path)])
+    assert result.exit_code == 0, result.output
+    assert path.read_text() == _emitted(kind) and PARSERS[kind](path.read_text())
+    assert result.stderr == "" and "Recommendation (speed): " in result.stdout
+    assert result.stdout.endswith(f"\n\nLaunch configuration ({kind}): written to {path}\n")
+
+
+def test_format_json_keeps_one_document_on_stdout_with_the_file_as_its_launch_field(tmp_path):
+    """``--format json`` asks for memplan's document: the file is its ``launch`` field (a string,
+    as for every kind), and ``--output`` writes it as well."""
+    path = tmp_path / "ds_config.json"
+    result = CliRunner().invoke(main, [*RECOMMEND, "--emit", "deepspeed", "--format", "json", "--output", str(path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["launch"] == path.read_text() == _emitted("deepspeed") and result.stderr == ""
+
+
+def test_the_layout_search_emits_a_file_too(tmp_path):
+    result = CliRunner().invoke(main, [*RECOMMEND, "--search-layout", "--emit", "torchtitan"])
+    assert result.exit_code == 0, result.output
+    toml = PARSERS["torchtitan"](result.stdout)
+    assert toml["parallelism"]["data_parallel_shard_degree"] * toml["parallelism"]["tensor_parallel_degree"] <= 8
+    assert "Recommended layout: " in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("where", "args", "message"),
+    [
+        (
+            "a directory",
+            ["--emit", "deepspeed", "-o", "{tmp}"],
+            "--output '{tmp}' is a directory; name the file to write",
+        ),
+        (
+            "a missing directory",
+            ["--emit", "deepspeed", "-o", "{tmp}/nowhere/ds.json"],
+            "--output '{tmp}/nowhere/ds.json': directory '{tmp}/nowhere' does not exist",
+        ),
+        ("no --emit", ["-o", "{tmp}/ds.json"], "--output writes the launch configuration: it needs --emit KIND"),
+    ],
+)
+def test_output_refuses_in_one_line(tmp_path, where, args, message):
+    args = [a.format(tmp=tmp_path) for a in args]
+    result = CliRunner().invoke(main, [*RECOMMEND, *args])
+    assert result.exit_code == 2, where
+    assert result.stderr == f"Error: {message.format(tmp=tmp_path)}\n" and result.stdout == ""
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("kind", sorted(WRITES))

@@ -337,6 +337,7 @@ def test_default_training_arguments_are_the_trainer_s_defaults(tmp_path):
         (dict(optim="paged_adamw_8bit"), {"optimizer": "paged-adamw8bit"}),
         (dict(torch_compile=True), {"compile": True}),
         (dict(per_device_train_batch_size=3, gradient_accumulation_steps=5), {"micro_batch": 3, "grad_accum": 5}),
+        (dict(ddp_bucket_cap_mb=100, ddp_static_graph=True), {"bucket_cap_mb": 100, "static_graph": True}),
     ],
 )
 def test_each_memory_field_of_the_arguments_sets_its_input(tmp_path, kwargs, want):
@@ -353,8 +354,7 @@ def test_each_memory_field_of_the_arguments_sets_its_input(tmp_path, kwargs, wan
             "activation_checkpointing_kwargs.use_reentrant",
         ),
         (dict(fsdp="full_shard auto_wrap"), "fsdp"),
-        (dict(ddp_bucket_cap_mb=100), "ddp_bucket_cap_mb"),
-        (dict(ddp_static_graph=True), "ddp_static_graph"),
+        (dict(ddp_bucket_cap_mb=-1), "ddp_bucket_cap_mb"),
         (dict(use_liger_kernel=True), "use_liger_kernel"),
         (dict(label_smoothing_factor=0.1), "label_smoothing_factor"),
         (dict(optim="galore_adamw", optim_target_modules=["attn"]), "optim_target_modules"),

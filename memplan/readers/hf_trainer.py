@@ -71,6 +71,18 @@ def _positive(path: str, data: dict, field: str, default: int) -> int:
     return value
 
 
+def _ddp_keywords(path: str, data: dict) -> dict:
+    """``ddp_bucket_cap_mb`` and ``ddp_static_graph`` where set: the Trainer hands them to
+    ``DistributedDataParallel`` (trainer.py, accelerate's DistributedDataParallelKwargs)."""
+    cap, static = _number(data.get("ddp_bucket_cap_mb")), data.get("ddp_static_graph")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+        raise refuse(path, "ddp_bucket_cap_mb", cap, "a positive number of MiB")
+    if static not in (None, True, False):
+        raise refuse(path, "ddp_static_graph", static, "true or false")
+    given = {"bucket_cap_mb": cap, "static_graph": static}
+    return {keyword: value for keyword, value in given.items() if value is not None}
+
+
 def _deepspeed_config(path: Path, value: Any) -> dict:
     """The ``deepspeed`` value: a config dict, or a path (as given, else beside the arguments' file)."""
     if isinstance(value, dict):
@@ -109,6 +121,7 @@ def parse(data: dict, path: Path | str = "<arguments>") -> FileConfig:
         inputs["optimizer_impl"] = impl
     if data.get("use_cpu"):
         inputs["device"] = "cpu"
+    inputs |= _ddp_keywords(where, data)
     deferred: tuple[str, ...] = ("strategy",)
     if data.get("deepspeed"):
         ds = _deepspeed.parse(_deepspeed_config(path, data["deepspeed"]), f"{where}: deepspeed")

@@ -60,10 +60,9 @@ def finetune_lines(modes: tuple[ModeOutcome, ...]) -> list[str]:
     return lines
 
 
-def render_recommendation(
-    choice: ModelChoice, rec: Recommendation, launch: str | None = None, restricted_by: str | None = None
-) -> str:
-    """Everything: the pick and its reasons, every rejected option, every matching rule, fixes, launch config."""
+def render_recommendation(choice: ModelChoice, rec: Recommendation, restricted_by: str | None = None) -> str:
+    """Everything: the pick and its reasons, every rejected option, every matching rule, fixes (the
+    launch configuration is a file of its own: ``cli._deliver``)."""
     job = (rec.best or rec.options[0]).job
     searched = () if "ac" in rec.fixed_axes else ("ac",)  # the loop setting recommend searches
     lines = [header(choice, job, searched), "", *recommendation_summary(rec)[:2], "", "Reasons:"]
@@ -76,6 +75,4 @@ def render_recommendation(
     lines += [f"  - {verdict_line(v)}" for v in rec.rules] or ["  (none)"]
     lines += ["", f"Rejected options ({len(rec.rejected)}):"]
     lines += [f"  - {r.option.label()}: {rejected_reason(r)}" for r in rec.rejected]
-    if launch:
-        lines += ["", "Launch configuration:", launch.rstrip("\n")]
     return "\n".join(lines)

@@ -39,7 +39,8 @@ def min_gpus_dict(choice: ModelChoice, result) -> dict:
 
 
 def render_layout_pick(choice: ModelChoice, pick, launch: str | None, fmt: str) -> str:
-    """``recommend --search-layout``: the layout picked, its worst stage, and why."""
+    """``recommend --search-layout``: the layout picked, its worst stage, and why (``launch``: the
+    JSON document's field; as text, the launch configuration is a file of its own)."""
     best = pick.best
     if fmt == "json":
         body = {
@@ -63,6 +64,4 @@ def render_layout_pick(choice: ModelChoice, pick, launch: str | None, fmt: str) 
             f"{best.step.tokens_per_s:,.0f} tokens/s per GPU predicted, step {best.step.step_s:.3f} s"
         )
     lines += ["Why:", *(f"  - {r}" for r in pick.reasons())]
-    if launch:
-        lines += ["", launch.rstrip("\n")]
     return "\n".join(lines)
