@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import fields
+from functools import cache, lru_cache
 from typing import Any, ClassVar
 
 from .. import moe
@@ -25,9 +26,20 @@ def zero_config(job) -> ZeroConfig:
     """The job's ``zero_optimization`` settings with Hugging Face's ``"auto"`` values resolved from
     the model; the ones ``--emit deepspeed`` writes (tables/deepspeed.csv) where the job has none."""
     if job.plan.zero is not None:
-        return job.plan.zero.resolved(job.model.hidden)
+        return _resolved(job.plan.zero, job.model.hidden)
+    return _default_zero()
+
+
+@cache
+def _default_zero() -> ZeroConfig:
+    """``zero_config`` where the job has none, built once (the step reads it many times)."""
     ds: dict[str, Any] = deepspeed_defaults()
     return ZeroConfig(**{f.name: ds[f.name] for f in fields(ZeroConfig) if f.name in ds})
+
+
+@lru_cache(maxsize=256)
+def _resolved(zero: ZeroConfig, hidden: int) -> ZeroConfig:
+    return zero.resolved(hidden)
 
 
 def config(job, strategy) -> dict:
