@@ -87,6 +87,12 @@ def config(job, strategy) -> dict:
     return config
 
 
+@lru_cache(maxsize=256)
+def _persistent_numel(model, threshold: int) -> int:
+    """Elements of the model's tensors of at most ``threshold`` elements (counted once per model)."""
+    return sum(n for n in tensor_numels(model) if n <= threshold)
+
+
 def tensor_numels(model) -> list[int]:
     """Elements of each parameter tensor of the Hugging Face model of the spec's shapes
     (modeling_llama.py, modeling_vit.py, modeling_bert.py: q, k, v apart; modeling_gpt2.py,
@@ -233,7 +239,7 @@ class DeepSpeed(Framework):
 
     def _persistent_count(self, step) -> int:
         threshold = int(zero_config(step.job).stage3_param_persistence_threshold)  # resolved: no "auto"
-        return sum(n for n in tensor_numels(step.job.model) if n <= threshold)
+        return _persistent_numel(step.job.model, threshold)
 
     def _reuse_kept(self, step) -> int:
         """Parameters still gathered from forward when backward starts: partitioned_param_coordinator.py
