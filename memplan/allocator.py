@@ -590,38 +590,55 @@ class CachingAllocator:
         return False
 
     def _new_segment(self, pool: _Pool, size: int, stream: int) -> _Block | None:
-        """``malloc`` where no cached block serves, without expandable segments: ``alloc_block``
-        (a new segment of ``get_allocation_size``, written out) where the limit allows, else
+        """``malloc`` where no cached block serves and the limit may not allow a new segment,
+        without expandable segments: ``alloc_block`` where the limit allows, else
         ``release_available_cached_blocks`` and the retry; None: out of memory."""
-        segment = allocation_size(size)
-        if self.limit is None or self.reserved + segment <= self.limit:
-            self._reserve(segment)
-            return _Block(self._new_address(segment), segment, stream, pool.small)
-        return (self._release_available(pool, size, stream) and self._alloc_block(pool, size, stream)) or self._retry(
-            pool, size, stream
+        return (
+            self._alloc_block(pool, size, stream)
+            or (self._release_available(pool, size, stream) and self._alloc_block(pool, size, stream))
+            or self._retry(pool, size, stream)
         )
 
     def _replay_fixed_segments(self, events: Iterable[Event]) -> bool:
         """``_replay_by_rule`` without expandable segments or garbage collection, with the
-        common paths of ``malloc`` (a cached block found, split), ``free`` (merged with its free
-        neighbours) and ``sync`` written out in the loop: the same rules, the same state after
-        each event (tests/test_allocator.py compares the two on random traces), about a third
-        faster. Everything else (a new segment, events pending) goes through the methods."""
-        split_limit = self.conf.max_split_size_bytes
-        pools, live, peaks = self.pools, self.live, self.peaks
+        common paths of ``malloc`` (a cached block found, split; a new segment under no limit),
+        ``free`` (merged with its free neighbours) and ``sync`` written out in the loop, the
+        counters held in locals: the same rules, the same state after each event
+        (tests/test_allocator.py compares the two on random traces), about twice as fast.
+        Everything else (a new segment under a limit, events pending) goes through the methods,
+        the counters handed over around each call."""
+        split_limit, limit = self.conf.max_split_size_bytes, self.limit
+        live, peaks, waiting = self.live, self.peaks, self.waiting
+        small_pool, large_pool = self.pools[True], self.pools[False]
+        small_streams, large_streams = small_pool.streams, large_pool.streams
+        small_blocks, large_blocks = small_pool.blocks, large_pool.blocks
         bisect_left, insort = bisect.bisect_left, bisect.insort
         new_block = _Block
+        reserved, allocated, active, requested = self.reserved, self.allocated, self.active, self.requested
+        peak_reserved, peak_allocated, peak_active, peak_requested = peaks
+        next_addr = self.next_addr
+        oom = False
         for event in events:
             if type(event) is Alloc:
                 id_, request, stream = event
-                if self.waiting:
-                    self._process_events()
                 size = (request + MIN_BLOCK_BYTES - 1) // MIN_BLOCK_BYTES * MIN_BLOCK_BYTES or MIN_BLOCK_BYTES
                 small = size <= SMALL_SIZE_BYTES
-                pool = pools[small]
+                if small:
+                    pool, streams, blocks = small_pool, small_streams, small_blocks
+                else:
+                    pool, streams, blocks = large_pool, large_streams, large_blocks
+                if waiting:
+                    done = [b for b in waiting if not b.pending]
+                    if done:  # process_events: their blocks return to the pool (free_block)
+                        waiting[:] = [b for b in waiting if b.pending]
+                        self.active = active
+                        for b in done:
+                            b.waiting = False
+                            self._free_block(b)
+                        active = self.active
                 # get_free_block: the smallest of the stream's free blocks that fits
                 block = None
-                keys = pool.streams.get(stream)
+                keys = streams.get(stream)
                 if keys:
                     i = bisect_left(keys, size << _ADDR_BITS)
                     if i < len(keys):
@@ -631,11 +648,30 @@ class CachingAllocator:
                             size >= split_limit and found >= size + LARGE_BUFFER_BYTES
                         ):
                             del keys[i]
-                            block = pool.blocks.pop(key)
+                            block = blocks.pop(key)
                 if block is None:
-                    block = self._new_segment(pool, size, stream)
-                    if block is None:
-                        return True
+                    if limit is None:
+                        # alloc_block: a new segment of get_allocation_size (cudaMalloc)
+                        if small:
+                            segment = SMALL_BUFFER_BYTES
+                        elif size < MIN_LARGE_ALLOC_BYTES:
+                            segment = LARGE_BUFFER_BYTES
+                        else:
+                            segment = -(-size // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES
+                        reserved += segment
+                        if reserved > peak_reserved:
+                            peak_reserved = reserved
+                        block = new_block(next_addr, segment, stream, small)
+                        next_addr += segment
+                    else:
+                        self.reserved, self.active, self.next_addr = reserved, active, next_addr
+                        peaks[0] = peak_reserved
+                        block = self._new_segment(pool, size, stream)
+                        reserved, active, next_addr = self.reserved, self.active, self.next_addr
+                        peak_reserved, waiting = peaks[0], self.waiting
+                        if block is None:
+                            oom = True
+                            break
                 # alloc_found_block with should_split (no expandable segments here)
                 remaining = block.size - size
                 if remaining >= MIN_BLOCK_BYTES and (small or (size < split_limit and remaining > SMALL_SIZE_BYTES)):
@@ -645,49 +681,52 @@ class CachingAllocator:
                     if before is not None:
                         before.next = front
                     block.prev = front
-                    block.addr += size
+                    addr = block.addr = block.addr + size
                     block.size = remaining
                     # insert_into_blocks (gc ages stay 0: no garbage collection here)
-                    key = remaining << _ADDR_BITS | block.addr
-                    keys = pool.streams.get(block.stream)
+                    key = remaining << _ADDR_BITS | addr
+                    keys = streams.get(block.stream)
                     if keys is None:
-                        pool.streams[block.stream] = [key]
+                        streams[block.stream] = [key]
                     else:
                         insort(keys, key)
-                    pool.blocks[key] = block
+                    blocks[key] = block
                     block = front
                 block.allocated = True
                 live[id_] = (block, request)
                 nbytes = block.size
-                allocated = self.allocated = self.allocated + nbytes
-                active = self.active = self.active + nbytes
-                requested = self.requested = self.requested + request
-                if allocated > peaks[1]:
-                    peaks[1] = allocated
-                if active > peaks[2]:
-                    peaks[2] = active
-                if requested > peaks[3]:
-                    peaks[3] = requested
+                allocated += nbytes
+                active += nbytes
+                requested += request
+                if allocated > peak_allocated:
+                    peak_allocated = allocated
+                if active > peak_active:
+                    peak_active = active
+                if requested > peak_requested:
+                    peak_requested = requested
             elif type(event) is Free:
                 id_, used_on = event
                 block, request = live.pop(id_)
                 block.allocated = False
-                self.allocated -= block.size
-                self.requested -= request
+                nbytes = block.size
+                allocated -= nbytes
+                requested -= request
                 if used_on:
                     block.pending = {s for s in used_on if s != block.stream} or _NO_STREAMS
                 if block.pending:
                     block.waiting = True
-                    self.waiting.append(block)
+                    waiting.append(block)
                     continue
                 # free_block: merge with the free neighbours (try_merge_blocks), then cache
-                pool = pools[block.small]
-                self.active -= block.size
-                blocks = pool.blocks
+                active -= nbytes
+                if block.small:
+                    streams, blocks = small_streams, small_blocks
+                else:
+                    streams, blocks = large_streams, large_blocks
                 before = block.prev
                 if before is not None and not (before.allocated or before.pending or before.waiting):
                     key = before.size << _ADDR_BITS | before.addr
-                    keys = pool.streams[before.stream]
+                    keys = streams[before.stream]
                     del keys[bisect_left(keys, key)]
                     del blocks[key]
                     block.addr, block.prev = before.addr, before.prev
@@ -697,7 +736,7 @@ class CachingAllocator:
                 after = block.next
                 if after is not None and not (after.allocated or after.pending or after.waiting):
                     key = after.size << _ADDR_BITS | after.addr
-                    keys = pool.streams[after.stream]
+                    keys = streams[after.stream]
                     del keys[bisect_left(keys, key)]
                     del blocks[key]
                     block.next = after.next
@@ -705,19 +744,21 @@ class CachingAllocator:
                         after.next.prev = block
                     block.size += after.size
                 key = block.size << _ADDR_BITS | block.addr
-                keys = pool.streams.get(block.stream)
+                keys = streams.get(block.stream)
                 if keys is None:
-                    pool.streams[block.stream] = [key]
+                    streams[block.stream] = [key]
                 else:
                     insort(keys, key)
                 blocks[key] = block
-                block.gc_base = pool.calls
             else:
                 # sync: the stream's recorded events have completed
                 stream = event[0]
-                for block in self.waiting:
+                for block in waiting:
                     block.pending.discard(stream)  # type: ignore[union-attr]  # a waiting block's own set
-        return False
+        self.reserved, self.allocated, self.active, self.requested = reserved, allocated, active, requested
+        peaks[:] = peak_reserved, peak_allocated, peak_active, peak_requested
+        self.next_addr = next_addr
+        return oom
 
 
 def replay(

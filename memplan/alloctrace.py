@@ -21,6 +21,7 @@ to 32 missed the 7B FSDP case by 0.3 GiB and to 28 the 3B single-GPU case by 6 G
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import NamedTuple
@@ -265,8 +266,16 @@ def excess_bytes(step, conf: AllocConf = DEFAULT_CONF) -> int:
 @lru_cache(maxsize=1024)
 def _excess(shape: TraceShape, conf: AllocConf) -> int:
     """One replay per distinct trace shape (hybrid-shard on one node replays full-shard's, the
-    pipeline's middle stages one another's)."""
-    result = replay(shape_trace(shape), conf)
+    pipeline's middle stages one another's). The cyclic garbage collector is paused for it: the
+    trace's thousands of events and blocks would start its passes over every object the process
+    holds, and none of them is garbage before the replay ends."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        result = replay(shape_trace(shape), conf)
+    finally:
+        if enabled:
+            gc.enable()
     return max(0, result.peak_reserved_bytes - result.peak_allocated_bytes)
 
 

@@ -31,6 +31,12 @@ class Term:
     """A stable identifier ("logits", "fsdp.root_unit"): what moments and later axes
     select a term by; the name is for display only."""
 
+    def __init__(self, component: Component, name: str, formula: str, bytes: int, key: str = ""):
+        # the fields written into the instance's dict: a frozen dataclass's own __init__ sets each
+        # through object.__setattr__, at twice the cost, and an estimate makes thousands of terms
+        d = self.__dict__
+        d["component"], d["name"], d["formula"], d["bytes"], d["key"] = component, name, formula, bytes, key
+
 
 def term(component: Component, key: str, name: str, formula: str, num_bytes) -> Term:
     """A ``Term`` keyed first, as the producers of terms write them."""

@@ -14,6 +14,11 @@ class Saved:
     key: str = ""
     """Stable identifier for the tensors a moment selects by itself (``step.MOMENTS``)."""
 
+    def __init__(self, name: str, formula: str, bytes: int, key: str = ""):
+        # as ``breakdown.Term``'s: the fields written into the instance's dict (the hot path)
+        d = self.__dict__
+        d["name"], d["formula"], d["bytes"], d["key"] = name, formula, bytes, key
+
 
 @dataclass(frozen=True)
 class Shapes:

@@ -830,6 +830,18 @@ class Job:
     layout: Layout = field(default_factory=Layout)
     """The mesh beyond data parallel (tp, cp, pp, ep); the plan's strategy runs over dp."""
 
+    def __hash__(self) -> int:
+        # every cache of the estimate is keyed by the job: its hash (that of its five parts, each
+        # of every field) is computed once and kept in the instance's dict (left out of a pickle:
+        # another process hashes strings with another seed)
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = self.__dict__["_hash"] = hash((self.model, self.train, self.cluster, self.plan, self.layout))
+        return found
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def __post_init__(self):
         if self.model.arch == "vit":
             object.__setattr__(self, "train", _vit_train(self.model, self.train))
@@ -901,7 +913,7 @@ class Job:
         train = object.__new__(TrainSpec)
         train.__dict__.update(self.train.__dict__, micro_batch=micro_batch)
         job = object.__new__(Job)
-        job.__dict__.update(self.__dict__, train=train)
+        job.__dict__.update(self.__getstate__(), train=train)
         return job
 
 

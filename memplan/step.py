@@ -13,6 +13,8 @@ inserts its own moments beside the ones it names (``Framework.schedule``).
 
 from __future__ import annotations
 
+from itertools import chain
+
 from . import loss, moe
 from .activations import model_saved
 from .breakdown import Component, Moment, Term, term
@@ -669,8 +671,9 @@ class Step(Quantities):
             # Lightning's closure clears the gradients between the forward and the backward:
             # the step before's live through the forward (measured: validation.lightning_loop)
             groups["grads.previous"] = groups["grads"]
+        group = groups.__getitem__
         return [
-            Moment(m.phase, m.label, tuple(t for g in self._groups_of(m) for t in groups[g]))
+            Moment(m.phase, m.label, tuple(chain.from_iterable(map(group, self._groups_of(m)))))
             for m in self.moment_specs()
         ]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import fields
+from functools import cache, lru_cache
 from typing import Any, ClassVar
 
 from .. import moe
@@ -25,9 +26,20 @@ def zero_config(job) -> ZeroConfig:
     """The job's ``zero_optimization`` settings with Hugging Face's ``"auto"`` values resolved from
     the model; the ones ``--emit deepspeed`` writes (tables/deepspeed.csv) where the job has none."""
     if job.plan.zero is not None:
-        return job.plan.zero.resolved(job.model.hidden)
+        return _resolved(job.plan.zero, job.model.hidden)
+    return _default_zero()
+
+
+@cache
+def _default_zero() -> ZeroConfig:
+    """``zero_config`` where the job has none, built once (the step reads it many times)."""
     ds: dict[str, Any] = deepspeed_defaults()
     return ZeroConfig(**{f.name: ds[f.name] for f in fields(ZeroConfig) if f.name in ds})
+
+
+@lru_cache(maxsize=256)
+def _resolved(zero: ZeroConfig, hidden: int) -> ZeroConfig:
+    return zero.resolved(hidden)
 
 
 def config(job, strategy) -> dict:
@@ -73,6 +85,12 @@ def config(job, strategy) -> dict:
     if t.activation_checkpointing != "none":
         config["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}
     return config
+
+
+@lru_cache(maxsize=256)
+def _persistent_numel(model, threshold: int) -> int:
+    """Elements of the model's tensors of at most ``threshold`` elements (counted once per model)."""
+    return sum(n for n in tensor_numels(model) if n <= threshold)
 
 
 def tensor_numels(model) -> list[int]:
@@ -221,7 +239,7 @@ class DeepSpeed(Framework):
 
     def _persistent_count(self, step) -> int:
         threshold = int(zero_config(step.job).stage3_param_persistence_threshold)  # resolved: no "auto"
-        return sum(n for n in tensor_numels(step.job.model) if n <= threshold)
+        return _persistent_numel(step.job.model, threshold)
 
     def _reuse_kept(self, step) -> int:
         """Parameters still gathered from forward when backward starts: partitioned_param_coordinator.py
