@@ -69,6 +69,10 @@ def refusal(job: Job, user: UserModel | None = None) -> str | None:
         return f"--mode trace does not trace --offload {job.plan.offload} (FSDP2's CPU offload copies real host memory)"
     if job.train.compile:
         return "--mode trace does not run torch.compile yet (inductor under fake tensors); drop --compile"
+    if job.train.finetune != "full":
+        # peft's cast (calibrate.finetune.adapt: module.to) swaps each parameter for its cast copy,
+        # which torch refuses for a tensor the recorder holds a weak reference to
+        return f"--mode trace does not trace --finetune {job.train.finetune} yet; use --mode emulate"
     return None
 
 

@@ -89,6 +89,7 @@ def _tiny(**kwargs):
         (lambda j: replace(j, layout=Layout(tp=2), plan=replace(j.plan, strategy="ddp")), "under ddp"),
         (lambda j: replace(j, train=replace(j.train, compile=True)), "torch.compile"),
         (lambda j: replace(j, plan=replace(j.plan, strategy="zero3")), "zero3"),
+        (lambda j: replace(j, train=replace(j.train, finetune="lora")), "--finetune lora"),
     ],
 )
 def test_what_it_cannot_trace_is_refused_in_one_line(change, words):
