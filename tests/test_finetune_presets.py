@@ -62,5 +62,5 @@ def test_undescribed_families_are_refused_in_one_line_naming_the_feature(model_t
 
 
 def test_unknown_model_type_lists_what_is_accepted():
-    with pytest.raises(MemplanError, match=r"not supported; supported: .*phi3"):
+    with pytest.raises(MemplanError, match=r"not supported \(supported: .*phi3"):
         model_from_hf_config(PHI3 | {"model_type": "falcon"})
