@@ -19,6 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from validation import measured
+
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ROOT / "tests" / "data" / "hf_trainer"
 OUT = ROOT / "validation" / "records" / "hf_trainer_args_matrix_cpu.jsonl"
@@ -138,16 +140,11 @@ def estimate(record: dict) -> int:
 
 
 def report(records: list[dict]) -> str:
-    lines = ["| case | measured MiB | estimated MiB | error |", "|---|---:|---:|---:|"]
-    for record in records:
-        measured, est = record["measured_peak_bytes"], estimate(record)
-        error = 100 * (est - measured) / measured
-        lines.append(f"| {record['case']} | {measured / 2**20:.2f} | {est / 2**20:.2f} | {error:+.1f} % |")
-    return "\n".join(lines)
+    return measured.table(records, estimate, decimals=1)
 
 
 def load() -> list[dict]:
-    return [json.loads(line) for line in OUT.read_text().splitlines() if line.strip()]
+    return measured.load(OUT)
 
 
 def main(argv=None) -> None:

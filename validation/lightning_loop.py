@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from validation import measured
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "validation" / "records" / "lightning_loop_cpu.jsonl"
 STEPS = 3
@@ -131,16 +133,11 @@ def estimate(record: dict) -> int:
 
 
 def report(records: list[dict]) -> str:
-    lines = ["| case | measured MiB | estimated MiB | error |", "|---|---:|---:|---:|"]
-    for record in records:
-        measured, est = record["measured_peak_bytes"], estimate(record)
-        error = 100 * (est - measured) / measured
-        lines.append(f"| {record['case']} | {measured / 2**20:.2f} | {est / 2**20:.2f} | {error:+.2f} % |")
-    return "\n".join(lines)
+    return measured.table(records, estimate, decimals=2)
 
 
 def load() -> list[dict]:
-    return [json.loads(line) for line in OUT.read_text().splitlines() if line.strip()] if OUT.exists() else []
+    return measured.load(OUT)
 
 
 def _run(name: str) -> None:
