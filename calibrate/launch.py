@@ -19,12 +19,17 @@ from . import measure
 
 
 def emulate(job: Job, *, world_size: int, **run_kwargs) -> measure.Measurement:
-    """One rank of a ``world_size`` job, with a fake process group: same bytes as a real rank."""
+    """One rank of a ``world_size`` job, with a fake process group: same bytes as a real rank
+    (under ``--tp``, torchtitan's plan over a dp × tp mesh: ``calibrate.tensor_parallel``)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from .tensor_parallel import tensor_parallel
+
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    on_cuda = job.train.device == "cuda" and torch.cuda.is_available()
     try:
-        return measure.run(job, emulated=True, **run_kwargs)
+        with tensor_parallel(job, run_kwargs.get("workload", "native"), "cuda" if on_cuda else "cpu"):
+            return measure.run(job, emulated=True, **run_kwargs)
     finally:
         dist.destroy_process_group()
 

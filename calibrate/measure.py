@@ -221,6 +221,9 @@ class _CpuMeter:
         self.tracker.release_input_hooks()
         self.tracker.reset_mod_stats()
 
+    def after_setup(self):
+        return None  # MemTracker counts live tensors: no cache to release
+
     def reset_peak(self):
         current = self.tracker.get_tracker_snapshot("current").get(self.device, {})
         self.tracker._peak_mem = {self.device: current.get("Total", 0)}
@@ -255,6 +258,14 @@ class _CudaMeter:
 
     def new_step(self):
         return None
+
+    def after_setup(self):
+        # the harness builds the model whole on the device, then shards it; torchtitan builds it
+        # on the meta device and materializes it sharded (train.py: fully_shard, then
+        # to_empty + init_weights). Releasing the whole model's cached blocks gives the step the
+        # pool torchtitan's run meets, as trace mode's replay does (calibrate.trace.after_setup)
+        gc.collect()
+        torch.cuda.empty_cache()
 
     def reset_peak(self):
         torch.cuda.synchronize()
@@ -315,6 +326,7 @@ def run(
             _compile_blocks(model)
         model = wrap(model, job, emulated)
         optimizer = _optimizer(model, job)
+        meter.after_setup()
         phase_peaks: dict[str, int] = {}
         times = []
         for step in range(steps):

@@ -16,7 +16,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from . import launch, layerscale, measure
+from . import launch, layerscale, measure, tensor_parallel
 from .records import Run
 
 
@@ -56,12 +56,15 @@ def execute(run: Run, *, max_host_mem_bytes: int | None = None) -> dict:
     world = run.job.cluster.gpus
 
     def measure_here(job) -> measure.Measurement:
-        if run.mode in ("emulate", "local") and not job.layout.is_data_parallel:
+        if run.mode == "local" and not job.layout.is_data_parallel:
             raise measure.Unsupported(
-                f"--mode {run.mode} runs DDP and FSDP2 over the whole world, not {job.layout.describe()}; "
-                "--mode trace runs TP (validation.parallel_matrix measures the CPU layouts)"
+                f"--mode local runs DDP and FSDP2 over the whole world, not {job.layout.describe()}; "
+                "--mode emulate and trace run TP (validation.parallel_matrix measures the CPU layouts)"
             )
         if run.mode == "emulate":
+            reason = tensor_parallel.refusal(job, "emulate")
+            if reason:
+                raise measure.Unsupported(reason)
             return launch.emulate(job, world_size=world, **kwargs)
         if run.mode == "trace":
             from . import trace

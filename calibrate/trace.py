@@ -31,13 +31,12 @@ import dataclasses
 from collections.abc import Iterator
 
 import torch.distributed as dist
-from torch import nn
 
 from memplan.allocator import Alloc, Free, replay
 from memplan.specs import Job
 from memplan.strategies import STRATEGIES
 
-from . import measure
+from . import measure, tensor_parallel
 from .alloctrace import Recorder
 from .records import UserModel
 from .wrappers import Unsupported
@@ -57,14 +56,13 @@ def refusal(job: Job, user: UserModel | None = None) -> str | None:
     for name, degree in (("cp", layout.cp), ("pp", layout.pp)):
         if degree > 1:
             return f"--mode trace does not trace --{name} {degree} yet; it traces one GPU, FSDP2 and FSDP2 × TP"
-    if layout.tp > 1 and (strategy.framework != "fsdp" and job.dp > 1):
-        return f"--mode trace traces --tp {layout.tp} alone or under FSDP2, not under {strategy.id}"
+    tp_reason = tensor_parallel.refusal(job, "trace")
+    if tp_reason:
+        return tp_reason
     if strategy.framework == "ddp":
         # DistributedDataParallel's C++ Reducer allocates its buckets and broadcasts the module's
         # states on real storage, which fake tensors do not have ("data is not allocated yet")
         return "--mode trace does not trace ddp (its C++ reducer needs real storage); use --mode emulate"
-    if layout.tp > 1 and job.model.arch != "llama":
-        return f"--mode trace applies torchtitan's TP plan to llama-family blocks, not to {job.model.arch}"
     if job.plan.offload != "none":
         return f"--mode trace does not trace --offload {job.plan.offload} (FSDP2's CPU offload copies real host memory)"
     if job.train.compile:
@@ -144,57 +142,6 @@ def fake_world(world_size: int) -> Iterator[Recorder]:
         dist.destroy_process_group()
 
 
-@contextlib.contextmanager
-def _tensor_parallel(job: Job, workload: str) -> Iterator[None]:
-    """Under ``--tp``: ``measure.run`` builds the model without AC and wraps it as torchtitan's
-    parallelize_llama does, in its order: the TP plan (``wrappers.apply_tp``: colwise
-    q/k/v/gate/up, rowwise o/down, SP norms, vocabulary-parallel embedding and head), then AC
-    on each block, then FSDP2 over the data-parallel mesh dimension (``wrappers._fsdp``'s units
-    and mixed precision); the loss runs under ``loss_parallel`` (the logits stay sharded over
-    the vocabulary). ``measure``'s build and wrap are swapped for this run's."""
-    layout = job.layout
-    if layout.tp == 1:
-        yield
-        return
-    if workload != "native":
-        raise Unsupported("--mode trace applies the TP plan to the native workload's module names; drop --workload hf")
-    import torch.distributed.device_mesh as device_mesh
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    from . import workloads, wrappers
-
-    ac = job.train.activation_checkpointing
-    mesh = device_mesh.init_device_mesh("cpu", (job.dp, layout.tp), mesh_dim_names=("dp", "tp"))
-
-    def build(spec, *, attention: str, ac: str, workload: str = "native") -> nn.Module:
-        # AC wraps the blocks after the plan (its module names are the blocks' own)
-        return workloads.build_model(
-            spec, attention=attention, ac=ac if ac == "selective" else "none", workload=workload
-        )
-
-    def wrap(model, job, emulated):
-        wrappers.apply_tp(model, mesh["tp"], sp=layout.sp)
-        layers = model.layers
-        for i, layer in enumerate(layers):
-            if ac == "full":
-                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-                layers[i] = checkpoint_wrapper(layer)
-            elif ac == "op":
-                layers[i] = workloads.op_checkpoint(layer)
-        if job.dp == 1:
-            return model
-        return wrappers.fsdp_on(model, job, mesh["dp"])
-
-    saved = (measure.build_model, measure.wrap)
-    measure.build_model, measure.wrap = build, wrap
-    try:
-        with loss_parallel():
-            yield
-    finally:
-        measure.build_model, measure.wrap = saved
-
-
 def after_setup(events: list[Alloc | Free], start: int) -> list[Alloc | Free]:
     """The events from ``start`` on, after the storages live there allocated afresh, in the
     order they were allocated: the run as an allocator meets it when the model was built on
@@ -248,7 +195,11 @@ def run(
         from .usermodel import UserWorkload
 
         workload_of_user = UserWorkload(user)
-    with fake_world(job.cluster.gpus) as recorder, _tensor_parallel(job, workload), _mark_setup(recorder) as mark:
+    with (
+        fake_world(job.cluster.gpus) as recorder,
+        tensor_parallel.tensor_parallel(job, workload, "cpu"),
+        _mark_setup(recorder) as mark,
+    ):
         measured = measure.run(
             _on_cpu(job), steps=steps, warmup=warmup, emulated=True, workload=workload, user=workload_of_user
         )

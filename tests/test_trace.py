@@ -135,12 +135,13 @@ def test_a_tiny_fsdp_by_tp_trace_equals_the_same_job_on_real_tensors():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from calibrate import measure
+    from calibrate.tensor_parallel import tensor_parallel
 
     job = replace(_tiny(ac="full"), layout=Layout(tp=2))
     traced = trace.run(job, steps=2, warmup=1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
-        with trace._fake_safe(), trace._tensor_parallel(job, "native"):
+        with trace._fake_safe(), tensor_parallel(job, "native", "cpu"):
             real = measure.run(job, steps=2, warmup=1, emulated=True)
     finally:
         dist.destroy_process_group()

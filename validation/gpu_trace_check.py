@@ -1,0 +1,145 @@
+"""Full-size jobs on a GPU beside their trace and memplan's estimate: is ``--mode trace`` (fake
+tensors, CPU kernels) what one rank of the job allocates and reserves on CUDA?
+
+    python -m validation.gpu_trace_check --gpu OUT.jsonl --budget-s 450   # on a lent device
+    python -m validation.gpu_trace_check --trace                           # here: the traces
+    python -m validation.gpu_trace_check --report GPU.jsonl                # the table (Markdown)
+
+Each GPU run is ``--mode emulate`` on CUDA: rank 0 of the job's world on a fake process group,
+with real tensors and CUDA's kernels (``calibrate.launch.emulate``; under ``--tp`` torchtitan's
+plan over a dp × tp mesh, ``calibrate.tensor_parallel``), two steps, the second measured, as
+the trace. Cases run in the order of what each teaches, within the budget; a case whose trace
+``validation.trace_matrix`` already holds is not traced again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from calibrate import records
+from calibrate.runs import Run, plan, sweep
+from memplan.memory import estimate
+from memplan.overheads import reserved_bytes
+from validation import trace_matrix
+
+TRACES = (trace_matrix.OUT, Path(__file__).resolve().parent / "records" / "trace_gpu_check.jsonl")
+"""Where the traces are read from; the second is written by ``--trace``."""
+GIB = 2**30
+TIMEOUT_S = 180.0
+_COMMON = trace_matrix._COMMON | {"device": "cuda"}
+_BY_NAME = {case.name: case.flags for case in trace_matrix.CASES}
+_SMALL_TP = {"arch": "llama", "layers": 2, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256}
+
+CASES: tuple[tuple[str, dict], ...] = (
+    # the allocator at full size, no TP: allocated and reserved against the trace's replay
+    ("llama-3.1-8b fsdp8 16k full-ac", _BY_NAME["llama-3.1-8b fsdp8 16k full-ac"]),
+    # TP on CUDA: the trace's DTensor plan against the real one
+    ("llama-3.1-8b fsdp4 x tp2 sp, 2x8k full-ac", _BY_NAME["llama-3.1-8b fsdp4 x tp2 sp, 2x8k full-ac"]),
+    # where memplan is 18-23 % under the trace: two 8B blocks under TP 8, 8k tokens
+    (
+        "llama 2L h4096 tp8 sp, 8k full-ac",
+        _SMALL_TP | {"gpus": 8, "tp": 8, "seq_len": 8192, "micro_batch": 1, "ac": "full"},
+    ),
+    # per-op SAC: CUDA's sdpa saves its output and logsumexp where the CPU flash kernel recomputes
+    ("llama-2-7b fsdp8 4x4k op-sac (vocab 32k)", _BY_NAME["llama-2-7b fsdp8 4x4k op-sac (vocab 32k)"]),
+    (
+        "llama 2L h4096 fsdp8 x tp8 sp, 2x8k op-sac",
+        _SMALL_TP | {"gpus": 64, "tp": 8, "seq_len": 8192, "micro_batch": 2, "ac": "op"},
+    ),
+    # near the H100's 79.6 GiB: the published 32k job last
+    ("llama-3.1-8b fsdp8 2x8k op-sac", _BY_NAME["llama-3.1-8b fsdp8 2x8k op-sac"]),
+    ("published: llama-3.1-8b fsdp8 32k full-ac", _BY_NAME["published: llama-3.1-8b fsdp8 32k full-ac"]),
+)
+
+
+def _run(flags: dict, mode: str) -> Run:
+    (run,) = plan([_COMMON | flags], mode=mode, steps=2, warmup=1)[0]
+    return run
+
+
+def run_gpu(out: Path, budget_s: float) -> None:
+    """Each case on this machine's GPU, its record appended as it ends; none starts past the budget."""
+    start = time.perf_counter()
+    for name, flags in CASES:
+        if time.perf_counter() - start > budget_s - TIMEOUT_S / 2:
+            print(f"{name}: not started (budget)", flush=True)
+            continue
+        sweep(
+            [_run(flags, "emulate")],
+            out=out,
+            timeout_s=TIMEOUT_S,
+            resume=True,
+            on_end=lambda run, rec, name=name: print(name, rec and rec["status"], rec and rec["wall_s"], flush=True),
+        )
+
+
+def run_traces() -> None:
+    """The trace of each case not yet traced (``TRACES``)."""
+    held = {records.record_key(r) for path in TRACES if path.exists() for r in records.read([path])}
+    todo = [run for run in (_run(flags, "trace") for _, flags in CASES) if run.key not in held]
+    sweep(
+        todo,
+        out=TRACES[1],
+        timeout_s=trace_matrix.TIMEOUT_S,
+        resume=True,
+        on_end=lambda run, rec: print(run.describe(), rec and rec["status"], flush=True),
+    )
+
+
+def _pct(value: float, truth: float) -> str:
+    return f"{100 * (value - truth) / truth:+.1f} %"
+
+
+def report(gpu_records: Path) -> str:
+    traces = {records.record_key(r): r for path in TRACES if path.exists() for r in records.read([path])}
+    measured = {records.record_key(r): r for r in records.read([gpu_records])}
+    lines = [
+        "| case | GPU alloc GiB | trace alloc GiB | estimate alloc GiB | trace vs GPU | estimate vs GPU "
+        "| GPU reserved GiB | trace reserved GiB | estimate reserved GiB | trace vs GPU | estimate vs GPU "
+        "| GPU wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, flags in CASES:
+        gpu = measured.get(_run(flags, "emulate").key)
+        traced = traces.get(_run(flags, "trace").key)
+        if gpu is None or gpu["status"] != "ok":
+            status = gpu["status"] + ": " + (gpu["error"] or "").splitlines()[0][:90] if gpu else "not run"
+            lines.append(f"| {name} | {status} |" + " |" * 10)
+            continue
+        m = gpu["measurement"]
+        est = estimate(records.job_from_spec(gpu["spec"]))
+        alloc, res = m["peak_allocated_bytes"] / GIB, m["peak_reserved_bytes"] / GIB
+        est_alloc, est_res = est.allocated_bytes / GIB, reserved_bytes(est) / GIB
+        if traced is not None and traced["status"] == "ok":
+            t_alloc = traced["measurement"]["peak_allocated_bytes"] / GIB
+            t_res = traced["measurement"]["peak_reserved_bytes"] / GIB
+            trace_cols = (f"{t_alloc:.2f}", _pct(t_alloc, alloc), f"{t_res:.2f}", _pct(t_res, res))
+        else:
+            trace_cols = ("not traced", "", "", "")
+        lines.append(
+            f"| {name} | {alloc:.2f} | {trace_cols[0]} | {est_alloc:.2f} | {trace_cols[1]} | {_pct(est_alloc, alloc)} "
+            f"| {res:.2f} | {trace_cols[2]} | {est_res:.2f} | {trace_cols[3]} | {_pct(est_res, res)} "
+            f"| {gpu['wall_s']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", type=Path, help="Run the cases on this machine's GPU into this records file.")
+    parser.add_argument("--budget-s", type=float, default=450.0)
+    parser.add_argument("--trace", action="store_true", help="Trace the cases not yet traced.")
+    parser.add_argument("--report", type=Path, help="The table from this file of GPU records.")
+    args = parser.parse_args(argv)
+    if args.gpu:
+        run_gpu(args.gpu, args.budget_s)
+    if args.trace:
+        run_traces()
+    if args.report:
+        print(report(args.report), end="")
+
+
+if __name__ == "__main__":
+    main()
