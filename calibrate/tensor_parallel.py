@@ -69,8 +69,11 @@ def tensor_parallel(job: Job, workload: str, mesh_device: str) -> Iterator[None]
                 layers[i] = checkpoint_wrapper(layer)
             elif ac == "op":
                 layers[i] = workloads.op_checkpoint(layer)
-        if job.dp == 1:
+        if STRATEGIES[job.plan.strategy].framework != "fsdp":
             return model
+        # over a dp mesh of one as well: torchtitan 0.3.0 "always run[s] apply_fsdp_to_decoder --
+        # with shard_degree=1 it is a no-op for the all-gather but still installs the
+        # MixedPrecisionPolicy" (models/llama3/parallelize.py l.69): TP alone trains mixed bf16
         return wrappers.fsdp_on(model, job, mesh["dp"])
 
     saved = (measure.build_model, measure.wrap)

@@ -4,6 +4,7 @@ tensors, CPU kernels) what one rank of the job allocates and reserves on CUDA?
     python -m validation.gpu_trace_check --gpu OUT.jsonl --budget-s 450   # on a lent device
     python -m validation.gpu_trace_check --trace                           # here: the traces
     python -m validation.gpu_trace_check --report GPU.jsonl                # the table (Markdown)
+    python -m validation.gpu_trace_check --snapshot CASE --snapshot-dir DIR   # one case's allocator events
 
 Each GPU run is ``--mode emulate`` on CUDA: rank 0 of the job's world on a fake process group,
 with real tensors and CUDA's kernels (``calibrate.launch.emulate``; under ``--tp`` torchtitan's
@@ -15,6 +16,7 @@ the trace. Cases run in the order of what each teaches, within the budget; a cas
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from pathlib import Path
 
@@ -59,10 +61,13 @@ def _run(flags: dict, mode: str) -> Run:
     return run
 
 
-def run_gpu(out: Path, budget_s: float) -> None:
-    """Each case on this machine's GPU, its record appended as it ends; none starts past the budget."""
+def run_gpu(out: Path, budget_s: float, only: str = "") -> None:
+    """Each case (whose name matches ``only``) on this machine's GPU, its record appended as it
+    ends; none starts past the budget."""
     start = time.perf_counter()
     for name, flags in CASES:
+        if not re.search(only, name):
+            continue
         if time.perf_counter() - start > budget_s - TIMEOUT_S / 2:
             print(f"{name}: not started (budget)", flush=True)
             continue
@@ -73,6 +78,42 @@ def run_gpu(out: Path, budget_s: float) -> None:
             resume=True,
             on_end=lambda run, rec, name=name: print(name, rec and rec["status"], rec and rec["wall_s"], flush=True),
         )
+
+
+def _events_from_setup(snapshot: dict, device: int) -> list:
+    """The run's allocator events from the model's release after setup on (the first
+    ``segment_free``: ``calibrate.measure``'s ``empty_cache`` once the model is sharded), with
+    the storages live there allocated afresh (``calibrate.trace.after_setup``): the events the
+    trace's replay is compared with."""
+    from calibrate import alloctrace
+    from calibrate.trace import after_setup
+
+    entries = snapshot["device_traces"][device]
+    first_release = next(i for i, e in enumerate(entries) if e["action"] == "segment_free")
+    before = alloctrace.from_snapshot({"device_traces": {device: entries[:first_release]}}, device)
+    events = alloctrace.from_snapshot(snapshot, device)
+    return after_setup(events, len(before))
+
+
+def snapshot(name: str, directory: Path) -> None:
+    """One case on this GPU with the allocator's history recorded: its outcome, and its events
+    from setup on saved to DIR/NAME.trace.jsonl.gz (``calibrate.alloctrace`` form)."""
+    import torch
+
+    from calibrate import alloctrace, runner
+    from memplan.allocator import replay
+
+    run = _run(dict(CASES)[name], "emulate")
+    torch.cuda.memory._record_memory_history(max_entries=4_000_000, context=None, stacks="python")
+    outcome = runner.execute(run)
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    events = _events_from_setup(snap, torch.cuda.current_device())
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = "".join(c if c.isalnum() or c in "-." else "_" for c in name)
+    alloctrace.save(events, directory / f"{stem}.trace.jsonl.gz")
+    measured = (outcome["measurement"] or {}).get("peak_reserved_bytes")
+    print(f"{name}: {outcome['status']}, reserved {measured}, replayed {replay(events).peak_reserved_bytes}")
 
 
 def run_traces() -> None:
@@ -130,11 +171,16 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", type=Path, help="Run the cases on this machine's GPU into this records file.")
     parser.add_argument("--budget-s", type=float, default=450.0)
+    parser.add_argument("--only", default="", help="With --gpu: the cases whose name matches this regular expression.")
     parser.add_argument("--trace", action="store_true", help="Trace the cases not yet traced.")
     parser.add_argument("--report", type=Path, help="The table from this file of GPU records.")
+    parser.add_argument("--snapshot", help="Run this case with the allocator's history (the events to --snapshot-dir).")
+    parser.add_argument("--snapshot-dir", type=Path, default=Path("."))
     args = parser.parse_args(argv)
+    if args.snapshot:
+        snapshot(args.snapshot, args.snapshot_dir)
     if args.gpu:
-        run_gpu(args.gpu, args.budget_s)
+        run_gpu(args.gpu, args.budget_s, args.only)
     if args.trace:
         run_traces()
     if args.report:
