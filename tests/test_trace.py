@@ -129,24 +129,20 @@ def test_a_tiny_trace_agrees_with_emulate_on_peak_allocated():
 
 @pytest.mark.slow
 def test_a_tiny_fsdp_by_tp_trace_equals_the_same_job_on_real_tensors():
-    """FSDP2 2 × TP 2 (torchtitan's plan, SP, loss parallel, full AC): the trace and the same
-    wrapping on real tensors over the fake process group give the same peak, byte for byte."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    """FSDP2 2 × TP 2 (torchtitan's plan, SP, loss parallel, full AC), and TP 2 alone (FSDP2
+    over a dp mesh of one, as torchtitan): the trace and ``--mode emulate`` (the same wrapping on
+    real tensors over the fake process group) give the same peak, to emulate's 16-byte mesh tensor."""
+    from calibrate import launch
 
-    from calibrate import measure
-    from calibrate.tensor_parallel import tensor_parallel
-
-    job = replace(_tiny(ac="full"), layout=Layout(tp=2))
-    traced = trace.run(job, steps=2, warmup=1)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        with trace._fake_safe(), tensor_parallel(job, "native", "cpu"):
-            real = measure.run(job, steps=2, warmup=1, emulated=True)
-    finally:
-        dist.destroy_process_group()
-    assert traced.peak_allocated_bytes == real.peak_allocated_bytes
-    assert traced.categories == real.categories
+    for gpus in (4, 2):
+        job = replace(_tiny(ac="full"), layout=Layout(tp=2))
+        job = replace(job, cluster=replace(job.cluster, gpus=gpus, gpus_per_node=gpus))
+        traced = trace.run(job, steps=2, warmup=1)
+        real = launch.emulate(job, world_size=gpus, steps=2, warmup=1)
+        # 16 bytes apart: emulate's device-mesh tensor, built outside the fake mode in trace
+        assert traced.peak_allocated_bytes == pytest.approx(real.peak_allocated_bytes, abs=64)
+        for category, nbytes in real.categories.items():
+            assert traced.categories[category] == pytest.approx(nbytes, abs=64)
 
 
 def test_a_records_layout_round_trips_and_a_plain_job_keeps_its_old_key():
@@ -161,12 +157,15 @@ def test_a_records_layout_round_trips_and_a_plain_job_keeps_its_old_key():
     assert "TP 2" in describe(spec, "trace")
 
 
-def test_emulate_refuses_a_layout_it_would_not_run():
+def test_emulate_and_local_refuse_a_layout_they_would_not_run():
     from calibrate import runner
 
-    run = Run(job=replace(_tiny(), layout=Layout(tp=2)), mode="emulate", steps=2, warmup=1)
+    run = Run(job=replace(_tiny(), layout=Layout(cp=2)), mode="emulate", steps=2, warmup=1)
     outcome = runner.execute(run)
-    assert outcome["status"] == "failed" and "--mode trace runs TP" in outcome["error"]
+    assert outcome["status"] == "failed" and "runs DDP, FSDP2 and FSDP2 × TP, not" in outcome["error"]
+    run = Run(job=replace(_tiny(), layout=Layout(tp=2)), mode="local", steps=2, warmup=1)
+    outcome = runner.execute(run)
+    assert outcome["status"] == "failed" and "--mode emulate and trace run TP" in outcome["error"]
 
 
 @pytest.mark.slow

@@ -22,12 +22,16 @@ from pathlib import Path
 
 from calibrate import records
 from calibrate.runs import Run, plan, sweep
-from memplan.memory import estimate
 from memplan.overheads import reserved_bytes
+from memplan.totals import final
 from validation import trace_matrix
 
 TRACES = (trace_matrix.OUT, Path(__file__).resolve().parent / "records" / "trace_gpu_check.jsonl")
 """Where the traces are read from; the second is written by ``--trace``."""
+GPU_DIR = Path(__file__).resolve().parent / "records" / "gpu" / "h100-torch2.11.0-cu130"
+GPU_RECORDS = [GPU_DIR / "gpu_trace_check.jsonl", GPU_DIR / "rerun.jsonl"]
+"""The H100 records: the first call's, then the rerun of TP alone once the harness wrapped it as
+torchtitan does (FSDP2 over a dp mesh of one); the later record of a case wins."""
 GIB = 2**30
 TIMEOUT_S = 180.0
 _COMMON = trace_matrix._COMMON | {"device": "cuda"}
@@ -95,6 +99,11 @@ def _events_from_setup(snapshot: dict, device: int) -> list:
     return after_setup(events, len(before))
 
 
+def stem(name: str) -> str:
+    """A case's name as a file name."""
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in name)
+
+
 def snapshot(name: str, directory: Path) -> None:
     """One case on this GPU with the allocator's history recorded: its outcome, and its events
     from setup on saved to DIR/NAME.trace.jsonl.gz (``calibrate.alloctrace`` form)."""
@@ -110,8 +119,7 @@ def snapshot(name: str, directory: Path) -> None:
     torch.cuda.memory._record_memory_history(enabled=None)
     events = _events_from_setup(snap, torch.cuda.current_device())
     directory.mkdir(parents=True, exist_ok=True)
-    stem = "".join(c if c.isalnum() or c in "-." else "_" for c in name)
-    alloctrace.save(events, directory / f"{stem}.trace.jsonl.gz")
+    alloctrace.save(events, directory / f"{stem(name)}.trace.jsonl.gz")
     measured = (outcome["measurement"] or {}).get("peak_reserved_bytes")
     print(f"{name}: {outcome['status']}, reserved {measured}, replayed {replay(events).peak_reserved_bytes}")
 
@@ -133,9 +141,10 @@ def _pct(value: float, truth: float) -> str:
     return f"{100 * (value - truth) / truth:+.1f} %"
 
 
-def report(gpu_records: Path) -> str:
+def report(gpu_records: list[Path]) -> str:
+    """The table: per case, the latest GPU record of it (files in order, later lines winning)."""
     traces = {records.record_key(r): r for path in TRACES if path.exists() for r in records.read([path])}
-    measured = {records.record_key(r): r for r in records.read([gpu_records])}
+    measured = {records.record_key(r): r for r in records.read(gpu_records)}
     lines = [
         "| case | GPU alloc GiB | trace alloc GiB | estimate alloc GiB | trace vs GPU | estimate vs GPU "
         "| GPU reserved GiB | trace reserved GiB | estimate reserved GiB | trace vs GPU | estimate vs GPU "
@@ -150,7 +159,7 @@ def report(gpu_records: Path) -> str:
             lines.append(f"| {name} | {status} |" + " |" * 10)
             continue
         m = gpu["measurement"]
-        est = estimate(records.job_from_spec(gpu["spec"]))
+        est = final(records.job_from_spec(gpu["spec"]))  # what every command reports: the replayed reserved
         alloc, res = m["peak_allocated_bytes"] / GIB, m["peak_reserved_bytes"] / GIB
         est_alloc, est_res = est.allocated_bytes / GIB, reserved_bytes(est) / GIB
         if traced is not None and traced["status"] == "ok":
@@ -173,7 +182,7 @@ def main(argv=None) -> None:
     parser.add_argument("--budget-s", type=float, default=450.0)
     parser.add_argument("--only", default="", help="With --gpu: the cases whose name matches this regular expression.")
     parser.add_argument("--trace", action="store_true", help="Trace the cases not yet traced.")
-    parser.add_argument("--report", type=Path, help="The table from this file of GPU records.")
+    parser.add_argument("--report", type=Path, nargs="+", help="The table from these files of GPU records.")
     parser.add_argument("--snapshot", help="Run this case with the allocator's history (the events to --snapshot-dir).")
     parser.add_argument("--snapshot-dir", type=Path, default=Path("."))
     args = parser.parse_args(argv)

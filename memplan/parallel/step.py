@@ -227,9 +227,14 @@ class RankStep(Step):
     def whole_embedding_grad(self) -> list[Term]:
         """The vocabulary-parallel embedding's gradient is made whole on every TP rank (measured on
         the TP × PP cases of the matrix: one V·h gradient on the first stage where 1/tp of it was
-        expected); without data parallel to reduce-scatter it, it stays so until the step."""
+        expected); without data parallel to reduce-scatter it, it stays so until the step. Not
+        under FSDP2 without a pipeline: torchtitan wraps the TP model over a dp mesh of one too
+        (llama3/parallelize.py l.69), whose reduce-scatter leaves the 1/tp shard (measured: TP 8
+        alone on an H100, validation/records/gpu_trace_check_h100.md, +15.7 % with the whole one)."""
         m, tp = self.whole.model, self.layout.tp
         if tp == 1 or not self.stage.first or self.whole.dp > 1:
+            return []
+        if self.framework.id == "fsdp" and self.layout.pp == 1:
             return []
         extra = m.vocab_size * m.hidden * (tp - 1) // tp
         nbytes = self.policy.grad_bytes

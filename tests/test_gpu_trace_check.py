@@ -1,0 +1,80 @@
+"""Full-size jobs measured on an H100 (validation/records/gpu_trace_check_h100.md): today's
+model against every GPU record, the committed allocator events replayed against the measured
+reserved, and the page's table regenerated from the records."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from calibrate import alloctrace, records
+from memplan.allocator import Alloc, replay
+from memplan.totals import final
+from validation import gpu_trace_check as check
+
+PAGE = Path(check.__file__).resolve().parent / "records" / "gpu_trace_check_h100.md"
+KNOWN_MISSES = {"llama 2L h4096 fsdp8 x tp8 sp, 2x8k op-sac": 17.6}
+"""Cases whose allocated the model misses by more than 1.5 %, each held to its documented error
+(per-op SAC under TP 8: the kept block activations, three times the trace's)."""
+
+
+def _latest() -> dict[str, dict]:
+    by_key = {records.record_key(r): r for r in records.read(check.GPU_RECORDS)}
+    return {name: by_key.get(check._run(flags, "emulate").key) for name, flags in check.CASES}
+
+
+def test_allocated_on_the_gpu_within_one_and_a_half_percent_but_the_documented_miss():
+    latest = _latest()
+    assert latest["llama-3.1-8b fsdp8 2x8k op-sac"]["status"] == "oom"
+    assert not final(records.job_from_spec(latest["llama-3.1-8b fsdp8 2x8k op-sac"]["spec"])).fits
+    ok = {name: r for name, r in latest.items() if r and r["status"] == "ok"}
+    assert len(ok) == 6
+    for name, record in ok.items():
+        measured = record["measurement"]["peak_allocated_bytes"]
+        error = 100 * (final(records.job_from_spec(record["spec"])).allocated_bytes - measured) / measured
+        assert error == pytest.approx(KNOWN_MISSES.get(name, 0.0), abs=1.5), name
+
+
+def test_the_allocator_replays_the_gpus_own_events_and_one_stream_is_the_traces_reserved():
+    """memplan's allocator replaying each run's recorded events (from setup on) is within 2.5 %
+    of the measured reserved; on one stream, the 16k run's events give the trace's reserved to
+    0.1 %: what the trace misses is FSDP2's all-gather and reduce-scatter streams."""
+    latest = _latest()
+    traces = {records.record_key(r): r for path in check.TRACES for r in records.read([path])}
+    for name in (
+        "llama-3.1-8b fsdp8 16k full-ac",
+        "llama-3.1-8b fsdp4 x tp2 sp, 2x8k full-ac",
+        "llama 2L h4096 fsdp8 x tp8 sp, 2x8k op-sac",
+        "llama-2-7b fsdp8 4x4k op-sac (vocab 32k)",
+    ):
+        events = alloctrace.load(check.GPU_DIR / (check.stem(name) + ".trace.jsonl.gz"))
+        measured = latest[name]["measurement"]["peak_reserved_bytes"]
+        assert replay(events).peak_reserved_bytes == pytest.approx(measured, rel=0.025)
+        assert len({e.stream for e in events if isinstance(e, Alloc)}) == 3
+    name = "llama-3.1-8b fsdp8 16k full-ac"
+    events = alloctrace.load(check.GPU_DIR / (check.stem(name) + ".trace.jsonl.gz"))
+    one = [e._replace(stream=0) if isinstance(e, Alloc) else e for e in events]
+    traced = traces[check._run(dict(check.CASES)[name], "trace").key]["measurement"]["peak_reserved_bytes"]
+    assert replay(one).peak_reserved_bytes == pytest.approx(traced, rel=0.001)
+
+
+def test_the_page_holds_the_table_of_the_records():
+    assert check.report(check.GPU_RECORDS) in PAGE.read_text()
+
+
+def test_at_the_devices_limit_the_replay_retries_as_the_gpu_did():
+    """The 32k job ran with 2 allocator retries at 77.60 GiB reserved: its events replayed under
+    the device's limit (capacity less what the process held outside the allocator) retry twice,
+    never run out, and hold reserved within 1.5 %."""
+    name = "published: llama-3.1-8b fsdp8 32k full-ac"
+    measured = _latest()[name]["measurement"]
+    events = alloctrace.load(check.GPU_DIR / (check.stem(name) + ".trace.jsonl.gz"))
+    # cudaMemGetInfo's total, as the OOM run's message gives it ("a total capacity of 79.18 GiB";
+    # nvidia-smi's 81,559 MiB counts memory the driver keeps)
+    oom = _latest()["llama-3.1-8b fsdp8 2x8k op-sac"]["error"]
+    capacity = int(float(re.search(r"total capacity of ([0-9.]+) GiB", oom).group(1)) * 2**30)
+    limit = capacity - (measured["device_used_bytes"] - measured["peak_reserved_bytes"])
+    limited = replay(events, limit_bytes=limit)
+    assert (limited.retries, limited.out_of_memory) == (measured["num_alloc_retries"], False)
+    assert limited.peak_reserved_bytes == pytest.approx(measured["peak_reserved_bytes"], rel=0.015)
+    assert replay(events).peak_reserved_bytes > limit  # without the limit: more than the device has
