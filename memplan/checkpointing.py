@@ -19,6 +19,7 @@ streams), not measured.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from .activations import Saved, Shapes, block_backward_transient, block_kept, checkpoint_inputs, shapes
@@ -127,24 +128,31 @@ def block_kept_under(
 
 
 def block_transient_under(
-    model: ModelSpec, train: TrainSpec, loop: Loop, index: int, *, inputs_cast: bool = False
+    model: ModelSpec,
+    train: TrainSpec,
+    loop: Loop,
+    index: int,
+    *,
+    inputs_cast: bool = False,
+    share: Callable[[list[Saved]], list[Saved]] = list,
 ) -> list[Saved]:
     """Extra bytes while block ``index`` runs its backward, beyond what it kept. An op-SAC
     block peaks there exactly where a full-AC one does (measured on CPU against
     torchtitan's SelectiveAC): the recompute rebuilds the whole saved set, taking the SAC
-    cache's tensors instead of recomputing them, so it needs that much less on top."""
+    cache's tensors instead of recomputing them, so it needs that much less on top.
+    ``share``: one rank's share of a list of saved tensors (a TP rank's slice of each)."""
     policy = _policy(loop, index)
     full = block_backward_transient(model, _under(train, "full" if policy == "op" else policy), inputs_cast=inputs_cast)
     if policy != "op":
         return full
     temporaries, *recomputed = full  # block_backward_transient lists the gradient temporaries first
-    cache = sum(s.bytes for s in op_sac_kept(model, train)[1:])
+    cache = sum(s.bytes for s in share(op_sac_kept(model, train)[1:]))
     return [
         temporaries,
         Saved(
             "recomputed activations beyond the SAC cache",
             "block saved − SAC cache",
-            sum(s.bytes for s in recomputed) - cache,
+            sum(s.bytes for s in share(recomputed)) - cache,
         ),
     ]
 

@@ -564,13 +564,19 @@ class Step(Quantities):
             )
         return terms
 
+    def share(self, saved: list[Saved]) -> list[Saved]:
+        """This rank's share of saved tensors listed for the whole model: all of them."""
+        return saved
+
     def transient_terms(self, index: int) -> list[Term]:
         """Block ``index``'s backward transient: like ``kept``, one per policy."""
         job, kind = self.job, self.kind(index)
         if kind not in self._transient:
             model = job.model if kind[1] else moe.dense_view(job.model)
             cast = self.casts_block_inputs
-            transient = block_transient_under(model, job.train, job.train.loop, index, inputs_cast=cast)
+            transient = block_transient_under(
+                model, job.train, job.train.loop, index, inputs_cast=cast, share=self.share
+            )
             if self.ep > 1 and kind[1]:
                 transient = moe.ep_kept(transient, model, job.train, self.ep)
                 transient += moe.a2a_buffers(model, job.train, self.ep)

@@ -111,8 +111,13 @@ class RankStep(Step):
         if policy not in self._sharded:
             kept = super().kept(index)
             kept = kept + context.merged_output(kept, self.job.model, self.job.train, self.layout)
+            if policy and self.job.train.loop.ac == "op":
+                kept = kept + tensor.op_sac_reduce_scatters(self.job.model, self.job.train, self.layout)
             self._sharded[policy] = tensor.shard_saved(kept, self.layout)
         return self._sharded[policy]
+
+    def share(self, saved):
+        return tensor.shard_saved(saved, self.layout)
 
     def transient_terms(self, index: int) -> list[Term]:
         terms = tensor.shard_saved(super().transient_terms(index), self.layout)

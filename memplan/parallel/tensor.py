@@ -40,6 +40,15 @@ HEADS = (
     "loss gradients",
     "logits",
     "autocast head weight copy",
+    # per-op SAC's saved linear outputs (checkpointing._forward_ops): the column-parallel ones
+    # are 1/tp; the row-parallel o and down outputs are whole partial sums before their
+    # reduction (measured: the 6-block tp8 + SP and tp4 cases, validation/records/opsac_tp_cpu.md)
+    "q projection output",
+    "k projection output",
+    "v projection output",
+    "fused qkv projection output",
+    "gate projection output",
+    "up projection output",
 )
 """Saved by or after a column-parallel linear: local heads, a 1/tp slice of the MLP width or of
 the vocabulary (loss parallel), and the weight copies autocast makes of sharded weights."""
@@ -53,6 +62,7 @@ SEQUENCE = (
     "residual dropout masks",
     "embedding dropout mask",
     "checkpointed block input",
+    "reduce-scatter outputs",
 )
 """The residual stream and what the norms keep: a 1/tp slice of the sequence under SP,
 whole without it."""
@@ -86,6 +96,16 @@ def _sharded(saved: tuple, layout: Layout) -> tuple:
         k = _divisor(s, layout)
         out.append(s if k == 1 else replace(s, formula=f"({s.formula})/{k}", bytes=s.bytes // k))
     return tuple(out)
+
+
+def op_sac_reduce_scatters(model: ModelSpec, train, layout: Layout) -> list[Saved]:
+    """Under SP, torchtitan's per-op SAC also saves the row-parallel linears' reduce-scatters
+    (``_c10d_functional.reduce_scatter_tensor`` is in its save list; an all-reduce is not): the
+    o and down outputs over the sequence, b·s·h each, whole here (``shard_saved`` slices them)."""
+    if layout.tp == 1 or not layout.sp:
+        return []
+    x = shapes(model, train)
+    return [Saved("reduce-scatter outputs (o, down)", "2·c·b·s·h", 2 * x.c * x.tokens * x.h)]
 
 
 def block_params(model: ModelSpec, tp: int) -> int:
