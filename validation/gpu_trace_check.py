@@ -54,6 +54,11 @@ CASES: tuple[tuple[str, dict], ...] = (
         "llama 2L h4096 fsdp8 x tp8 sp, 2x8k op-sac",
         _SMALL_TP | {"gpus": 64, "tp": 8, "seq_len": 8192, "micro_batch": 2, "ac": "op"},
     ),
+    # per-op SAC under TP at full size (validation/opsac_tp.py fixed the model on two-block cases)
+    (
+        "llama-3.1-8b fsdp4 x tp2 sp, 2x8k op-sac",
+        _BY_NAME["llama-3.1-8b fsdp4 x tp2 sp, 2x8k full-ac"] | {"ac": "op"},
+    ),
     # near the H100's 79.6 GiB: the published 32k job last
     ("llama-3.1-8b fsdp8 2x8k op-sac", _BY_NAME["llama-3.1-8b fsdp8 2x8k op-sac"]),
     ("published: llama-3.1-8b fsdp8 32k full-ac", _BY_NAME["published: llama-3.1-8b fsdp8 32k full-ac"]),
