@@ -29,7 +29,7 @@ from validation import trace_matrix
 TRACES = (trace_matrix.OUT, Path(__file__).resolve().parent / "records" / "trace_gpu_check.jsonl")
 """Where the traces are read from; the second is written by ``--trace``."""
 GPU_DIR = Path(__file__).resolve().parent / "records" / "gpu" / "h100-torch2.11.0-cu130"
-GPU_RECORDS = [GPU_DIR / "gpu_trace_check.jsonl", GPU_DIR / "rerun.jsonl"]
+GPU_RECORDS = [GPU_DIR / "gpu_trace_check.jsonl", GPU_DIR / "rerun.jsonl", GPU_DIR / "run3.jsonl"]
 """The H100 records: the first call's, then the rerun of TP alone once the harness wrapped it as
 torchtitan does (FSDP2 over a dp mesh of one); the later record of a case wins."""
 GIB = 2**30
