@@ -53,6 +53,8 @@ class Recorder(TorchDispatchMode):
         """storage -> its slot; a slot holds the event id of the storage's live bytes."""
         self.live: dict[int, int | None] = {}
         self.refs: dict[int, weakref.ref] = {}
+        self.stream = 0
+        """The stream new allocations are made on (``calibrate.trace``'s ``_side_streams`` sets it)."""
 
     def see(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -71,7 +73,7 @@ class Recorder(TorchDispatchMode):
         if nbytes:
             i = next(self.ids)
             self.live[slot] = i
-            self.events.append(Alloc(i, nbytes))
+            self.events.append(Alloc(i, nbytes, self.stream))
 
     def _release(self, slot: int) -> None:
         i = self.live[slot]

@@ -27,7 +27,8 @@ from memplan.totals import final
 from validation import trace_matrix
 
 TRACES = (trace_matrix.OUT, Path(__file__).resolve().parent / "records" / "trace_gpu_check.jsonl")
-"""Where the traces are read from; the second is written by ``--trace``."""
+"""Where the traces are read from, the later record of a job winning; the second is written by
+``--trace``. The first traces of the GPU cases, on one stream, are ``trace_gpu_check.one-stream.jsonl``."""
 GPU_DIR = Path(__file__).resolve().parent / "records" / "gpu" / "h100-torch2.11.0-cu130"
 GPU_RECORDS = [GPU_DIR / "gpu_trace_check.jsonl", GPU_DIR / "rerun.jsonl", GPU_DIR / "run3.jsonl"]
 """The H100 records: the first call's, then the rerun of TP alone once the harness wrapped it as
@@ -130,8 +131,9 @@ def snapshot(name: str, directory: Path) -> None:
 
 
 def run_traces() -> None:
-    """The trace of each case not yet traced (``TRACES``)."""
-    held = {records.record_key(r) for path in TRACES if path.exists() for r in records.read([path])}
+    """The trace of each case not yet in ``TRACES[1]`` (traced with FSDP2's side streams; the
+    report takes its records over ``trace_fullsize``'s, whose traces ran on one stream)."""
+    held = {records.record_key(r) for r in records.read([TRACES[1]])} if TRACES[1].exists() else set()
     todo = [run for run in (_run(flags, "trace") for _, flags in CASES) if run.key not in held]
     sweep(
         todo,

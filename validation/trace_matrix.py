@@ -218,7 +218,10 @@ def render(table: list[dict]) -> str:
         "estimate the job the trace ran (`validation.trace_matrix.traced_loop`: device cpu), the",
         "like-for-like check of the analytic model. The first table, whose traces ran the",
         "harness's own loop (gradients freed, loss inside the model), is",
-        "`trace_fullsize.harness-loop.md`.",
+        "`trace_fullsize.harness-loop.md`. These traces were recorded on one stream, before the",
+        "trace told FSDP2's all-gather copy-in and reduce-scatter streams apart: their reserved is",
+        "a lower bound (9.9 % under an H100's on the 16k job; traced again with the streams, the",
+        "GPU's own events to the byte: `gpu_trace_check_h100.md`).",
         "",
         "| case | trace alloc GiB | estimate alloc GiB | alloc error | trace reserved GiB | estimate reserved GiB "
         "| reserved error | published GiB | phase (trace / est) | wall s "
