@@ -288,6 +288,24 @@ class _CudaMeter:
         }
 
 
+def _builds_on_meta(job: Job, *, on_cuda: bool, emulated: bool, user, workload: str) -> bool:
+    """Whether an emulated FSDP2 rank on CUDA builds its model on the meta device, as torchtitan
+    does: a rank of a 70B or 405B job then holds its shards alone, where the whole model would
+    not fit one GPU. (On CPU MemTracker's categories follow the storages the build makes, so the
+    CPU harness keeps building the model whole.)"""
+    from memplan.strategies import STRATEGIES
+
+    return (
+        on_cuda
+        and emulated
+        and user is None
+        and workload == "native"
+        and STRATEGIES[job.plan.strategy].framework == "fsdp"
+        and job.train.finetune == "full"
+        and not job.train.compile
+    )
+
+
 def run(
     job: Job, *, steps: int = 3, warmup: int = 2, emulated: bool = False, workload: str = "native", user=None
 ) -> Measurement:
@@ -307,8 +325,9 @@ def run(
         if policy.autocast
         else contextlib.nullcontext()
     )
+    meta = _builds_on_meta(job, on_cuda=on_cuda, emulated=emulated, user=user, workload=workload)
     with meter:
-        with torch.device(meter.device):
+        with torch.device("meta" if meta else meter.device):
             if user is None:
                 model = build_model(
                     job.model, attention=train.attention, ac=train.activation_checkpointing, workload=workload
@@ -325,6 +344,11 @@ def run(
         if train.compile:
             _compile_blocks(model)
         model = wrap(model, job, emulated)
+        if meta:
+            # torchtitan's order (train.py): the model on the meta device, parallelized, then
+            # to_empty on the device: only the rank's shards are ever allocated (its values are
+            # left uninitialized: memory does not depend on them)
+            model.to_empty(device=meter.device)
         optimizer = _optimizer(model, job)
         meter.after_setup()
         phase_peaks: dict[str, int] = {}

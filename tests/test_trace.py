@@ -186,3 +186,16 @@ def test_ddp_is_refused_in_one_line():
     # DDP's C++ reducer broadcasts and buckets on real storage: it failed mid-run under fake tensors
     job = replace(_tiny(), plan=replace(_tiny().plan, strategy="ddp"))
     assert "use --mode emulate" in trace.refusal(job)
+
+
+def test_an_emulated_rank_built_on_the_meta_device_measures_what_the_whole_build_does(monkeypatch):
+    """An emulated FSDP2 rank on CUDA builds its model on the meta device and materializes its
+    shards (``measure._builds_on_meta``, as torchtitan): forced here on CPU, the measured step's
+    peak and categories are the whole build's, byte for byte."""
+    from calibrate import launch, measure
+
+    job = _tiny(ac="full")
+    whole = launch.emulate(job, world_size=4, steps=2, warmup=1)
+    monkeypatch.setattr(measure, "_builds_on_meta", lambda job, **kwargs: True)
+    meta = launch.emulate(job, world_size=4, steps=2, warmup=1)
+    assert (meta.peak_allocated_bytes, meta.categories) == (whole.peak_allocated_bytes, whole.categories)

@@ -60,6 +60,14 @@ CASES: tuple[tuple[str, dict], ...] = (
         "llama-3.1-8b fsdp4 x tp2 sp, 2x8k op-sac",
         _BY_NAME["llama-3.1-8b fsdp4 x tp2 sp, 2x8k full-ac"] | {"ac": "op"},
     ),
+    # beyond one GPU's memory when built whole: the rank's shards alone (meta-device build)
+    ("llama-3.1-70b fsdp32 8k full-ac", _BY_NAME["llama-3.1-70b fsdp32 8k full-ac"]),
+    ("llama-3.1-70b fsdp8 x tp4 sp, 8k full-ac", _BY_NAME["llama-3.1-70b fsdp8 x tp4 sp, 8k full-ac"]),
+    (
+        "qwen2.5-72b fsdp16 x tp8 sp, 2x8k full-ac (vocab 152k)",
+        _BY_NAME["qwen2.5-72b fsdp16 x tp8 sp, 2x8k full-ac (vocab 152k)"],
+    ),
+    ("llama-3.1-405b fsdp64 x tp8 sp, 8k full-ac", _BY_NAME["llama-3.1-405b fsdp64 x tp8 sp, 8k full-ac"]),
     # near the H100's 79.6 GiB: the published 32k job last
     ("llama-3.1-8b fsdp8 2x8k op-sac", _BY_NAME["llama-3.1-8b fsdp8 2x8k op-sac"]),
     ("published: llama-3.1-8b fsdp8 32k full-ac", _BY_NAME["published: llama-3.1-8b fsdp8 32k full-ac"]),
