@@ -30,7 +30,7 @@ TRACES = (trace_matrix.OUT, Path(__file__).resolve().parent / "records" / "trace
 """Where the traces are read from, the later record of a job winning; the second is written by
 ``--trace``. The first traces of the GPU cases, on one stream, are ``trace_gpu_check.one-stream.jsonl``."""
 GPU_DIR = Path(__file__).resolve().parent / "records" / "gpu" / "h100-torch2.11.0-cu130"
-GPU_RECORDS = [GPU_DIR / "gpu_trace_check.jsonl", GPU_DIR / "rerun.jsonl", GPU_DIR / "run3.jsonl"]
+GPU_RECORDS = [GPU_DIR / "gpu_trace_check.jsonl", GPU_DIR / "rerun.jsonl", GPU_DIR / "run3.jsonl", GPU_DIR / "run4.jsonl"]
 """The H100 records: the first call's, then the rerun of TP alone once the harness wrapped it as
 torchtitan does (FSDP2 over a dp mesh of one); the later record of a case wins."""
 GIB = 2**30
@@ -100,14 +100,16 @@ def run_gpu(out: Path, budget_s: float, only: str = "") -> None:
 
 def _events_from_setup(snapshot: dict, device: int) -> list:
     """The run's allocator events from the model's release after setup on (the first
-    ``segment_free``: ``calibrate.measure``'s ``empty_cache`` once the model is sharded), with
+    ``segment_free``: ``calibrate.measure``'s ``empty_cache`` once the model is sharded; all of
+    them where the model was built on the meta device), with
     the storages live there allocated afresh (``calibrate.trace.after_setup``): the events the
     trace's replay is compared with."""
     from calibrate import alloctrace
     from calibrate.trace import after_setup
 
     entries = snapshot["device_traces"][device]
-    first_release = next(i for i, e in enumerate(entries) if e["action"] == "segment_free")
+    # none where the model was built on the meta device: nothing whole was ever cached
+    first_release = next((i for i, e in enumerate(entries) if e["action"] == "segment_free"), 0)
     before = alloctrace.from_snapshot({"device_traces": {device: entries[:first_release]}}, device)
     events = alloctrace.from_snapshot(snapshot, device)
     return after_setup(events, len(before))
