@@ -30,9 +30,10 @@ TRACES = (trace_matrix.OUT, Path(__file__).resolve().parent / "records" / "trace
 """Where the traces are read from, the later record of a job winning; the second is written by
 ``--trace``. The first traces of the GPU cases, on one stream, are ``trace_gpu_check.one-stream.jsonl``."""
 GPU_DIR = Path(__file__).resolve().parent / "records" / "gpu" / "h100-torch2.11.0-cu130"
-GPU_RECORDS = [GPU_DIR / "gpu_trace_check.jsonl", GPU_DIR / "rerun.jsonl", GPU_DIR / "run3.jsonl", GPU_DIR / "run4.jsonl"]
-"""The H100 records: the first call's, then the rerun of TP alone once the harness wrapped it as
-torchtitan does (FSDP2 over a dp mesh of one); the later record of a case wins."""
+GPU_RECORDS = [GPU_DIR / f"{name}.jsonl" for name in ("gpu_trace_check", "rerun", "run3", "run4")]
+"""The H100 records: the first call's; the rerun of TP alone once the harness wrapped it as
+torchtitan does (FSDP2 over a dp mesh of one); per-op SAC under TP 2; the 70B-405B ranks. The
+later record of a case wins."""
 GIB = 2**30
 TIMEOUT_S = 180.0
 _COMMON = trace_matrix._COMMON | {"device": "cuda"}
