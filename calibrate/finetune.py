@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from memplan.specs import Job
 
-PROJ = {name: f"{name}_proj" for name in ("q", "k", "v", "o", "gate", "up", "down")}
-"""transformers' module names of memplan's llama linears (peft's target_modules)."""
+PROJ = {name: f"{name}_proj" for name in ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down")}
+"""transformers' module names of memplan's llama linears (peft's target_modules; Phi-3 fuses
+qkv_proj and gate_up_proj)."""
 
 
-def adapt(job: Job, model) -> None:
+def adapt(job: Job, model, lora: dict | None = None) -> None:
     """The job's model (a ``calibrate.loops.LoopLM``) cast, quantized, frozen and given adapters as
-    the libraries do (validation/finetune_matrix.py's docstring)."""
+    the libraries do (validation/finetune_matrix.py's docstring); ``lora``: ``LoraConfig`` keywords
+    as a user writes them (``target_modules``, ``use_dora``), over those the job gives."""
     import torch
 
     from memplan.precision import POLICIES
@@ -36,10 +38,10 @@ def adapt(job: Job, model) -> None:
             _quantize_linears(block, compute_dtype=torch.bfloat16)
     from peft import LoraConfig, get_peft_model
 
-    targets = "all-linear" if tuning.targets == ("all-linear",) else _modules(tuning.targets)
-    config = LoraConfig(
-        r=tuning.rank, lora_alpha=int(tuning.alpha), target_modules=targets, lora_dropout=tuning.dropout
-    )
+    given = dict(lora or {})
+    if "target_modules" not in given:
+        given["target_modules"] = "all-linear" if tuning.targets == ("all-linear",) else _modules(tuning.targets)
+    config = LoraConfig(r=tuning.rank, lora_alpha=int(tuning.alpha), lora_dropout=tuning.dropout, **given)
     get_peft_model(model.hf, config)  # adapters injected into model.hf in place, the rest frozen
 
 

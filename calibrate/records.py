@@ -68,7 +68,8 @@ _LATER_DEFAULTS: dict[str, dict[str, Any]] = {
     "model": {
         f.name: f.default
         for f in fields(ModelSpec)
-        if f.name in (*MOE_FIELDS, *MLA_FIELDS, "qk_norm", "type_vocab_size", "num_labels", "head_dim")
+        if f.name
+        in (*MOE_FIELDS, *MLA_FIELDS, "qk_norm", "type_vocab_size", "num_labels", "head_dim", "fused_projections")
     },
     "plan": {"ep": 1, "zero": None, "gradient_as_bucket_view": False, "bucket_cap_mb": None, "static_graph": False},
     "cluster": {"alloc_conf": ""},

@@ -104,6 +104,7 @@ def _model_row(row: dict[str, str]) -> ModelSpec:
         patch_size=int(row["patch_size"]) or 16,
         **experts().get(row["name"], {}),
         qk_norm=row["name"] in qk_norms(),
+        fused_projections=row["name"] in fused_projections(),
         head_dim=head_dims().get(row["name"], 0),
         **latent_attention().get(row["name"], {}),
         **encoders().get(row["name"], {}),
@@ -114,6 +115,12 @@ def _model_row(row: dict[str, str]) -> ModelSpec:
 def qk_norms() -> frozenset[str]:
     """The presets whose attention normalises q and k per head (tables/qk_norm.csv: Qwen3)."""
     return frozenset(row["name"] for row in read_table("qk_norm.csv"))
+
+
+@cache
+def fused_projections() -> frozenset[str]:
+    """The presets whose blocks fuse q/k/v and gate/up into one linear each (tables/fused_projections.csv: Phi-3)."""
+    return frozenset(row["name"] for row in read_table("fused_projections.csv"))
 
 
 @cache

@@ -18,7 +18,7 @@ from .moe import is_moe_layer
 from .precision import Policy
 from .saved import Saved
 from .shapes import shapes
-from .specs import ATTENTION, LINEARS, Tuning
+from .specs import ATTENTION, LINEARS, MODULES, Tuning
 
 P, O = Component.PARAMS, Component.OPTIMIZER  # noqa: E741 - the paper's P/G/O notation, as quantities.py
 
@@ -30,31 +30,39 @@ NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 those per block of 256 (functional.quantize_4bit, QuantState.state2)."""
 
 
+def _family(model) -> str:
+    """The key of the block's linear layers in ``LINEARS``: Phi-3's fused llama block apart."""
+    return "phi3" if model.fused_projections else model.arch
+
+
 def _linears(model) -> dict[str, tuple[int, int]]:
     """(in, out) features of each linear layer of one block, by ``LINEARS``' names."""
     h, q, kv, f = model.hidden, model.q_hidden, model.kv_hidden, model.ffn_hidden
     shapes = {"q": (h, q), "k": (h, kv), "v": (h, kv), "qkv": (h, q + 2 * kv), "o": (q, h)}
-    shapes |= {"gate": (h, f), "up": (h, f), "down": (f, h)}
-    return {name: shapes[name] for name in LINEARS[model.arch]}
+    shapes |= {"gate": (h, f), "up": (h, f), "gate_up": (h, 2 * f), "down": (f, h)}
+    return {name: shapes[name] for name in LINEARS[_family(model)]}
 
 
 def targets_of(model, tuning: Tuning) -> tuple[str, ...]:
-    """The block's linear layers that carry an adapter."""
-    names = LINEARS[model.arch]
+    """The block's linear layers that carry an adapter: peft matches a target_modules name
+    against each module's name, so one name adapts a fused module once (Phi-3's qkv_proj) and
+    GPT-2's c_proj both its attention output and its MLP's down projection."""
+    family = _family(model)
+    names = LINEARS[family]
     if tuning.targets == ("all-linear",):
         return names
     if tuning.targets == ("attention",):
         return tuple(n for n in names if n in ATTENTION)
-    missing = [n for n in tuning.targets if n not in names]
+    modules = MODULES.get(family, {})
+    missing = [n for n in tuning.targets if not set(modules.get(n, (n,))) <= set(names)]
     if missing:
         raise InputError(
-            f"lora targets {', '.join(missing)} are no linear layer of a {model.arch} block "
-            f"(it has {', '.join(names)})",
+            f"lora targets {', '.join(missing)} are no linear layer of a {family} block (it has {', '.join(names)})",
             field="lora_targets",
             value=",".join(tuning.targets),
             accepted=", ".join(names),
         )
-    return tuning.targets
+    return tuple(dict.fromkeys(n for target in tuning.targets for n in modules.get(target, (target,))))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,7 +182,7 @@ def trained(model, tuning: Tuning) -> Trained:
             adapters=False,
             head_trained=not model.tied_embeddings,
         )
-    if model.arch != "llama":
+    if model.arch != "llama" and (model.arch, tuning.mode) != ("gpt2", "lora"):
         raise InputError(
             f"{tuning.mode} is modelled for llama-family blocks (llama, qwen2, mistral), not {model.arch}: "
             "what peft's adapters save there is not measured",
@@ -432,36 +440,53 @@ def outside_saved(step, pre: list[Saved], post: list[Saved]) -> tuple[list[Saved
     return pre, post
 
 
+_FROZEN_DROPPED = {
+    "norm 1: normalised",
+    "norm 2: normalised",
+    "norm outputs (linear inputs)",
+    "autocast input casts",
+    "autocast weight copies",
+    "SwiGLU gate, silu, up, product",
+    "q_norm, k_norm: normalised",
+    "MLP up output, GELU output",
+}
+"""What a block's frozen linears and norms no longer keep: a frozen weight's input (a linear's,
+GPT-2's Conv1D addmm's, RMSNorm's weight product), its autocast copies, and the MLP activation's
+output, the frozen down projection's input."""
+_MLP_KEPT = {"llama": ("SwiGLU gate, silu, up", 3), "gpt2": ("MLP up output (gelu_new input)", 1)}
+"""What the MLP's activation keeps of its ffn-wide tensors (c·b·s·f each): SwiGLU's gate, silu
+and up; GPT-2's gelu_new its input (pow) beside the intermediates activations.py counts."""
+_INPUT_WIDTH = {"q": "h", "k": "h", "v": "h", "qkv": "h", "o": "q", "gate": "h", "up": "h", "gate_up": "h", "down": "f"}
+_SHARED_INPUT = dict.fromkeys(("q", "k", "v", "qkv"), "norm 1 output") | dict.fromkeys(
+    ("gate", "up", "gate_up"), "norm 2 output"
+)
+"""The tensor an adapter's lora_A reads when no dropout or cast makes its own (the o projection's
+input is the attention output sdpa keeps already); the down projection's by family."""
+_DOWN_INPUT = {"llama": "SwiGLU product", "gpt2": "GELU output"}
+
+
 def adapter_block_saved(model, train, full: list[Saved], *, adapter_bytes: int) -> list[Saved]:
-    """What a llama block with frozen base weights and peft's LoRA keeps (peft lora/layer.py
+    """What a block with frozen base weights and peft's LoRA keeps (peft lora/layer.py
     Linear.forward: ``result = base_layer(x); result + lora_B(lora_A(dropout(x))) * scaling``,
-    x first cast to the adapter's dtype): the norms keep their input and rstd but not their
-    normalised product with the frozen weight; a frozen linear keeps no input; per adapter,
-    lora_A's input (the dropout output and mask, or x's cast, or x itself once per input)
-    and lora_B's input, the b·s·r intermediate (measured: validation/records/finetune_matrix_cpu.md)."""
+    x first cast to the adapter's dtype): the norms keep their input and statistics but not their
+    normalised product with the frozen weight; a frozen linear (GPT-2's Conv1D too) keeps no
+    input; per adapter, lora_A's input (the dropout output and mask, or x's cast, or x itself
+    once per input) and lora_B's input, the b·s·r intermediate; a fused module (Phi-3's
+    qkv_proj, GPT-2's c_attn) is one adapter (measured: validation/records/finetune_matrix_cpu.md,
+    peft_matrix_cpu.md)."""
     x = shapes(model, train)
     t, a = x.tokens, adapter_bytes
     targets = targets_of(model, train.tuning)
     p = train.tuning.dropout
-    dropped = {
-        "norm 1: normalised",
-        "norm 2: normalised",
-        "norm outputs (linear inputs)",
-        "autocast input casts",
-        "autocast weight copies",
-        "SwiGLU gate, silu, up, product",
-        "q_norm, k_norm: normalised",
-    }
-    saved = [s for s in full if s.name not in dropped]
-    saved.append(Saved("SwiGLU gate, silu, up", "3·c·b·s·f", 3 * x.c * t * x.f))
-    inputs = {"q": "h", "k": "h", "v": "h", "o": "q", "gate": "h", "up": "h", "down": "f"}
+    saved = [s for s in full if s.name not in _FROZEN_DROPPED]
+    mlp, count = _MLP_KEPT[model.arch]
+    saved.append(Saved(mlp, f"{count}·c·b·s·f", count * x.c * t * x.f))
     width = {"h": x.h, "q": x.q, "f": x.f}
-    shared = {"q": "norm 1 output", "k": "norm 1 output", "v": "norm 1 output", "gate": "norm 2 output"}
-    shared |= {"up": "norm 2 output", "down": "SwiGLU product"}
+    shared = _SHARED_INPUT | {"down": _DOWN_INPUT[model.arch]}
     once: dict[str, Saved] = {}
     mask = a if train.device == "cpu" else 1
     for name in targets:
-        w = inputs[name]
+        w = _INPUT_WIDTH[name]
         n = width[w]
         if p > 0:
             saved.append(Saved(f"lora {name}: dropout output", f"{a}·b·s·{w}", a * t * n))

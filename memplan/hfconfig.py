@@ -183,7 +183,12 @@ FAMILIES = {
     ),
     # Phi3Attention / Phi3MLP fuse qkv_proj and gate_up_proj: the llama counts, no biases
     # (modeling_phi3.py); resid_pdrop and embd_pdrop default to 0
-    "phi3": Family("llama", False, {"attention_dropout": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
+    "phi3": Family(
+        "llama",
+        False,
+        {"attention_dropout": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+        extra=lambda cfg: {"fused_projections": True},
+    ),
     "gpt2": Family(
         "gpt2", True, {"attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1}, lambda cfg: (False, True), _gpt2_extra
     ),

@@ -95,6 +95,10 @@ class ModelSpec:
     qk_norm: bool = False
     """Qwen3's per-head RMSNorms on q and k before the rotary embedding (q_norm, k_norm of
     head_dim each: modeling_qwen3.py Qwen3Attention)."""
+    fused_projections: bool = False
+    """A llama block whose q/k/v and gate/up projections are one linear each (Phi-3's qkv_proj
+    and gate_up_proj: modeling_phi3.py Phi3Attention, Phi3MLP): the same parameters, but one
+    LoRA adapter per fused module."""
     # multi-head latent attention (DeepSeek-V2/V3; ``memplan.mla`` holds the formulas)
     q_lora_rank: int = 0
     """MLA's q down-projection rank (q_a_proj h → rank, q_a_layernorm, q_b_proj); 0: q_proj."""
@@ -191,6 +195,8 @@ class ModelSpec:
             object.__setattr__(self, "tied_embeddings", False)
         if not 0.0 <= self.dropout < 1.0:
             raise MemplanError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.fused_projections and (self.arch != "llama" or self.num_experts or self.kv_lora_rank):
+            raise MemplanError("fused_projections (Phi-3's qkv_proj, gate_up_proj) apply to dense arch llama only")
         if self.num_layers > 10_000 or self.hidden > 1_000_000 or self.vocab_size > 10_000_000:
             raise MemplanError(
                 f"model shape is absurd (layers {self.num_layers}, hidden {self.hidden}, "
@@ -504,13 +510,18 @@ class Tuning:
 
 LINEARS = {
     "llama": ("q", "k", "v", "o", "gate", "up", "down"),
+    "phi3": ("o", "qkv", "gate_up", "down"),  # Phi3Attention registers o_proj first
     "gpt2": ("qkv", "o", "up", "down"),
     "neox": ("qkv", "o", "up", "down"),
     "vit": ("q", "k", "v", "o", "up", "down"),
     "bert": ("q", "k", "v", "o", "up", "down"),
 }
-"""The linear layers of one block per family, by the names ``--lora-targets`` takes."""
+"""The linear layers of one block per family, by the names ``--lora-targets`` takes (``phi3``: a
+llama block with fused projections, ``ModelSpec.fused_projections``)."""
 ATTENTION = ("q", "k", "v", "qkv", "o")
+MODULES = {"gpt2": {"c_attn": ("qkv",), "c_proj": ("o", "down"), "c_fc": ("up",)}}
+"""transformers' module names that are not ``LINEARS``' name + ``_proj``, and the linears each
+names (modeling_gpt2.py: GPT2Attention c_attn, c_proj; GPT2MLP c_fc, c_proj)."""
 
 
 def _bad_tuning(field: str, value, accepted: str) -> InputError:
@@ -523,11 +534,14 @@ def _bad_tuning(field: str, value, accepted: str) -> InputError:
 
 
 def _targets(value: str) -> tuple[str, ...]:
-    """The names a target list gives (``q,v``; peft's ``q_proj`` style too)."""
+    """The names a target list gives (``q,v``; peft's ``q_proj`` style, and the module names of
+    ``MODULES`` such as GPT-2's ``c_attn``, too)."""
     if value in TARGET_SETS:
         return (value,)
-    names = tuple(dict.fromkeys(n.strip().removesuffix("_proj") for n in value.split(",") if n.strip()))
-    known = {n for names in LINEARS.values() for n in names}
+    modules = {n for names in MODULES.values() for n in names}
+    given = (n.strip() for n in value.split(",") if n.strip())
+    names = tuple(dict.fromkeys(n if n in modules else n.removesuffix("_proj") for n in given))
+    known = {n for names in LINEARS.values() for n in names} | modules
     if not names or any(n not in known for n in names):
         raise _bad_tuning("lora_targets", value, f"attention, all-linear or a list of {', '.join(sorted(known))}")
     return names

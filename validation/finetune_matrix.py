@@ -96,11 +96,19 @@ class FinetuneCase(heldout.Case):
     def hf_type(self) -> str:
         return HF_TYPE[self.job.model.name]
 
+    lora: tuple[tuple[str, Any], ...] = ()
+    """``LoraConfig`` keywords as the user writes them (``target_modules``, ``use_dora``), beyond
+    what the job states; none: the job's own."""
+
     def adapt(self, model) -> None:
         """Cast, quantize, freeze and add adapters as the libraries do (the module docstring)."""
-        adapt(self.job, model)
+        adapt(self.job, model, dict(self.lora))
 
     def record_fields(self) -> dict:
+        given = {"peft_config": {k: list(v) if isinstance(v, tuple) else v for k, v in self.lora}} if self.lora else {}
+        return given | self._libraries()
+
+    def _libraries(self) -> dict:
         libraries = ["peft", "bitsandbytes"] if self.job.train.tuning.mode == "qlora" else ["peft"]
         if self.job.train.optimizer in ("adam8bit", "lion", "lion8bit", "paged-adamw8bit"):
             libraries.append("bitsandbytes")
@@ -124,6 +132,7 @@ def _case(
     impl: str | None = None,
     zero_grad: str = "none",
     attention: str = "sdpa",
+    lora: tuple[tuple[str, Any], ...] = (),
 ) -> FinetuneCase:
     job = Job(
         model=model,
@@ -151,8 +160,9 @@ def _case(
     checkpointed += f"-{attention}" if attention != "sdpa" else ""
     stepped = f"-{impl}" if impl else ""
     stepper = f"{optimizer}{stepped}{checkpointed}"
-    name = f"{model.name}-{finetune}{adapter}-{strategy}-{precision}-{stepper}-g{gpus}-b{b}s{s}"
-    return FinetuneCase(name, job, "plain-kept", ac, "local")
+    written = "".join(f"-{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in lora)
+    name = f"{model.name}-{finetune}{adapter}{written}-{strategy}-{precision}-{stepper}-g{gpus}-b{b}s{s}"
+    return FinetuneCase(name, job, "plain-kept", ac, "local", lora)
 
 
 CASES = (

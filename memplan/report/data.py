@@ -22,6 +22,8 @@ COMPONENTS = [c.value for c in Component]
 def inputs_dict(choice: ModelChoice, est: Estimate) -> dict:
     job = est.job
     model = {k: getattr(job.model, k) for k in job.model.__dataclass_fields__}
+    if not job.model.fused_projections:  # added later: a JSON report states it where it is set
+        del model["fused_projections"]
     model["num_params"] = job.model.num_params
     loop = in_force(job.train)
     return {

@@ -1,0 +1,138 @@
+"""peft's LoraConfig as users write it, measured on CPU before memplan modelled it (held out):
+LoRA on fused projections (Phi-3's qkv_proj and gate_up_proj; GPT-2's c_attn, c_proj and c_fc
+Conv1D modules), and DoRA (``use_dora=True``). Each case is the memplan job as a user states it, and
+the ``LoraConfig`` keywords the user wrote beyond it (the Phi-3 cases were first measured as
+unfused llama blocks, the records before ``fused_projections`` existed: the first table,
+validation/records/peft_matrix_cpu.first.md); the runs are the
+fine-tune matrix's (validation.finetune_matrix: transformers' model built from a config, peft's
+get_peft_model, MemTracker's peak of live tensors on one rank).
+
+    python -m validation.peft_matrix            # measure every case not yet recorded
+    python -m validation.peft_matrix --report   # measured, estimated today, error %, peak phase
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from memplan.specs import ModelSpec
+
+from . import heldout
+from .finetune_matrix import LLAMA, FinetuneCase, _case
+
+OUT = "validation/records/peft_matrix_cpu.jsonl"
+
+PHI3 = ModelSpec(
+    name="phi3-mini-l2",
+    arch="llama",
+    fused_projections=True,
+    num_layers=2,
+    hidden=3072,
+    num_heads=32,
+    num_kv_heads=32,
+    ffn_hidden=8192,
+    vocab_size=32064,
+)
+"""Phi-3-mini's widths (microsoft/Phi-3-mini-4k-instruct config.json) in two layers, built as
+transformers' Phi3ForCausalLM: fused qkv_proj and gate_up_proj."""
+PHI3_GQA = ModelSpec(
+    name="phi3-gqa-h1024",
+    arch="llama",
+    fused_projections=True,
+    num_layers=2,
+    hidden=1024,
+    num_heads=16,
+    num_kv_heads=4,
+    ffn_hidden=2816,
+    vocab_size=32064,
+)
+"""A narrower Phi3ForCausalLM with grouped k/v heads (as phi-4's 40 over 10) and Phi-3's
+vocabulary (its pad_token_id 32000 must be a row)."""
+GPT2 = ModelSpec(
+    name="gpt2-small-l2",
+    arch="gpt2",
+    num_layers=2,
+    hidden=768,
+    num_heads=12,
+    ffn_hidden=3072,
+    vocab_size=50257,
+    max_positions=1024,
+    tied_embeddings=True,
+    linear_bias=True,
+    dropout=0.1,
+    activation="gelu_new",
+)
+"""GPT-2 small (openai-community/gpt2 config.json) in two layers: c_attn, c_proj, c_fc Conv1D."""
+HF_TYPE = {PHI3.name: "phi3", PHI3_GQA.name: "phi3", GPT2.name: "gpt2", LLAMA.name: "llama"}
+
+
+@dataclass(frozen=True)
+class PeftCase(FinetuneCase):
+    @property
+    def hf_type(self) -> str:
+        return HF_TYPE[self.job.model.name]
+
+
+def _peft_case(*args, **kwargs) -> PeftCase:
+    case = _case(*args, **kwargs)
+    return PeftCase(case.id, case.job, case.loop, case.ac, case.mode, case.lora)
+
+
+C_ATTN = (("target_modules", ("c_attn",)),)
+"""GPT-2's fused attention input projection, as peft users name it."""
+DORA = (("use_dora", True),)
+
+FUSED = (
+    _peft_case(PHI3, "lora", "single", "fp32", b=1, s=128, targets="qkv_proj,o_proj"),
+    _peft_case(PHI3, "lora", "single", "fp32", b=1, s=128, targets="all-linear"),
+    _peft_case(PHI3, "lora", "single", "fp32", b=1, s=1024, rank=16, targets="all-linear"),
+    _peft_case(PHI3_GQA, "lora", "single", "fp32", b=2, s=512, targets="qkv_proj,o_proj"),
+    _peft_case(PHI3_GQA, "lora", "single", "fp32", b=2, s=512, rank=16, targets="all-linear", dropout=0.05),
+    _peft_case(GPT2, "lora", "single", "fp32", b=2, s=128, targets="qkv", lora=C_ATTN),
+    _peft_case(GPT2, "lora", "single", "fp32", b=2, s=128, rank=16, targets="all-linear"),
+    _peft_case(GPT2, "lora", "single", "fp32", b=2, s=1024, targets="qkv", lora=C_ATTN),
+    _peft_case(GPT2, "lora", "single", "fp32", b=1, s=1024, rank=16, targets="all-linear", dropout=0.1),
+)
+DORA_CASES = (
+    _peft_case(LLAMA, "lora", "single", "fp32", lora=DORA),
+    _peft_case(LLAMA, "lora", "single", "fp32", rank=16, targets="all-linear", lora=DORA),
+    _peft_case(LLAMA, "lora", "single", "bf16", b=1, s=128, targets="all-linear", dropout=0.1, lora=DORA),
+    _peft_case(PHI3, "lora", "single", "fp32", b=1, s=128, targets="all-linear", lora=DORA),
+)
+"""DoRA as written, stated to memplan as the LoRA it adds to (memplan has no DoRA input)."""
+CASES = FUSED + DORA_CASES
+BY_ID = {case.id: case for case in CASES}
+
+
+def record_id(case: PeftCase) -> str:
+    """The held-out matrix's id, and the peft keywords where the case gives some (a DoRA run
+    states the same job as its LoRA twin)."""
+    base = heldout.record_id(case)
+    if not case.lora:
+        return base
+    return hashlib.sha1(json.dumps([base, [[k, v] for k, v in case.lora]]).encode()).hexdigest()[:10]
+
+
+def make_record(case: PeftCase, outcome: dict, wall_s: float) -> dict:
+    return heldout.make_record(case, outcome, wall_s) | {"id": record_id(case)}
+
+
+def render_report(recs: list[dict]) -> str:
+    """The table of the cases as stated today (the first table's records of the Phi-3 cases,
+    stated as unfused llama blocks, left out: validation/records/peft_matrix_cpu.first.md)."""
+    from calibrate.report import render_table
+
+    current = {record_id(case) for case in CASES}
+    return render_table(heldout.table_rows([r for r in recs if r["id"] in current]))
+
+
+TIMEOUT_S = 600
+"""Phi-3-mini's widths at sequence 1024 take minutes on two CPU cores."""
+measure_case = heldout.measure_case
+
+if __name__ == "__main__":  # the cases as validation.peft_matrix's, which the child processes import
+    from validation import peft_matrix
+
+    heldout.main(matrix=peft_matrix)
