@@ -53,6 +53,11 @@ CASES: tuple[tuple[str, dict], ...] = (
         "h2048 x6, fsdp4 x tp4 no sp, 2x2k",
         _SMALL | {"layers": 6, "gpus": 16, "tp": 4, "sp": False, "seq_len": 2048, "micro_batch": 2},
     ),
+    # added after the change (not held out): eager attention, whose scores (bmm) per-op SAC saves
+    (
+        "h2048 x6, fsdp4 x tp2 sp, eager, 1x2k",
+        _SMALL | {"layers": 6, "gpus": 8, "tp": 2, "seq_len": 2048, "micro_batch": 1, "attention": "eager"},
+    ),
 )
 
 

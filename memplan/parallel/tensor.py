@@ -40,9 +40,11 @@ HEADS = (
     "loss gradients",
     "logits",
     "autocast head weight copy",
-    # per-op SAC's saved linear outputs (checkpointing._forward_ops): the column-parallel ones
-    # are 1/tp; the row-parallel o and down outputs are whole partial sums before their
-    # reduction (measured: the 6-block tp8 + SP and tp4 cases, validation/records/opsac_tp_cpu.md)
+    # per-op SAC's saved outputs (checkpointing._forward_ops): eager attention's scores per local
+    # head; the column-parallel linears' 1/tp; the row-parallel o and down outputs are whole
+    # partial sums before their reduction (measured: the 6-block tp8 + SP and tp4 cases,
+    # validation/records/opsac_tp_cpu.md)
+    "attention scores (bmm output)",
     "q projection output",
     "k projection output",
     "v projection output",
