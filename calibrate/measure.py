@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from memplan.loop import loss_in_model
 from memplan.precision import POLICIES
 from memplan.specs import Job
+from memplan.strategies import STRATEGIES
 
 from .workloads import blocks, build_model, make_batch
 from .wrappers import DTYPES, Unsupported, wrap
@@ -293,8 +294,6 @@ def _builds_on_meta(job: Job, *, on_cuda: bool, emulated: bool, user, workload: 
     does: a rank of a 70B or 405B job then holds its shards alone, where the whole model would
     not fit one GPU. (On CPU MemTracker's categories follow the storages the build makes, so the
     CPU harness keeps building the model whole.)"""
-    from memplan.strategies import STRATEGIES
-
     return (
         on_cuda
         and emulated

@@ -61,14 +61,7 @@ def tensor_parallel(job: Job, workload: str, mesh_device: str) -> Iterator[None]
 
     def wrap(model, job, emulated):
         wrappers.apply_tp(model, mesh["tp"], sp=layout.sp)
-        layers = model.layers
-        for i, layer in enumerate(layers):
-            if ac == "full":
-                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-                layers[i] = checkpoint_wrapper(layer)
-            elif ac == "op":
-                layers[i] = workloads.op_checkpoint(layer)
+        workloads.checkpoint_layers(model.layers, ac)
         if STRATEGIES[job.plan.strategy].framework != "fsdp":
             return model
         # over a dp mesh of one as well: torchtitan 0.3.0 "always run[s] apply_fsdp_to_decoder --

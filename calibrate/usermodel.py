@@ -169,13 +169,9 @@ def apply_ac(model: UserWrapper, ac: str) -> None:
         raise UserModelError(
             "--ac selective checkpoints calibrate's own attention; a user model takes none, full or op"
         )
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from .workloads import checkpoint_layers
 
-    from .workloads import op_checkpoint
-
-    layers = model.layers
-    for i, layer in enumerate(layers):
-        layers[i] = checkpoint_wrapper(layer) if ac == "full" else op_checkpoint(layer)
+    checkpoint_layers(model.layers, ac)
 
 
 def _vocab(model: nn.Module, user: UserModel) -> int:

@@ -199,12 +199,19 @@ def build_model(spec: ModelSpec, *, attention: str, ac: str, workload: str = "na
     if workload == "hf":
         return HFCausalLM(spec, attention=attention, ac=ac)
     model = CausalLM(spec, attention=attention, ac=ac)
-    if ac in ("full", "op"):
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-        for i, layer in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(layer) if ac == "full" else op_checkpoint(layer)
+    checkpoint_layers(model.layers, ac)
     return model
+
+
+def checkpoint_layers(layers: nn.ModuleList, ac: str) -> None:
+    """Each block wrapped in place for AC ``full`` (torch's checkpoint_wrapper) or ``op``
+    (torchtitan's per-op SAC, ``op_checkpoint``); other policies leave them as they are."""
+    if ac not in ("full", "op"):
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer) if ac == "full" else op_checkpoint(layer)
 
 
 def _op_save_list() -> set:

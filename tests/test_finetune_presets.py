@@ -27,6 +27,8 @@ def test_phi3_config_counts_what_transformers_builds():
     with torch.device("meta"):
         model = tf.Phi3ForCausalLM(tf.Phi3Config(**{k: v for k, v in PHI3.items() if k != "model_type"}))
     assert spec.arch == "llama" and spec.num_params == sum(p.numel() for p in model.parameters())
+    # tensor by tensor too: the fused qkv_proj and gate_up_proj (peft adapts each once)
+    assert [tuple(p.shape) for p in model.parameters()] == list(full_tensors(spec))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, None])  # hidden/heads; Qwen3-0.6B's wider heads; Qwen3Config's 128
