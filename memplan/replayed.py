@@ -39,7 +39,11 @@ def with_replayed_allocator(est: Estimate) -> Estimate:
     conf = parse_alloc_conf(job.cluster.alloc_conf)
     stages = getattr(est, "stages", ())
     if len(stages) <= 1:
-        return replace(est, overhead=(*fixed_terms(job), _replayed_term(job, conf, None)))
+        overhead = (*fixed_terms(job), _replayed_term(job, conf, None))
+        if not stages:
+            return replace(est, overhead=overhead)
+        # a layout without a pipeline: its one stage is the estimate, replayed alike
+        return replace(est, overhead=overhead, stages=(replace(stages[0], overhead=overhead),))  # type: ignore[call-arg]
     replayed = tuple(
         replace(s, overhead=(*fixed_terms(job), _replayed_term(job, conf, i))) for i, s in enumerate(stages)
     )

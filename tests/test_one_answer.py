@@ -111,3 +111,11 @@ def test_the_json_of_a_rejected_option_is_the_table_of_that_option():
             option["offload"],
         )["estimates"][0]
         assert option["total_bytes"] == table["bytes"]["total"]  # fmt: skip
+
+
+def test_a_layout_without_a_pipeline_reports_its_one_stage_as_the_estimate(qwen3):
+    """Under TP without PP the JSON's one stage is the estimate: its allocated and total are the
+    replayed ones the bytes give (it had kept the flat slack)."""
+    est = as_json("estimate", *qwen3)["estimates"][0]
+    (stage,) = est["stages"]
+    assert (stage["allocated"], stage["total"]) == (est["bytes"]["allocated"], est["bytes"]["total"])
