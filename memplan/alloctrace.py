@@ -28,9 +28,9 @@ from typing import NamedTuple
 
 from .allocator import DEFAULT_CONF, Alloc, AllocConf, Event, Free, Sync, replay
 from .breakdown import Term
-from .memory import Step, estimate
+from .memory import estimate, step_of
 from .parallel import pipeline
-from .parallel.step import RankStep
+from .parallel.step import rank_step
 
 COMPUTE, ALL_GATHER, REDUCE_SCATTER = 0, 1, 2
 # the events built without NamedTuple's keyword-handling constructor (the trace's hot line)
@@ -111,7 +111,7 @@ def trace_shape(step) -> TraceShape:
     """The shape of ``step``'s trace (a ``memory.Step``)."""
     model = step.job.model
     L = model.num_layers
-    groups = step.groups()
+    groups = step.built_groups
     params, root = model.num_params, _root(model)
     per_block = [model.block_params()] * L + [root]
     counts = list(model.block_param_counts().values())
@@ -285,9 +285,9 @@ def replayed_step(job, stage: int | None = None):
     counts its bytes. The data-parallel step of a TP job replays the unsliced model: at the
     Qwen3-32B TP 8 job it allocated 179 GiB against the rank's 39."""
     if job.layout.is_data_parallel:
-        return Step(job)
+        return step_of(job)
     index = getattr(estimate(job), "worst_stage", 0) if stage is None else stage
-    return RankStep(job, pipeline.stages(job.layout, job.model.num_layers)[index])
+    return rank_step(job, pipeline.stages(job.layout, job.model.num_layers)[index])
 
 
 @lru_cache(maxsize=4096)

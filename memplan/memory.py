@@ -17,7 +17,7 @@ from .quantities import G, O, P
 from .specs import Job
 from .step import Step
 
-__all__ = ["Step", "estimate", "model_states", "modes_compared"]  # Step: where its users import it from
+__all__ = ["Step", "estimate", "model_states", "modes_compared", "step_of"]  # Step: where its users import it from
 
 
 def model_states(job: Job, policy: Policy | None = None) -> dict[Component, int]:
@@ -31,11 +31,18 @@ def model_states(job: Job, policy: Policy | None = None) -> dict[Component, int]
 
 
 @lru_cache(maxsize=4096)
+def step_of(job: Job) -> Step:
+    """The data-parallel step of ``job``, built once: its estimate and the allocator's trace of
+    it (``alloctrace``) read the same groups of terms."""
+    return Step(job)
+
+
+@lru_cache(maxsize=4096)
 def estimate(job: Job) -> Estimate:
     """Peak per-GPU memory of one configuration: the largest of the step's moments."""
     if not job.layout.is_data_parallel:
         return estimate_layout(job)
-    step = Step(job)
+    step = step_of(job)
     moments = step.moments()
     peak = max(moments, key=lambda m: m.allocated_bytes)
     host = sum(t.bytes for t in step.host_terms())

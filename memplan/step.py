@@ -13,6 +13,7 @@ inserts its own moments beside the ones it names (``Framework.schedule``).
 
 from __future__ import annotations
 
+from functools import cached_property
 from itertools import chain
 
 from . import loss, moe
@@ -671,8 +672,13 @@ class Step(Quantities):
             specs = insert(specs, TIED_SUM, before="optimizer")
         return self.framework.schedule(self, specs)
 
+    @cached_property
+    def built_groups(self) -> dict[str, list[Term]]:
+        """``groups()``, built once per step: its estimate and the allocator's trace read the same."""
+        return self.groups()
+
     def moments(self) -> list[Moment]:
-        groups = self.groups()
+        groups = dict(self.built_groups)
         if self.job.train.zero_grad == "after-forward":
             # Lightning's closure clears the gradients between the forward and the backward:
             # the step before's live through the forward (measured: validation.lightning_loop)

@@ -8,7 +8,7 @@ import pytest
 
 from memplan import api, catalog, search
 from memplan.decide import FRAMEWORKS, PRIORITIES, framework_strategies, recommend_job, rules, size_class
-from memplan.decide.options import ranked
+from memplan.decide.options import rank, rank_bound, rank_floor, ranked
 from memplan.errors import MemplanError
 from memplan.frameworks import runs_natively
 from memplan.inputs import build_jobs
@@ -195,6 +195,20 @@ def test_best_is_the_fastest_that_fits():
     assert rejected[ddp.key].over_by_bytes == estimate(ddp.job).total_bytes - ddp.job.cluster.usable_bytes
     runner = next(r for r in rec.reasons if r.code == "runner_up").rejected
     assert runner.option.key == rec.rejected[0].option.key and runner.code == "slower"
+
+
+@pytest.mark.parametrize("priority", PRIORITIES)
+@pytest.mark.parametrize("params,gpus,gpu", [("13e9", 8, "h100-sxm"), ("7e9", 4, "a100-40gb"), ("1e9", 1, "l4")])
+def test_ranked_reads_as_a_sort_of_every_option(params, gpus, gpu, priority):
+    """The lazy ranking (floor, bound, then confirmed) gives the order of sorting every option
+    that fits by ``rank`` (ties in the order given), each floor and bound no later than its rank."""
+    _, rec = api.recommend(params=params, gpus=gpus, gpu=gpu, priority=priority)
+    options = list(rec.options)
+    order = sorted((i for i, o in enumerate(options) if o.fits), key=lambda i: (rank(options[i], priority), i))
+    assert [o.key for o in ranked(options, priority)] == [options[i].key for i in order]
+    for i in order:
+        key = rank(options[i], priority)
+        assert rank_floor(options[i], priority) <= rank_bound(options[i], priority) <= key
 
 
 def test_memory_priority_picks_the_smallest_total():

@@ -261,6 +261,35 @@ BOUNDED_MICRO_BATCHES = 256
 """Past this many micro-batches the bound allows, an option's best rank is not bounded (it is confirmed)."""
 
 
+def rank_floor(option: Option, priority: str) -> tuple:
+    """A key no later than ``rank_bound(option, priority)``, from what a search already holds
+    (the bound at the option's least micro-batch) and one step time: the most tokens/s the
+    option could reach at any micro-batch up to its limit (``fastest_tokens_per_s``); ``()``
+    where ``rank_bound``'s may be ``()``: by memory, or where the bound does not fit."""
+    settings = option.settings
+    if priority == "memory" or not option.basis.bound(settings).fits:
+        return ()
+    speed = -fastest_tokens_per_s(option)
+    simple = simplicity_ranks()[settings.plan.strategy]
+    if priority == "simplicity":
+        return (settings.plan.offload != "none", simple, _AC_ORDER[settings.train.activation_checkpointing], speed)
+    return (_as_fast(speed), False, simple)
+
+
+def fastest_tokens_per_s(option: Option) -> float:
+    """No fewer tokens/s than ``option`` predicts at any micro-batch up to its limit: the step at
+    the limit with no communication exposed, its tokens not rounded to whole ones per GPU. A
+    step's compute is its tokens' FLOPs (b·…) plus a constant (dequantization), its offload
+    seconds constant in the micro-batch (``throughput.step_time``), so tokens over compute and
+    offload grow with the micro-batch, and exposed communication only adds seconds."""
+    settings = option.settings
+    most = settings.with_(micro_batch=option.limit or settings.train.micro_batch)
+    step, layout, train = option.basis.step(most), most.layout, most.train
+    tokens = train.seq_len * train.micro_batch * train.grad_accum * layout.microbatches / layout.model_parallel
+    # a billionth more: these floats are summed in another order than ``StepTime.tokens_per_s``'s
+    return tokens / (step.compute_s + step.offload_s) * (1 + 1e-9)
+
+
 def rank_bound(option: Option, priority: str) -> tuple:
     """A key no later than ``rank(option, priority)`` from the bound alone (no replay): the most
     tokens/s at any micro-batch the bound allows (tokens/s is not always monotone in the
@@ -287,29 +316,35 @@ def _rank_bound(option: Option, priority: str) -> tuple:
     return (_as_fast(speed), False, simple)
 
 
+_FLOOR, _BOUND, _CONFIRMED = range(3)
+
+
 class Ranked(Sequence):
     """The options that fit, best first (``rank``; ties in the order given), confirmed only as far
-    as they are read: the options are taken in the order of their ``rank_bound`` and each is
-    confirmed (its micro-batch searched, replayed); the best confirmed is next once no option left
-    can rank before it. Reading the length confirms them all."""
+    as they are read. Each option climbs three keys, each no later than the next: ``rank_floor``
+    (no search), ``rank_bound`` (its micro-batches by the bound, no replay), then its ``rank``
+    once confirmed (its micro-batch searched, replayed; where it fits). The least key of all is
+    taken next: a floor is raised to the bound, a bound confirmed, a rank is the next best, as
+    no option left can rank before it. Reading the length confirms them all."""
 
     def __init__(self, options: list[Option], priority: str):
         self.priority = priority
         self._out: list[Option] = []
-        self._confirmed: list[tuple] = []  # a heap of (rank, index, option)
-        bounds = [(rank_bound(o, priority), i, o) for i, o in enumerate(options)]
-        self._pending = sorted(bounds, key=lambda t: t[:2], reverse=True)  # the next is the last
+        self._keys = [(rank_floor(o, priority), i, _FLOOR, o) for i, o in enumerate(options)]
+        heapq.heapify(self._keys)  # (key, index, stage, option); an index is never in it twice
 
     def _next(self) -> bool:
-        pending, confirmed = self._pending, self._confirmed
-        while pending and not (confirmed and confirmed[0][:2] < pending[-1][:2]):
-            _, i, option = pending.pop()
-            if option.fits:
-                heapq.heappush(confirmed, (rank(option, self.priority), i, option))
-        if not confirmed:
-            return False
-        self._out.append(heapq.heappop(confirmed)[2])
-        return True
+        keys, priority = self._keys, self.priority
+        while keys:
+            _, i, stage, option = heapq.heappop(keys)
+            if stage == _CONFIRMED:
+                self._out.append(option)
+                return True
+            if stage == _FLOOR:
+                heapq.heappush(keys, (rank_bound(option, priority), i, _BOUND, option))
+            elif option.fits:
+                heapq.heappush(keys, (rank(option, priority), i, _CONFIRMED, option))
+        return False
 
     def _upto(self, n: int | None) -> list[Option]:
         """The first ``n`` (None: all)."""

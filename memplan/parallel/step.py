@@ -446,10 +446,17 @@ def layout_notes(layout) -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=4096)
+def rank_step(job: Job, stage: Stage) -> RankStep:
+    """One pipeline rank's step, built once: its estimate and the allocator's trace of it
+    (``alloctrace``) read the same groups of terms."""
+    return RankStep(job, stage)
+
+
+@lru_cache(maxsize=4096)
 def _rank_estimate(job: Job, stage: Stage) -> Estimate:
     """One pipeline rank's estimate; cached: the layout search weighs the worst ranks
     (``worst_estimate``), then the bound and the replay read every rank (``estimate_layout``)."""
-    step = RankStep(job, stage)
+    step = rank_step(job, stage)
     moments = step.moments()
     peak = max(moments, key=lambda m: m.allocated_bytes)
     return Estimate(
