@@ -215,26 +215,13 @@ def search_layouts(job: Job, link: Link) -> LayoutPick:
         for strategy in DP_STRATEGIES:
             if strategy == "fsdp-hybrid-shard" and job.cluster.num_nodes == 1:
                 continue
-            # the least memory first (AC full, micro-batch 1): where it does not fit, nothing does
-            settings = [("full", 1), *itertools.product(AC_SEARCHED, sorted(MICRO_BATCHES, reverse=True))]
-            for i, (ac, micro) in enumerate(settings):
-                candidate = replace(
-                    job,
-                    plan=replace(job.plan, strategy=strategy),
-                    train=job.train.with_ac(ac, micro_batch=micro),
-                    layout=layout,
-                )
+            for i, (ac, micro) in enumerate(_settings()):
                 searched += 1
-                option = _option(candidate, link)
+                option = _option(_with(job, layout, strategy, ac, micro), link)
                 if option.fits and i > 0:
                     fitting.append(option)
                 if option.fits == (i > 0):
                     break
-    baseline_job = replace(
-        job,
-        plan=replace(job.plan, strategy="fsdp-full-shard"),
-        train=job.train.with_ac("full", micro_batch=1),
-        layout=Layout(),
-    )
     best = min(fitting, key=_rank, default=None)
-    return LayoutPick(best=best, data_parallel=_option(baseline_job, link), searched=searched, fitting=len(fitting))
+    baseline = _option(_with(job, Layout(), "fsdp-full-shard", "full", 1), link)
+    return LayoutPick(best=best, data_parallel=baseline, searched=searched, fitting=len(fitting))
