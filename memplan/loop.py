@@ -94,9 +94,10 @@ class Convention:
     setting: str
     value: str
     origin: str
-    """``explicit`` or ``recipe <name>``."""
+    """``recipe <name>``; ``given``: a flag or the user's file (``--from``) set it, and it differs
+    from the recipe's; ``searched``: a search chose it."""
     source: str
-    """The framework file and line the recipe's value was read from; "" when explicit."""
+    """The framework file and line the recipe's value was read from; "" when given."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,7 +109,7 @@ class Resolved:
     """Recipe settings that live outside the loop (optimizer implementation, FSDP reshard policy)."""
 
     def describe(self) -> str:
-        """``recipe torchtitan: logits freed, loss ce, ac op, ...; explicit: ac full``."""
+        """``recipe torchtitan: logits freed, loss ce, ac op, ...; given: ac full``."""
         by_origin: dict[str, list[str]] = {}
         for c in self.conventions + self.elsewhere:
             by_origin.setdefault(c.origin, []).append(f"{c.setting.replace('_', '-')} {c.value}")
@@ -188,7 +189,7 @@ def resolve(recipe: str = "plain", **explicit) -> Resolved:
     for name in _SETTINGS:
         if explicit.get(name) is not None:
             values[name] = explicit[name]
-            origin, source = "explicit", ""
+            origin, source = "given", ""
         else:
             text, source = table[name]
             values[name], origin = _parse(name, text), f"recipe {recipe}"
@@ -213,27 +214,27 @@ class Step(Protocol):
 
 
 def in_force(train: Step, searched: tuple[str, ...] = ()) -> Resolved:
-    """The conventions of a step's loop and where each came from: its recipe's, or explicit
-    where the value differs from the recipe's, or ``searched`` (settings a search chose)."""
+    """The conventions of a step's loop and where each came from: its recipe's, or given (by a
+    flag or the user's file) where the value differs from the recipe's, or ``searched`` (settings a search chose)."""
     loop, table = train.loop, recipe_rows()[train.recipe]
     explicit = {s: getattr(loop, s) for s in _SETTINGS if getattr(loop, s) != _parse(s, table[s][0])}
     resolved = resolve(train.recipe, **explicit)
     resolved = replace(
         resolved,
         conventions=tuple(
-            replace(c, origin="searched") if c.setting in searched and c.origin == "explicit" else c
+            replace(c, origin="searched") if c.setting in searched and c.origin == "given" else c
             for c in resolved.conventions
         ),
     )
 
-    # a recipe setting the step also carries (the optimizer implementation, k/v copies) is explicit
+    # a recipe setting the step also carries (the optimizer implementation, k/v copies) is given
     # where it is given (not None) and differs
     def given(setting: str):
         value = getattr(train, setting, None)
         return None if value is None else show(value)
 
     elsewhere = tuple(
-        Convention(setting=c.setting, value=str(given(c.setting)), origin="explicit", source="")
+        Convention(setting=c.setting, value=str(given(c.setting)), origin="given", source="")
         if given(c.setting) not in (None, c.value)
         else c
         for c in resolved.elsewhere

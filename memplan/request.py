@@ -289,6 +289,17 @@ class StrategyRequest:
                     value=value,
                     accepted=", ".join(accepted),
                 )
+        if self.gradient_as_bucket_view and self.strategy != "all" and STRATEGIES[self.strategy].framework != "ddp":
+            # the one DDP keyword that changes memory; the other two change none under any strategy
+            raise InputError(
+                lambda n: (
+                    f"{n('gradient_as_bucket_view')} is DistributedDataParallel's keyword; strategy "
+                    f"{self.strategy} has no such keyword (it applies to strategy ddp, or all: the search's DDP options)"
+                ),
+                field="gradient_as_bucket_view",
+                value=True,
+                accepted="strategy ddp or all",
+            )
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """DistributedDataParallel's keywords as ``Plan`` takes them."""

@@ -116,6 +116,18 @@ def test_a_bucket_size_that_is_not_positive_is_refused_in_one_line(value):
     assert result.stderr == f"Error: --bucket-cap-mb must be a positive number of MiB, got {float(value)!r}\n"
 
 
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp-full-shard", "single"])
+def test_bucket_views_under_another_strategy_are_refused_in_one_line(strategy):
+    """Only DistributedDataParallel takes the keyword; stated with another strategy it would change nothing."""
+    args = ["estimate", "--model", "gpt2", "--gpus", "1" if strategy == "single" else "2", "--strategy", strategy]
+    result = CliRunner().invoke(main, [*args, "--gradient-as-bucket-view"])
+    assert result.exit_code == 2
+    assert result.stderr == (
+        f"Error: --gradient-as-bucket-view is DistributedDataParallel's keyword; strategy {strategy} has no such "
+        "keyword (it applies to strategy ddp, or all: the search's DDP options)\n"
+    )
+
+
 def test_the_flag_moves_the_ddp_row_alone_of_an_estimate_of_every_strategy():
     args = ["estimate", "--model", "gpt2", "--gpus", "2", "--precision", "fp32", "--seq-len", "64", "--format", "json"]
     plain, views = (

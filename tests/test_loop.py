@@ -49,9 +49,9 @@ def test_explicit_flags_win_and_say_so():
     resolved = resolve("torchtitan", ac="full", logits=None)
     assert (resolved.loop.ac, resolved.loop.logits) == ("full", "freed")
     origins = {c.setting: c.origin for c in resolved.conventions}
-    assert origins["ac"] == "explicit" and origins["logits"] == "recipe torchtitan"
+    assert origins["ac"] == "given" and origins["logits"] == "recipe torchtitan"
     assert resolved.describe().startswith("recipe torchtitan: logits freed, loss ce")
-    assert resolved.describe().endswith("explicit: ac full")
+    assert resolved.describe().endswith("given: ac full")
 
 
 def test_a_searched_setting_is_labelled_searched_not_explicit():
@@ -62,7 +62,7 @@ def test_a_searched_setting_is_labelled_searched_not_explicit():
     args = ["recommend", "--model", "llama-3.1-8b", "--gpus", "8", "--gpu", "h100-sxm", "--seq-len", "8192"]
     searched = CliRunner().invoke(main, [*args, "--recipe", "torchtitan"]).output.splitlines()[2]
     given = CliRunner().invoke(main, [*args, "--recipe", "torchtitan", "--ac", "full"]).output.splitlines()[2]
-    assert searched.endswith("searched: ac full") and given.endswith("explicit: ac full")
+    assert searched.endswith("searched: ac full") and given.endswith("given: ac full")
 
 
 def test_recipe_defaults_as_the_frameworks_define_them():

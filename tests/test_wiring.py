@@ -109,7 +109,7 @@ def test_the_header_names_each_convention_and_its_origin():
 
     resolved = in_force(_job(recipe="torchtitan", ac="full").train)
     origins = {c.setting: c.origin for c in resolved.conventions + resolved.elsewhere}
-    assert origins["ac"] == "explicit" and origins["logits"] == "recipe torchtitan"
+    assert origins["ac"] == "given" and origins["logits"] == "recipe torchtitan"
     assert origins["reshard_after_forward"] == "recipe torchtitan"
     assert resolved.describe().startswith("recipe torchtitan: logits freed")
 
