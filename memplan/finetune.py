@@ -35,6 +35,12 @@ def _family(model) -> str:
     return "phi3" if model.fused_projections else model.arch
 
 
+ADAPTED_BLOCKS = {"llama": ("lora", "qlora"), "gpt2": ("lora",)}
+"""The block families whose adapters are measured with peft (validation/finetune_matrix.py;
+validation/peft_matrix.py: Phi-3's fused projections, GPT-2's Conv1D) and the modes measured."""
+_FAMILIES = {"llama": "llama-family (llama, qwen2, mistral, phi3)", "gpt2": "gpt2"}
+
+
 def _linears(model) -> dict[str, tuple[int, int]]:
     """(in, out) features of each linear layer of one block, by ``LINEARS``' names."""
     h, q, kv, f = model.hidden, model.q_hidden, model.kv_hidden, model.ffn_hidden
@@ -182,10 +188,10 @@ def trained(model, tuning: Tuning) -> Trained:
             adapters=False,
             head_trained=not model.tied_embeddings,
         )
-    if model.arch != "llama" and (model.arch, tuning.mode) != ("gpt2", "lora"):
+    if tuning.mode not in ADAPTED_BLOCKS.get(model.arch, ()):
+        where = " and ".join(f"{_FAMILIES[a]} blocks" for a, modes in ADAPTED_BLOCKS.items() if tuning.mode in modes)
         raise InputError(
-            f"{tuning.mode} is modelled for llama-family blocks (llama, qwen2, mistral), not {model.arch}: "
-            "what peft's adapters save there is not measured",
+            f"{tuning.mode} is modelled for {where}, not {model.arch}: what peft's adapters save there is not measured",
             field="finetune",
             value=tuning.mode,
             accepted="full or frozen:N for this model",

@@ -159,7 +159,8 @@ class TrainingRequest(LoopSettings, _Step):
     lora_alpha: float | None = setting(None, default_help="16")
     """LoRA's scaling numerator (16 where not given): accepted, it changes no memory."""
     lora_targets: str | None = setting(None, default_help="attention")
-    """attention (q, k, v, o; where not given) | all-linear | a list of a block's linears (q,k,v,o,gate,up,down)."""
+    """attention (a block's q, k, v, o or fused qkv; where not given) | all-linear | a list of a block's
+    linears: q,k,v,o,gate,up,down; phi3's fused qkv,gate_up; gpt2's qkv,o,up,down (or c_attn,c_proj,c_fc)."""
     lora_dropout: float | None = setting(None, default_help="0")
     """Dropout on each adapter's input (its output and mask are kept for backward; 0 where not given)."""
 

@@ -495,7 +495,11 @@ class Step(Quantities):
                 sum(s.bytes for s in kept),
             )
         ]
-        return {"activations.blocks": on_gpu, "activations.last_block": one}
+        groups = {"activations.blocks": on_gpu, "activations.last_block": one}
+        if self.last_checkpointed() is not None:
+            # any block's backward, the last checkpointed one's too, brings back its own alone
+            groups["activations.last_checkpointed"] = one
+        return groups
 
     def offloaded_activation_terms(self) -> list[Term]:
         """Host RAM per GPU of the offloaded activations: the blocks' and those packed outside them."""

@@ -493,8 +493,16 @@ def test_longer_sequence_never_less_memory(args):
     _monotone(args, "--seq-len", lambda s: 2 * s)
 
 
+_OFFLOADED_EVERY_2 = (
+    "--arch llama --layers 9 --hidden 512 --heads 8 --ffn 1024 --vocab 32000 --kv-heads 1 --seq-len 128 "
+    "--micro-batch 2 --precision fp32 --ac selective --ac-every 2 --offload-activations --optimizer-in-backward "
+    "--gpus 1 --gpu-mem 24 --strategy single"
+).split()
+
+
 @examples(120)
 @given(args=jobs(source="arch", fixed_ac=True))
+@example(args=_OFFLOADED_EVERY_2)  # found by this test: the last checkpointed block held every block offloaded
 def test_more_layers_never_less_memory(args):
     _monotone(args, "--layers", lambda n: n + 1)
 

@@ -12,7 +12,7 @@ from test_finetune_presets import PHI3 as PHI3_CONFIG  # tests/ is on the path, 
 from memplan.catalog import model_preset
 from memplan.cli import main
 from memplan.errors import MemplanError
-from memplan.finetune import targets_of, trained
+from memplan.finetune import ADAPTED_BLOCKS, targets_of, trained
 from memplan.hfconfig import model_from_hf_config
 from memplan.specs import tuning
 
@@ -100,6 +100,16 @@ def test_qlora_on_gpt2_stays_refused():
     """bitsandbytes quantizes nn.Linear, which GPT-2's Conv1D is not: not measured."""
     with pytest.raises(MemplanError, match="qlora"):
         trained(model_preset("gpt2"), _lora("c_attn", mode="qlora"))
+
+
+@pytest.mark.parametrize("mode", ["lora", "qlora"])
+def test_a_block_without_measured_adapters_is_refused_naming_the_ones_measured(mode):
+    with pytest.raises(MemplanError) as refused:
+        trained(model_preset("pythia-410m"), _lora("q,v", mode=mode))
+    measured = [a for a, modes in ADAPTED_BLOCKS.items() if mode in modes]
+    message = str(refused.value)
+    assert f"{mode} is modelled for " in message and ", not neox:" in message
+    assert all(f"{a}" in message for a in measured) and ("gpt2" in message) == (mode == "lora")
 
 
 @pytest.mark.parametrize("name", ["phi3-gqa-h1024", "gpt2-small-l2"])
