@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from memplan.specs import ModelSpec
 
 from . import heldout
-from .finetune_matrix import LLAMA, FinetuneCase, _case
+from .finetune_matrix import LLAMA, QWEN, FinetuneCase, _case
 
 OUT = "validation/records/peft_matrix_cpu.jsonl"
 
@@ -65,7 +65,7 @@ GPT2 = ModelSpec(
     activation="gelu_new",
 )
 """GPT-2 small (openai-community/gpt2 config.json) in two layers: c_attn, c_proj, c_fc Conv1D."""
-HF_TYPE = {PHI3.name: "phi3", PHI3_GQA.name: "phi3", GPT2.name: "gpt2", LLAMA.name: "llama"}
+HF_TYPE = {PHI3.name: "phi3", PHI3_GQA.name: "phi3", GPT2.name: "gpt2", LLAMA.name: "llama", QWEN.name: "qwen2"}
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,11 @@ DORA_CASES = (
     _peft_case(LLAMA, "lora", "single", "fp32", rank=16, targets="all-linear", lora=DORA),
     _peft_case(LLAMA, "lora", "single", "bf16", b=1, s=128, targets="all-linear", dropout=0.1, lora=DORA),
     _peft_case(PHI3, "lora", "single", "fp32", b=1, s=128, targets="all-linear", lora=DORA),
+    # held out: measured before DoRA was modelled, after the four above had been looked at
+    _peft_case(QWEN, "lora", "single", "fp32", b=4, s=128, rank=16, lora=DORA),
+    _peft_case(LLAMA, "lora", "single", "fp32", targets="all-linear", dropout=0.05, lora=DORA),
+    _peft_case(PHI3_GQA, "lora", "single", "fp32", b=2, s=256, targets="qkv_proj,o_proj", lora=DORA),
+    _peft_case(LLAMA, "lora", "single", "fp32", b=4, s=128, rank=32, targets="q,v,down", lora=DORA),
 )
 """DoRA as written, stated to memplan as the LoRA it adds to (memplan has no DoRA input)."""
 CASES = FUSED + DORA_CASES
