@@ -125,6 +125,8 @@ def torchtitan_sections(job: Job) -> dict[str, dict]:
         raise MemplanError(
             lambda n: f"{n('emit')} torchtitan writes FSDP2, HSDP or DDP over dp, not strategy {job.plan.strategy}"
         )
+    if layout.tp_plan != "torchtitan":
+        raise _titan_refuse(f"tp-plan {layout.tp_plan} (apply_tp applies torchtitan's own plan)")
     if layout.tp > 1 and not layout.sp:
         raise _titan_refuse("TP without sequence parallel (apply_tp always shards the norms)")
     if t.optimizer not in TORCHTITAN_OPTIMIZERS:

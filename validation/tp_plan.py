@@ -68,7 +68,15 @@ CASES: tuple[tuple[str, str, dict], ...] = (
     (
         "B blocks fsdp2 x tp2 bf16 2x512",
         "blocks",
-        _B | {"gpus": 4, "tp": 2, "strategy": "fsdp-full-shard", "precision": "mixed-bf16", "seq_len": 512, "micro_batch": 2},
+        _B
+        | {
+            "gpus": 4,
+            "tp": 2,
+            "strategy": "fsdp-full-shard",
+            "precision": "mixed-bf16",
+            "seq_len": 512,
+            "micro_batch": 2,
+        },
     ),
     (
         "C blocks fsdp4 x tp2 bf16 ac full 4x256",
@@ -111,7 +119,15 @@ CASES: tuple[tuple[str, str, dict], ...] = (
     (
         "A tutorial fsdp2 x tp4 bf16 1x1024",
         "tutorial",
-        _A | {"gpus": 8, "tp": 4, "strategy": "fsdp-full-shard", "precision": "mixed-bf16", "seq_len": 1024, "micro_batch": 1},
+        _A
+        | {
+            "gpus": 8,
+            "tp": 4,
+            "strategy": "fsdp-full-shard",
+            "precision": "mixed-bf16",
+            "seq_len": 1024,
+            "micro_batch": 1,
+        },
     ),
 )
 
