@@ -8,6 +8,8 @@ SequenceParallel on the norms (replicated weights, activations sharded over the 
 the token embedding RowwiseParallel over the vocabulary, the head ColwiseParallel with its
 output kept sharded over the vocabulary for loss parallel (``loss_parallel``). What autograd
 saves is ``activations.block_saved``'s list; each entry is sharded one of three ways below.
+PyTorch's TP tutorial's plans (``layout.TP_PLANS``) shard the blocks alike and differ outside
+them: the embedding and head split ``Layout.vocab_tp`` ways, the logits ``Layout.logits_tp``.
 """
 
 from __future__ import annotations
