@@ -207,3 +207,14 @@ def test_from_reads_a_plan_file(tmp_path):
     assert out.exit_code == 0, out.output
     layout = json.loads(out.stdout)["estimates"][0]["layout"]
     assert (layout["tp_plan"], layout["sp"]) == ("tutorial", True)
+
+
+def test_calibrate_s_own_tp_wrapping_refuses_the_other_plans():
+    """calibrate's --mode emulate / trace apply torchtitan's plan; validation.tp_plan applies these."""
+    from calibrate.runs import plan as plan_runs
+    from calibrate.tensor_parallel import refusal
+
+    (run,) = plan_runs([tp_plan.job_flags("blocks", _job(tp_plan="blocks"))], mode="emulate")[0]
+    assert "tp-plan blocks" in refusal(run.job, "emulate")
+    (run,) = plan_runs([tp_plan.job_flags("blocks", _job())], mode="emulate")[0]
+    assert refusal(run.job, "emulate") is None
