@@ -21,6 +21,9 @@ def refusal(job: Job, mode: str) -> str | None:
     layout, strategy = job.layout, STRATEGIES[job.plan.strategy]
     if layout.is_data_parallel:
         return None
+    if layout.tp_plan != "torchtitan":
+        # validation/tp_plan.py applies the other plans of layout.TP_PLANS
+        return f"--mode {mode} applies torchtitan's TP plan, not --tp-plan {layout.tp_plan}"
     if layout.cp > 1 or layout.pp > 1:
         return f"--mode {mode} runs DDP, FSDP2 and FSDP2 × TP, not {layout.describe()}"
     if strategy.framework != "fsdp" and job.dp > 1:

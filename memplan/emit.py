@@ -125,6 +125,8 @@ def torchtitan_sections(job: Job) -> dict[str, dict]:
         raise MemplanError(
             lambda n: f"{n('emit')} torchtitan writes FSDP2, HSDP or DDP over dp, not strategy {job.plan.strategy}"
         )
+    if layout.tp_plan == "blocks":
+        raise _titan_refuse("tp-plan blocks (apply_tp shards the embedding and head)")
     if layout.tp > 1 and not layout.sp:
         raise _titan_refuse("TP without sequence parallel (apply_tp always shards the norms)")
     if t.optimizer not in TORCHTITAN_OPTIMIZERS:
@@ -169,6 +171,8 @@ def torchtitan_sections(job: Job) -> dict[str, dict]:
         parallelism["pipeline_parallel_microbatch_size"] = t.micro_batch
     if job.plan.ep > 1:
         parallelism["expert_parallel_degree"] = job.plan.ep
+    if layout.tp_plan == "tutorial":  # apply_tp without loss parallel: the head's output all-gathered
+        parallelism["disable_loss_parallel"] = True
     if layout.async_tp:  # distributed/tensor_parallel.py: async TP is an inductor pass, so it needs compile
         parallelism["enable_async_tensor_parallel"] = True
     sections: dict[str, dict] = {}

@@ -8,7 +8,7 @@ data-parallel job memplan always planned.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from .errors import InputError
 
@@ -17,6 +17,22 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 ScheduleInterleavedZeroBubble (torchtitan's pipeline_parallel_schedule names them)."""
 MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")
 """The schedules that run several (virtual) stages per rank."""
+TP_PLANS = ("torchtitan", "tutorial", "blocks")
+"""Which modules ``parallelize_module`` shards under ``tp`` > 1, and how the loss runs (every plan
+shards the blocks alike: q, k, v, gate, up ColwiseParallel, o, down RowwiseParallel):
+
+- torchtitan: torchtitan's ``apply_tp`` (torchtitan/models/llama3/parallelize.py): the embedding
+  RowwiseParallel and the head ColwiseParallel over the vocabulary, the logits kept sharded for
+  ``loss_parallel``; SequenceParallel norms with ``sp``.
+- tutorial: PyTorch's TP tutorial's sequence-parallel plan (pytorch/examples
+  distributed/tensor_parallelism/fsdp_tp_example.py): the embedding and head vocabulary-parallel
+  as torchtitan's and SequenceParallel norms (``sp`` only), but the head's output all-gathered
+  (``output_layouts=Replicate()``): full-vocabulary logits and loss on every rank.
+- blocks: the tutorial's first plan (its ``layer_tp_plan`` alone, as Hugging Face's
+  ``base_model_tp_plan`` shards a llama's blocks): the embedding, final norm and head replicated,
+  full-vocabulary logits and loss on every rank, no sequence parallel (``sp`` is False under it).
+
+Measured: validation/records/tp_plan_cpu.md (``python -m validation.tp_plan``)."""
 
 
 def _refuse(name: str, value, accepted: str, why: str = "") -> InputError:
@@ -47,6 +63,8 @@ class Layout:
     """Micro-batches (each of ``micro_batch`` sequences) per pipeline step; 1: as many as stages."""
     pp_virtual: int = 1
     """Stages per rank (interleaved-1f1b, zero-bubble)."""
+    tp_plan: str = "torchtitan"
+    """torchtitan | tutorial | blocks: which modules the TP plan shards (``TP_PLANS``)."""
     async_tp: bool = False
     """Async TP (torchtitan's ``compile.enable_async_tensor_parallel``: inductor's micro-pipelined
     all-gather-matmul and matmul-reduce-scatter over CUDA symmetric memory); needs tp > 1 with SP."""
@@ -66,12 +84,67 @@ class Layout:
             raise _refuse(
                 "async_tp", self.async_tp, "with tp > 1 and sp", "needs tensor parallel with sequence parallel"
             )
+        self._check_tp_plan()
         if self.pp_schedule not in PP_SCHEDULES:
             raise _refuse("pp_schedule", self.pp_schedule, ", ".join(PP_SCHEDULES))
         if self.pp_virtual > 1 and self.pp_schedule not in MULTI_STAGE:
             raise _refuse(
                 "pp_virtual", self.pp_virtual, f"1 with {self.pp_schedule}", f"needs one of {', '.join(MULTI_STAGE)}"
             )
+
+    def _check_tp_plan(self) -> None:
+        if self.tp_plan not in TP_PLANS:
+            raise _refuse("tp_plan", self.tp_plan, ", ".join(TP_PLANS))
+        if self.tp_plan == "torchtitan":
+            return
+        if self.tp == 1:
+            raise _refuse("tp_plan", self.tp_plan, "torchtitan with tp 1", "needs tensor parallel (tp > 1)")
+        if self.tp_plan == "blocks":
+            object.__setattr__(self, "sp", False)  # the plan has no SequenceParallel norms
+        elif not self.sp:
+            raise _refuse("tp_plan", self.tp_plan, "tutorial with sp, or blocks", "is measured with sp only")
+        # measured with TP alone and FSDP2 × TP (validation/records/tp_plan_cpu.md), not beside these
+        beside = (("cp", self.cp, 1), ("pp", self.pp, 1), ("async_tp", self.async_tp, False))
+        unmeasured = next(((k, v, p) for k, v, p in beside if v != p), None)
+        if unmeasured:
+            name, value, plain = unmeasured
+            raise InputError(
+                lambda n: (
+                    f"{n.word(name)} {value!r} is not measured with {n.word('tp_plan')} {self.tp_plan}; "
+                    f"accepted: {plain!r}, or {n.word('tp_plan')} torchtitan"
+                ),
+                field=name,
+                value=value,
+                accepted=f"{plain!r} with tp_plan {self.tp_plan}",
+            )
+
+    @property
+    def vocab_tp(self) -> int:
+        """The TP ranks the embedding and head are split over (1: replicated, ``TP_PLANS``); the
+        parameters, gradients and optimizer states of a replicated one are whole on each TP rank,
+        sharded over dp only under FSDP2 (measured: validation/records/tp_plan_cpu.md, TP alone to
+        the byte)."""
+        return 1 if self.tp_plan == "blocks" else self.tp
+
+    @property
+    def loss_parallel(self) -> bool:
+        """Whether the logits stay sharded over the vocabulary into the loss (torchtitan's plan)."""
+        return self.tp > 1 and self.tp_plan == "torchtitan"
+
+    @property
+    def logits_tp(self) -> int:
+        """The TP ranks the logits and the loss's tensors are split over: loss parallel's tp, else
+        1 (the tutorial's ``output_layouts=Replicate()`` all-gathers them, a replicated head makes
+        them whole; measured: validation/records/tp_plan_cpu.md)."""
+        return self.tp if self.loss_parallel else 1
+
+    def as_dict(self) -> dict:
+        """The fields as a JSON report states them: ``tp_plan`` where it is not torchtitan's
+        (added later: reports of torchtitan's plan read as before it)."""
+        out = asdict(self)
+        if self.tp_plan == "torchtitan":
+            del out["tp_plan"]
+        return out
 
     @property
     def model_parallel(self) -> int:
@@ -101,7 +174,12 @@ class Layout:
 
     def describe(self) -> str:
         parts = (
-            [f"TP {self.tp}" + (" + SP" if self.sp else "") + (" (async)" if self.async_tp else "")]
+            [
+                f"TP {self.tp}"
+                + (" + SP" if self.sp else "")
+                + (" (async)" if self.async_tp else "")
+                + (f" ({self.tp_plan} plan)" if self.tp_plan != "torchtitan" else "")
+            ]
             if self.tp > 1
             else []
         )

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from .allocator import parse_alloc_conf
 from .errors import InputError, UnknownKeywordError
 from .infer import parse_params
-from .layout import PP_SCHEDULES, Layout
+from .layout import PP_SCHEDULES, TP_PLANS, Layout
 from .loop import RECIPES, Loop, resolve
 from .settings import optional, setting
 from .specs import (
@@ -315,6 +315,10 @@ class LayoutRequest:
     """Tensor parallel degree (column/row-parallel linears, vocabulary-parallel embedding and head)."""
     sp: bool = Layout.sp
     """Sequence parallel with tp > 1 (norms and dropout sharded over the sequence)."""
+    tp_plan: str = setting(Layout.tp_plan, choices=TP_PLANS)
+    """torchtitan (vocabulary-parallel embedding and head, loss parallel) | tutorial (PyTorch's TP
+    tutorial with SP: full-vocabulary logits on every rank) | blocks (the blocks alone: embedding
+    and head replicated, no SP); see ``layout.TP_PLANS``."""
     cp: int = Layout.cp
     """Context parallel degree (ring attention over the sequence)."""
     pp: int = Layout.pp

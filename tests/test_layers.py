@@ -31,6 +31,7 @@ LAYERS: list[list[str]] = [
         "readers.accelerate",
         "readers.hf_trainer",
         "readers.torchtitan",
+        "readers.tp_plan",
         "readers",
         "breakdown",
         "saved",

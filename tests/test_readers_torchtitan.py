@@ -237,7 +237,7 @@ def test_each_memory_field_sets_its_input(tmp_path, change, want):
             "activation_checkpoint.selective_ac_option",
         ),
         (
-            {"parallelism": {"tensor_parallel_degree": 2, "disable_loss_parallel": True}},
+            {"parallelism": {"tensor_parallel_degree": 2, "context_parallel_degree": 2, "disable_loss_parallel": True}},
             "parallelism.disable_loss_parallel",
         ),
         ({"parallelism": {"fsdp_reshard_after_forward": "always"}}, "parallelism.fsdp_reshard_after_forward"),
@@ -299,6 +299,7 @@ ROUND_TRIP = [
     ("fsdp-full-shard", 8, "bf16", {"tp": 2}, "full", 2, {"float8": True}),
     ("fsdp-full-shard", 16, "mixed-bf16", {"tp": 2, "cp": 2}, "none", 1, {"offload": "all"}),
     ("fsdp-full-shard", 8, "mixed-bf16", {"tp": 2, "async_tp": True}, "op", 1, {"compile": True}),
+    ("fsdp-full-shard", 8, "mixed-bf16", {"tp": 2, "tp_plan": "tutorial"}, "full", 1, {}),
     ("fsdp-shard-grad-op", 8, "mixed-bf16", {}, "full", 1, {"grad_accum": 4}),
     ("fsdp-shard-grad-op", 16, "mixed-bf16", {"pp": 2, "pp_microbatches": 4}, "full", 1, {}),
     (
@@ -390,6 +391,7 @@ def test_an_emitted_file_uses_only_torchtitan_0_2_2_s_fields():
     [
         ({"ac": "selective"}, "ac selective"),
         ({"sp": False, "tp": 2}, "sequence parallel"),
+        ({"tp_plan": "blocks", "tp": 2}, "tp-plan blocks"),
         ({"precision": "mixed-fp16"}, "precision mixed-fp16"),
         ({"pp": 2, "pp_microbatches": 4}, "fsdp-full-shard under PP"),
         ({"optimizer": "lion"}, "optimizer lion"),

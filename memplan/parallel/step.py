@@ -55,10 +55,10 @@ class RankStep(Step):
         super().__init__(stage_job(job, stage))
         self.layout, self.stage, self.whole = job.layout, stage, job
         self._sharded: dict[bool, list] = {}
-        model, tp = job.model, job.layout.tp
+        model, tp, vocab_tp = job.model, job.layout.tp, job.layout.vocab_tp
         self.block_params = tensor.block_params(model, tp)
-        self.root_params = (tensor.embedding_params(model, tp) if stage.first else 0) + (
-            tensor.head_params(model, tp) if stage.last else 0
+        self.root_params = (tensor.embedding_params(model, vocab_tp) if stage.first else 0) + (
+            tensor.head_params(model, vocab_tp) if stage.last else 0
         )
         self.params = stage.layers * self.block_params + self.root_params
 
@@ -68,14 +68,15 @@ class RankStep(Step):
         return False
 
     def pending_params(self) -> int:
-        return tensor.embedding_params(self.whole.model, self.layout.tp) if self.stage.first else 0
+        return tensor.embedding_params(self.whole.model, self.layout.vocab_tp) if self.stage.first else 0
 
     def vocab_params(self) -> int:
         """A TP rank's local shard of the vocabulary-parallel embedding or head: FSDP2 over the dp
         mesh gathers, reduces and holds the DTensor's local tensor (V/tp rows; torchtitan's
-        apply_tp: RowwiseParallel embedding, ColwiseParallel head, both Shard(0) of the weight)."""
+        apply_tp: RowwiseParallel embedding, ColwiseParallel head, both Shard(0) of the weight);
+        the whole V·h under the blocks plan, which leaves them plain modules (``Layout.vocab_tp``)."""
         m = self.whole.model
-        return m.vocab_size * m.hidden // self.layout.tp
+        return m.vocab_size * m.hidden // self.layout.vocab_tp
 
     def embedding_unit_params(self) -> int:
         """The first stage's input embedding unit (a tied embedding joins the head's unit only
@@ -90,7 +91,7 @@ class RankStep(Step):
             return 0
         m = self.whole.model
         tied = m.tied_embeddings and self.stage.first
-        return tensor.head_params(m, self.layout.tp) + (self.vocab_params() if tied else 0)
+        return tensor.head_params(m, self.layout.vocab_tp) + (self.vocab_params() if tied else 0)
 
     def head_weight_params(self) -> int:
         return super().head_weight_params() if self.stage.last else 0
@@ -103,7 +104,7 @@ class RankStep(Step):
 
     def largest_param(self) -> int:
         m, tp = self.whole.model, self.layout.tp
-        vocab = m.vocab_size * m.hidden // tp if self.stage.first or self.stage.last else 0
+        vocab = m.vocab_size * m.hidden // self.layout.vocab_tp if self.stage.first or self.stage.last else 0
         return max(vocab, m.hidden * m.ffn_hidden // tp, m.hidden * m.hidden // tp)
 
     def kept(self, index: int):
@@ -207,7 +208,7 @@ class RankStep(Step):
             return []
         x = shapes(self.job.model, self.job.train)
         # the logits in fwd_cache and the loss's log_softmax output, per micro-batch, 1/tp with loss parallel
-        per = (x.c + 4) * x.tokens * x.V // self.layout.tp
+        per = (x.c + 4) * x.tokens * x.V // self.layout.logits_tp
         return [
             term(
                 A,
@@ -237,7 +238,7 @@ class RankStep(Step):
         (llama3/parallelize.py l.69), whose reduce-scatter leaves the 1/tp shard (measured: TP 8
         alone on an H100, validation/records/gpu_trace_check_h100.md, +15.7 % with the whole one)."""
         m, tp = self.whole.model, self.layout.tp
-        if tp == 1 or not self.stage.first or self.whole.dp > 1:
+        if self.layout.vocab_tp == 1 or not self.stage.first or self.whole.dp > 1:
             return []
         if self.framework.id == "fsdp" and self.layout.pp == 1:
             return []
@@ -261,8 +262,7 @@ class RankStep(Step):
             if key in _OUTSIDE or key.startswith("logits."):
                 kept = [t for t in groups[key] if (self.stage.first if t.name in before else self.stage.last)]
                 groups[key] = tensor.shard_saved(kept, self.layout)
-        if self.layout.tp > 1:
-            groups["loss.backward"] = tensor.loss_parallel_backward(groups["loss.backward"], self.layout)
+        groups["loss.backward"] = tensor.loss_parallel_backward(groups["loss.backward"], self.layout)
         for key in ("activations.blocks", "activations.last_block"):
             groups[key] = groups[key] + self.other_losses()
         return groups
@@ -371,7 +371,7 @@ class RankStep(Step):
         head gradient at the ring's peak); otherwise the last block's share."""
         if not (self.holds_root_grads() and self.fsdp_units == "root-kept" and self.stage.last and self.P == "P"):
             return self.grad_groups()["grads.last_block"]
-        n = tensor.head_params(self.whole.model, self.layout.tp)
+        n = tensor.head_params(self.whole.model, self.layout.vocab_tp)
         what = "unsharded head gradient (reduced at the root's post-backward)"
         return [term(Component.GRADIENTS, "fsdp.root_grads", what, f"{self.gather_bytes}·{n:,}", self.gather_bytes * n)]
 

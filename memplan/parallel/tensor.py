@@ -8,6 +8,8 @@ SequenceParallel on the norms (replicated weights, activations sharded over the 
 the token embedding RowwiseParallel over the vocabulary, the head ColwiseParallel with its
 output kept sharded over the vocabulary for loss parallel (``loss_parallel``). What autograd
 saves is ``activations.block_saved``'s list; each entry is sharded one of three ways below.
+PyTorch's TP tutorial's plans (``layout.TP_PLANS``) shard the blocks alike and differ outside
+them: the embedding and head split ``Layout.vocab_tp`` ways, the logits ``Layout.logits_tp``.
 """
 
 from __future__ import annotations
@@ -35,11 +37,6 @@ HEADS = (
     "gelu_new intermediates",
     "block backward gradient temporaries",
     "autocast weight copies",
-    "log_softmax output",
-    "fp32 copy of logits",
-    "loss gradients",
-    "logits",
-    "autocast head weight copy",
     # per-op SAC's saved outputs (checkpointing._forward_ops): eager attention's scores per local
     # head; the column-parallel linears' 1/tp; the row-parallel o and down outputs are whole
     # partial sums before their reduction (measured: the 6-block tp8 + SP and tp4 cases,
@@ -52,8 +49,15 @@ HEADS = (
     "gate projection output",
     "up projection output",
 )
-"""Saved by or after a column-parallel linear: local heads, a 1/tp slice of the MLP width or of
-the vocabulary (loss parallel), and the weight copies autocast makes of sharded weights."""
+"""Saved by or after a column-parallel linear: local heads, a 1/tp slice of the MLP width, and the
+weight copies autocast makes of sharded weights."""
+LOGITS = ("log_softmax output", "fp32 copy of logits", "loss gradients", "logits")
+"""The logits and the loss's tensors: a 1/tp slice of the vocabulary under loss parallel
+(torchtitan's plan), whole on every rank where the head's output is all-gathered (the tutorial's
+``output_layouts=Replicate()``) or the head replicated (``blocks``): ``Layout.logits_tp``."""
+HEAD_COPY = ("autocast head weight copy",)
+"""The head's weight as autocast casts it: the rank's own slice of a vocabulary-parallel head
+(``Layout.vocab_tp``)."""
 SEQUENCE = (
     "norm 1",
     "norm 2",
@@ -76,6 +80,10 @@ _Item = TypeVar("_Item", Saved, Term)
 
 
 def _divisor(saved: Saved | Term, layout: Layout) -> int:
+    if saved.name.startswith(LOGITS):
+        return layout.logits_tp
+    if saved.name.startswith(HEAD_COPY):
+        return layout.vocab_tp
     if saved.name.startswith(HEADS):
         return layout.tp
     if saved.name.startswith(SEQUENCE) and layout.sp:
@@ -121,12 +129,14 @@ def block_params(model: ModelSpec, tp: int) -> int:
 
 
 def embedding_params(model: ModelSpec, tp: int) -> int:
-    """The input side on a TP rank: the token embedding split over the vocabulary."""
+    """The input side on a TP rank: the token embedding split over the vocabulary (``tp``:
+    ``Layout.vocab_tp``, 1 where the plan leaves it replicated)."""
     return model.vocab_size * model.hidden // tp + model.max_positions * model.hidden
 
 
 def head_params(model: ModelSpec, tp: int) -> int:
-    """The output side on a TP rank: the final norm whole, the head split over the vocabulary."""
+    """The output side on a TP rank: the final norm whole, the head split over the vocabulary
+    (``tp``: ``Layout.vocab_tp``)."""
     return model.head_params() - (0 if model.tied_embeddings else model.vocab_size * model.hidden * (tp - 1) // tp)
 
 
@@ -162,7 +172,9 @@ def loss_parallel_backward(terms: list[Term], layout: Layout) -> list[Term]:
     """Loss parallel's backward (torch/distributed/tensor/parallel/loss.py,
     ``_nll_loss_and_log_softmax_backward``) holds three vocabulary-wide tensors at once (the
     zeros it scatters into, ``exp(x)`` and their sum) where eager cross-entropy holds two (the
-    nll and log_softmax gradients)."""
+    nll and log_softmax gradients). Under loss parallel only (``Layout.loss_parallel``)."""
+    if not layout.loss_parallel:
+        return terms
     return [
         replace(t, formula=f"3/2·{t.formula}", bytes=t.bytes * 3 // 2) if t.name.startswith("loss gradients") else t
         for t in terms

@@ -17,7 +17,7 @@ import tomllib
 import yaml
 
 from ..errors import InputError
-from . import accelerate, deepspeed, hf_trainer, torchtitan, torchtune
+from . import accelerate, deepspeed, hf_trainer, torchtitan, torchtune, tp_plan
 from .base import STATUSES, FieldUse, FileConfig, classify, field_table, refuse
 
 __all__ = ["STATUSES", "FieldUse", "FileConfig", "classify", "detect", "field_table", "read", "refuse"]
@@ -30,6 +30,7 @@ def _formats():
         "hf-trainer": hf_trainer.read,
         "accelerate": accelerate.read,
         "torchtitan": torchtitan.read,
+        "tp-plan": tp_plan.read,
     }
 
 
@@ -53,7 +54,8 @@ def detect(path: Path) -> str:
     """The format of a file by its content: JSON with zero_optimization or DeepSpeed's batch keys
     is DeepSpeed's; JSON with TrainingArguments' batch, optim or output_dir is the Trainer's; YAML
     with a ``model._component_`` is torchtune's, with ``distributed_type`` accelerate's; TOML with a
-    torchtitan section ([job], [model], [training], [parallelism] ...) is torchtitan's."""
+    torchtitan section ([job], [model], [training], [parallelism] ...) is torchtitan's; JSON whose
+    values are all torch's TP style names is a ``parallelize_module`` plan."""
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".toml":
         try:
@@ -83,6 +85,8 @@ def detect(path: Path) -> str:
             return "hf-trainer"
         if isinstance(data, dict) and {"distributed_type", "compute_environment"} & set(data):
             return "accelerate"  # accelerate's write_basic_config and `accelerate config` write JSON too
+        if tp_plan.is_tp_plan(data):
+            return "tp-plan"
     formats = ", ".join(f"{f}:FILE" for f in _formats())
     raise InputError(
         f"{path}: cannot tell its format; name it ({formats})", field="from", value=str(path), accepted=formats

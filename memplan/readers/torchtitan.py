@@ -203,7 +203,10 @@ def _mesh(f: _File, gpus: int | None) -> _Mesh:
             raise refuse(f.path, "training.enable_cpu_offload", True, "false without FSDP (shard degree or cp > 1)")
         mesh.inputs["offload"] = "all"
     if f.get("parallelism", "disable_loss_parallel", False) is True and mesh.tp > 1:
-        raise refuse(f.path, "parallelism.disable_loss_parallel", True, "false with tensor_parallel_degree > 1")
+        # apply_tp with loss_parallel False: the head's output_layouts=Replicate(), the TP tutorial's plan
+        if mesh.cp > 1 or mesh.pp > 1 or f.get("parallelism", "enable_async_tensor_parallel", False) is True:
+            raise refuse(f.path, "parallelism.disable_loss_parallel", True, "false with CP, PP or async TP")
+        mesh.inputs["tp_plan"] = "tutorial"
     if mesh.pp > 1:
         schedule = f.choice("parallelism", "pipeline_parallel_schedule", "1F1B", tuple(SCHEDULES))
         mesh.inputs["pp_schedule"] = SCHEDULES[schedule]

@@ -35,7 +35,7 @@ def inputs_dict(choice: ModelChoice, est: Estimate) -> dict:
         | finetune_inputs(job),
         "cluster": {k: getattr(job.cluster, k) for k in job.cluster.__dataclass_fields__},
         "loop": [asdict(c) for c in loop.conventions + loop.elsewhere],
-        **({} if job.layout.is_data_parallel else {"layout": {**asdict(job.layout), "dp": job.dp}}),
+        **({} if job.layout.is_data_parallel else {"layout": {**job.layout.as_dict(), "dp": job.dp}}),
     }
 
 
@@ -72,7 +72,7 @@ def layout_dict(est: Estimate) -> dict:
         return {}
     stages = getattr(est, "stages", ())
     return {
-        "layout": {**asdict(est.job.layout), "dp": est.job.dp},
+        "layout": {**est.job.layout.as_dict(), "dp": est.job.dp},
         "worst_stage": getattr(est, "worst_stage", 0),
         "stages": [
             {

@@ -3,8 +3,6 @@ estimate's JSON. Each record with its sentence and its code and numbers."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from ..decide import Fix, Reason, Recommendation, Rejected, RuleVerdict
 from .sentences import calibration_text, fix_change, reason_text, rejected_reason, verdict_detail
 from .text import given
@@ -66,7 +64,7 @@ def _layout_dict(lay) -> dict:
     """The layout a tensor / pipeline parallel rule was judged on, on its worst rank."""
     job = lay.job
     return {
-        **dataclasses.asdict(job.layout),
+        **job.layout.as_dict(),
         "strategy": job.plan.strategy,
         "activation_checkpointing": job.train.activation_checkpointing,
         "micro_batch": job.train.micro_batch,
