@@ -294,8 +294,8 @@ class StrategyRequest:
             # the one DDP keyword that changes memory; the other two change none under any strategy
             raise InputError(
                 lambda n: (
-                    f"{n('gradient_as_bucket_view')} is DistributedDataParallel's keyword; strategy "
-                    f"{self.strategy} has no such keyword (it applies to strategy ddp, or all: the search's DDP options)"
+                    f"{n('gradient_as_bucket_view')} is DistributedDataParallel's keyword; strategy {self.strategy} "
+                    "has no such keyword (it applies to strategy ddp, or all: the search's DDP options)"
                 ),
                 field="gradient_as_bucket_view",
                 value=True,

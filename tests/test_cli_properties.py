@@ -506,11 +506,11 @@ def test_longer_sequence_never_less_memory(args):
     _monotone(args, "--seq-len", lambda s: 2 * s)
 
 
-_OFFLOADED_EVERY_2 = (
+_OFFLOADED_EVERY_2 = shlex.split(
     "--arch llama --layers 9 --hidden 512 --heads 8 --ffn 1024 --vocab 32000 --kv-heads 1 --seq-len 128 "
     "--micro-batch 2 --precision fp32 --ac selective --ac-every 2 --offload-activations --optimizer-in-backward "
     "--gpus 1 --gpu-mem 24 --strategy single"
-).split()
+)
 
 
 @examples(120)
