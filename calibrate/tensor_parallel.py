@@ -21,27 +21,25 @@ def refusal(job: Job, mode: str) -> str | None:
     layout, strategy = job.layout, STRATEGIES[job.plan.strategy]
     if layout.is_data_parallel:
         return None
-    if layout.tp_plan != "torchtitan":
-        # validation/tp_plan.py applies the other plans of layout.TP_PLANS
-        return f"--mode {mode} applies torchtitan's TP plan, not --tp-plan {layout.tp_plan}"
     if layout.cp > 1 or layout.pp > 1:
         return f"--mode {mode} runs DDP, FSDP2 and FSDP2 × TP, not {layout.describe()}"
     if strategy.framework != "fsdp" and job.dp > 1:
         return f"--mode {mode} runs --tp {layout.tp} alone or under FSDP2, not under {strategy.id}"
     if job.model.arch != "llama":
-        return f"--mode {mode} applies torchtitan's TP plan to llama-family blocks, not to {job.model.arch}"
+        return f"--mode {mode} applies the TP plans to llama-family blocks, not to {job.model.arch}"
     return None
 
 
 @contextlib.contextmanager
 def tensor_parallel(job: Job, workload: str, mesh_device: str) -> Iterator[None]:
     """Under ``--tp``: ``measure.run`` builds the model without AC and wraps it as torchtitan's
-    parallelize_llama does, in its order: the TP plan (``wrappers.apply_tp``: colwise
-    q/k/v/gate/up, rowwise o/down, SP norms, vocabulary-parallel embedding and head), then AC
-    on each block, then FSDP2 over the data-parallel mesh dimension (``wrappers._fsdp``'s units
-    and mixed precision); the loss runs under ``loss_parallel`` (the logits stay sharded over
-    the vocabulary). ``measure``'s build and wrap are swapped for this run's. The process
-    group must be up (the fake one: the mesh is ``mesh_device``'s, cpu or cuda)."""
+    parallelize_llama does, in its order: the job's TP plan (``wrappers.apply_tp``: colwise
+    q/k/v/gate/up, rowwise o/down, and by the plan SP norms, a vocabulary-parallel embedding and
+    head), then AC on each block, then FSDP2 over the data-parallel mesh dimension
+    (``wrappers._fsdp``'s units and mixed precision); under torchtitan's plan the loss runs under
+    ``loss_parallel`` (the logits stay sharded over the vocabulary). ``measure``'s build and wrap
+    are swapped for this run's. The process group must be up (the fake one: the mesh is
+    ``mesh_device``'s, cpu or cuda)."""
     layout = job.layout
     if layout.tp == 1:
         yield
@@ -63,7 +61,7 @@ def tensor_parallel(job: Job, workload: str, mesh_device: str) -> Iterator[None]
         )
 
     def wrap(model, job, emulated):
-        wrappers.apply_tp(model, mesh["tp"], sp=layout.sp)
+        wrappers.apply_tp(model, mesh["tp"], sp=layout.sp, plan=layout.tp_plan)
         workloads.checkpoint_layers(model.layers, ac)
         if STRATEGIES[job.plan.strategy].framework != "fsdp":
             return model
@@ -75,7 +73,7 @@ def tensor_parallel(job: Job, workload: str, mesh_device: str) -> Iterator[None]
     saved = (measure.build_model, measure.wrap)
     measure.build_model, measure.wrap = build, wrap
     try:
-        with loss_parallel():
+        with loss_parallel() if layout.loss_parallel else contextlib.nullcontext():
             yield
     finally:
         measure.build_model, measure.wrap = saved

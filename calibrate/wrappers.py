@@ -129,9 +129,12 @@ def wrap(model: nn.Module, job: Job, emulated: bool) -> nn.Module:
     return WRAPPERS[strategy.framework](model, job, emulated)
 
 
-def apply_tp(model: nn.Module, mesh, *, sp: bool) -> None:
-    """torchtitan's apply_tp (llama3/parallelize.py) on the reference llama's module names (or a
-    pipeline stage of it: the embedding and head where the stage has them)."""
+def apply_tp(model: nn.Module, mesh, *, sp: bool, plan: str = "torchtitan") -> None:
+    """A TP plan of ``layout.TP_PLANS`` on the reference llama's module names (or a pipeline stage
+    of it: the embedding and head where the stage has them). torchtitan: its apply_tp
+    (llama3/parallelize.py), the logits kept sharded for loss parallel; tutorial: the same with the
+    head's output all-gathered (pytorch/examples fsdp_tp_example.py, torchtitan's apply_tp with
+    loss parallel off); blocks: the blocks alone (the example's layer_tp_plan), no SP."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -143,16 +146,18 @@ def apply_tp(model: nn.Module, mesh, *, sp: bool) -> None:
 
     stream = Shard(1) if sp else Replicate()
     top: dict = {}
-    if getattr(model, "embed_tokens", None) is not None:
+    if plan != "blocks" and getattr(model, "embed_tokens", None) is not None:
         top["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
-    if getattr(model, "lm_head", None) is not None:
-        # loss parallel: the logits stay sharded over the vocabulary
-        top["lm_head"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
+    if plan != "blocks" and getattr(model, "lm_head", None) is not None:
+        if plan == "torchtitan":  # loss parallel: the logits stay sharded over the vocabulary
+            top["lm_head"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
+        else:
+            top["lm_head"] = ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
         if sp:
             top["norm"] = SequenceParallel()
     parallelize_module(model, mesh, top)
     for block in cast(nn.ModuleList, model.layers):
-        plan: dict = {
+        layer: dict = {
             "attn.q_proj": ColwiseParallel(),
             "attn.k_proj": ColwiseParallel(),
             "attn.v_proj": ColwiseParallel(),
@@ -162,7 +167,7 @@ def apply_tp(model: nn.Module, mesh, *, sp: bool) -> None:
             "mlp.down_proj": RowwiseParallel(output_layouts=stream),
         }
         if sp:
-            plan |= {
+            layer |= {
                 "input_norm": SequenceParallel(),
                 "post_attention_norm": SequenceParallel(),
                 "attn": PrepareModuleInput(
@@ -170,4 +175,4 @@ def apply_tp(model: nn.Module, mesh, *, sp: bool) -> None:
                 ),
                 "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             }
-        parallelize_module(block, mesh, plan)
+        parallelize_module(block, mesh, layer)

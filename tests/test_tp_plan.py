@@ -209,12 +209,22 @@ def test_from_reads_a_plan_file(tmp_path):
     assert (layout["tp_plan"], layout["sp"]) == ("tutorial", True)
 
 
-def test_calibrate_s_own_tp_wrapping_refuses_the_other_plans():
-    """calibrate's --mode emulate / trace apply torchtitan's plan; validation.tp_plan applies these."""
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["blocks", "tutorial"])
+def test_trace_and_emulate_run_the_plans_alike(plan):
+    """calibrate's --mode trace (fake tensors) and --mode emulate (real tensors) wrap a job's plan
+    as validation.tp_plan measures it (one ``calibrate.tensor_parallel``): the same peak, to
+    emulate's 16-byte device-mesh tensor, and memplan's within the records' tolerance."""
+    from calibrate import launch, trace
     from calibrate.runs import plan as plan_runs
     from calibrate.tensor_parallel import refusal
 
-    (run,) = plan_runs([tp_plan.job_flags("blocks", _job(tp_plan="blocks"))], mode="emulate")[0]
-    assert "tp-plan blocks" in refusal(run.job, "emulate")
-    (run,) = plan_runs([tp_plan.job_flags("blocks", _job())], mode="emulate")[0]
-    assert refusal(run.job, "emulate") is None
+    flags = {"arch": "llama", "layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2, "ffn": 352, "vocab": 8192}
+    flags |= {"gpus": 4, "tp": 2, "strategy": "fsdp-full-shard", "precision": "mixed-bf16", "ac": "full"}
+    (run,) = plan_runs([tp_plan.job_flags(plan, flags) | {"tp_plan": plan}], mode="emulate")[0]
+    assert run.job.layout.tp_plan == plan and refusal(run.job, "trace") is None
+    traced = trace.run(run.job, steps=2, warmup=1)
+    real = launch.emulate(run.job, world_size=4, steps=2, warmup=1)
+    assert traced.peak_allocated_bytes == pytest.approx(real.peak_allocated_bytes, abs=64)
+    estimated = memplan.estimate(**tp_plan.job_flags(plan, flags), tp_plan=plan).estimates[0].allocated_bytes
+    assert abs(estimated - real.peak_allocated_bytes) <= TOLERANCE * real.peak_allocated_bytes

@@ -17,9 +17,10 @@ harness's llama (``calibrate.workloads``: ``attn.{q,k,v,o}_proj``, ``mlp.{gate,u
   the logits all-gathered to the full vocabulary on every rank, no loss parallel.
 
 Each case runs one rank with real tensors on the fake process group (``--mode emulate``'s way:
-``calibrate.launch.emulate``), in its own process; then activation checkpointing on each block
-and FSDP2 over the data-parallel mesh dimension (``calibrate.wrappers.fsdp_on``), the order the
-tutorial's FSDP + TP example uses. The loop is memplan's ``plain`` recipe (the loss in the
+``calibrate.launch.emulate``), in its own process, wrapped as ``calibrate.tensor_parallel`` wraps
+every TP job (``wrappers.apply_tp`` applies the plan): the plan, then activation checkpointing on
+each block and FSDP2 over the data-parallel mesh dimension (``calibrate.wrappers.fsdp_on``), the
+order the tutorial's FSDP + TP example uses. The loop is memplan's ``plain`` recipe (the loss in the
 model's forward, the output kept through backward), as the examples' loops keep ``output``.
 
     python -m validation.tp_plan            # measure the cases not yet recorded, then the table
@@ -29,11 +30,9 @@ model's forward, the output kept through backward), as the examples' loops keep 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "records" / "tp_plan_cpu.jsonl"
@@ -156,84 +155,8 @@ def job_flags(plan: str, flags: dict) -> dict:
 def _job(plan: str, flags: dict):
     from calibrate.runs import plan as plan_runs
 
-    (run,) = plan_runs([job_flags(plan, flags)], mode="emulate")[0]
+    (run,) = plan_runs([job_flags(plan, flags) | {"tp_plan": plan}], mode="emulate")[0]
     return run.job
-
-
-def apply_plan(model, mesh, plan: str) -> None:
-    """``plan``'s ``parallelize_module`` calls on the harness's llama (module docstring)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
-    sp = plan == "tutorial"
-    stream = Shard(1) if sp else None
-    if sp:
-        parallelize_module(
-            model,
-            mesh,
-            {
-                "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-                "norm": SequenceParallel(),
-                "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-            },
-        )
-    for block in model.layers:
-        layer_plan: dict = {
-            "attn.q_proj": ColwiseParallel(),
-            "attn.k_proj": ColwiseParallel(),
-            "attn.v_proj": ColwiseParallel(),
-            "attn.o_proj": RowwiseParallel(output_layouts=stream) if sp else RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=stream) if sp else RowwiseParallel(),
-        }
-        if sp:
-            layer_plan |= {
-                "input_norm": SequenceParallel(),
-                "post_attention_norm": SequenceParallel(),
-                # the harness's attention takes (x, cos, sin) as the example's takes (x, freqs_cis)
-                "attn": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-                ),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            }
-        parallelize_module(block, mesh, layer_plan)
-
-
-@contextlib.contextmanager
-def _plan_applied(job, plan: str) -> Iterator[None]:
-    """``calibrate.measure``'s build and wrap swapped for the plan's: the model without AC, the
-    plan, AC on each block, then FSDP2 over the dp mesh (for an FSDP strategy)."""
-    import torch.distributed.device_mesh as device_mesh
-
-    from calibrate import measure, workloads, wrappers
-    from memplan.strategies import STRATEGIES
-
-    ac = job.train.activation_checkpointing
-    mesh = device_mesh.init_device_mesh("cpu", (job.dp, job.layout.tp), mesh_dim_names=("dp", "tp"))
-
-    def build(spec, *, attention: str, ac: str, workload: str = "native"):
-        return workloads.build_model(spec, attention=attention, ac="none", workload=workload)
-
-    def wrap(model, job, emulated):
-        apply_plan(model, mesh["tp"], plan)
-        workloads.checkpoint_layers(model.layers, ac)
-        if STRATEGIES[job.plan.strategy].framework != "fsdp":
-            return model
-        return wrappers.fsdp_on(model, job, mesh["dp"])
-
-    saved = (measure.build_model, measure.wrap)
-    measure.build_model, measure.wrap = build, wrap
-    try:
-        yield
-    finally:
-        measure.build_model, measure.wrap = saved
 
 
 def measure_case(name: str, plan: str, flags: dict) -> dict:
@@ -244,11 +167,12 @@ def measure_case(name: str, plan: str, flags: dict) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from calibrate import measure
+    from calibrate.tensor_parallel import tensor_parallel
 
     job = _job(plan, flags)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=job.cluster.gpus)
     try:
-        with _plan_applied(job, plan):
+        with tensor_parallel(job, "native", "cpu"):
             m = measure.run(job, steps=3, warmup=2, emulated=True)
     finally:
         dist.destroy_process_group()
