@@ -313,7 +313,7 @@ class LayoutRequest:
 
     tp: int = Layout.tp
     """Tensor parallel degree (column/row-parallel linears, vocabulary-parallel embedding and head)."""
-    sp: bool = Layout.sp
+    sp: bool | None = setting(None, default_help="on; off under tp-plan blocks")
     """Sequence parallel with tp > 1 (norms and dropout sharded over the sequence)."""
     tp_plan: str = setting(Layout.tp_plan, choices=TP_PLANS)
     """torchtitan (vocabulary-parallel embedding and head, loss parallel) | tutorial (PyTorch's TP
@@ -336,7 +336,18 @@ class LayoutRequest:
         self.spec()
 
     def spec(self) -> Layout:
-        return Layout(**{f.name: getattr(self, f.name) for f in fields(self)})
+        if self.sp and self.tp_plan == "blocks":
+            raise InputError(
+                lambda n: (
+                    f"{n('sp')} does not apply to {n('tp_plan')} blocks (the blocks alone: no SequenceParallel "
+                    f"norms); drop it, or take {n('tp_plan')} tutorial"
+                ),
+                field="sp",
+                value=True,
+                accepted="no sp with tp_plan blocks",
+            )
+        given = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Layout(**{k: v for k, v in given.items() if v is not None})  # sp None: the plan's
 
 
 PARTS = {

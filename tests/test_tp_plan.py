@@ -81,6 +81,21 @@ def test_blocks_has_no_sequence_parallel():
     assert Layout(tp=2, tp_plan="tutorial").sp is True
 
 
+def test_sp_given_with_the_blocks_plan_is_refused_in_one_line():
+    """--sp defaults to on (off under the blocks plan); given with it, it is refused, not dropped."""
+    args = ["estimate", *(f"--{k.replace('_', '-')}={v}" for k, v in _job().items()), "--tp-plan", "blocks"]
+    result = CliRunner().invoke(main, [*args, "--sp"])
+    assert result.exit_code == 2
+    assert result.stderr == (
+        "Error: --sp does not apply to --tp-plan blocks (the blocks alone: no SequenceParallel norms); "
+        "drop it, or take --tp-plan tutorial\n"
+    )
+    for flags in ([], ["--no-sp"]):
+        out = CliRunner().invoke(main, [*args, *flags, "--format", "json"])
+        assert out.exit_code == 0, out.output
+        assert json.loads(out.stdout)["estimates"][0]["layout"]["sp"] is False
+
+
 @pytest.mark.parametrize(
     ("layout", "named"),
     [
