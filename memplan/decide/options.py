@@ -266,14 +266,9 @@ def rank_floor(option: Option, priority: str) -> tuple:
     (the bound at the option's least micro-batch) and one step time: the most tokens/s the
     option could reach at any micro-batch up to its limit (``fastest_tokens_per_s``); ``()``
     where ``rank_bound``'s may be ``()``: by memory, or where the bound does not fit."""
-    settings = option.settings
-    if priority == "memory" or not option.basis.bound(settings).fits:
+    if priority == "memory" or not option.basis.bound(option.settings).fits:
         return ()
-    speed = -fastest_tokens_per_s(option)
-    simple = simplicity_ranks()[settings.plan.strategy]
-    if priority == "simplicity":
-        return (settings.plan.offload != "none", simple, _AC_ORDER[settings.train.activation_checkpointing], speed)
-    return (_as_fast(speed), False, simple)
+    return _speed_key(option.settings, priority, -fastest_tokens_per_s(option))
 
 
 def fastest_tokens_per_s(option: Option) -> float:
@@ -309,10 +304,15 @@ def _rank_bound(option: Option, priority: str) -> tuple:
         return ()
     settings = option.settings
     speed = -max(option.basis.step(settings.with_(micro_batch=b)).tokens_per_s for b in batches)
+    return _speed_key(settings, priority, speed)
+
+
+def _speed_key(settings: Job, priority: str, speed: float) -> tuple:
+    """``rank``'s key by speed or simplicity up to the total, at ``speed`` (negative tokens/s) and
+    a safe margin: what ``rank_floor`` and ``rank_bound`` give at their bounds of the speed."""
     simple = simplicity_ranks()[settings.plan.strategy]
     if priority == "simplicity":
-        ac = _AC_ORDER[settings.train.activation_checkpointing]
-        return (settings.plan.offload != "none", simple, ac, speed)
+        return (settings.plan.offload != "none", simple, _AC_ORDER[settings.train.activation_checkpointing], speed)
     return (_as_fast(speed), False, simple)
 
 
