@@ -67,7 +67,9 @@ def fsdp_on(model: nn.Module, job: Job, mesh) -> nn.Module:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     strategy, policy = STRATEGIES[job.plan.strategy], POLICIES[job.train.precision]
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": strategy.reshard_after_forward}
+    # full shard's integer reshard group where the plan gives one (fully_shard's own keyword)
+    reshard = (job.plan.reshard_after_forward if strategy.id == "fsdp-full-shard" else None) or strategy.reshard_after_forward
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard}
     if policy.master:
         reduce = job.train.reduce_dtype
         kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -87,7 +89,7 @@ def fsdp_on(model: nn.Module, job: Job, mesh) -> nn.Module:
         _shard_embedding_and_head(model, kwargs, fully_shard)
     # the root reshards after forward only where the recipe passes reshard_after_forward=True
     # to it explicitly (torchtune's shard_model); fully_shard's default (None) keeps it
-    fully_shard(model, **{**kwargs, "reshard_after_forward": units == "all" and strategy.reshard_after_forward})
+    fully_shard(model, **{**kwargs, "reshard_after_forward": reshard if units == "all" else False})
     return model
 
 

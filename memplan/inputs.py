@@ -165,6 +165,7 @@ def build_jobs(request: Request | None = None, /, **inputs) -> tuple[ModelChoice
                 offload=plan.offload,
                 ep=plan.ep,
                 zero=plan.zero if s in ZERO_STRATEGIES else None,
+                reshard_after_forward=plan.reshard_after_forward,
                 **plan.ddp_kwargs(),
             ),
             layout=layout,

@@ -268,6 +268,10 @@ class StrategyRequest:
     gradient whatever their size; measured, validation/records/ddp_kwargs_cpu.md)."""
     static_graph: bool = Plan.static_graph
     """DDP: the graph declared static: accepted, it changes no memory after the first step (measured)."""
+    reshard_after_forward: int | None = setting(None, default_help="full shard's: all the shard group")
+    """FSDP2 full shard: ``fully_shard(reshard_after_forward=N)``, each unit resharded after forward to
+    a group of N ranks (a factor of the shard group, e.g. the GPUs of a node): its 1/N copy kept until
+    its backward, which gathers from those N ranks."""
 
     def __post_init__(self):
         if self.zero is not None and not isinstance(self.zero, ZeroConfig):
@@ -278,7 +282,8 @@ class StrategyRequest:
                 accepted="a ZeroConfig",
             )
 
-        Plan(strategy="ddp", **self.ddp_kwargs())  # DDP's keywords checked (each strategy's plan holds them)
+        # DDP's keywords and the reshard group checked (each strategy's plan holds them)
+        Plan(strategy="ddp", reshard_after_forward=self.reshard_after_forward, **self.ddp_kwargs())
         for name, value, accepted in (
             ("strategy", self.strategy, ("all", *STRATEGIES)),
             ("offload", self.offload, OFFLOADS),
@@ -300,6 +305,17 @@ class StrategyRequest:
                 field="gradient_as_bucket_view",
                 value=True,
                 accepted="strategy ddp or all",
+            )
+
+        if self.reshard_after_forward is not None and self.strategy not in ("all", "fsdp-full-shard"):
+            raise InputError(
+                lambda n: (
+                    f"{n('reshard_after_forward')} {self.reshard_after_forward} is FSDP2 full shard's; strategy "
+                    f"{self.strategy} has no post-forward reshard group (use fsdp-full-shard, or all)"
+                ),
+                field="reshard_after_forward",
+                value=self.reshard_after_forward,
+                accepted="strategy fsdp-full-shard or all",
             )
 
     def ddp_kwargs(self) -> dict[str, Any]:

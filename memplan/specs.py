@@ -751,6 +751,11 @@ class Plan:
     """DDP: the all-reduce buckets' size in MiB; None: DDP's 25 (the first bucket 1)."""
     static_graph: bool = False
     """DDP: the graph declared the same every step."""
+    reshard_after_forward: int | None = None
+    """FSDP2 full shard, ``fully_shard(reshard_after_forward=N)`` with N an integer: each unit
+    resharded after forward to a group of N ranks (its post-forward copy, 1/N of the unit, kept
+    until its backward gathers from it); None: full shard's own (all the shard group's ranks).
+    In every plan, as DDP's keywords; read by full shard's adapter alone."""
 
     def __post_init__(self):
         if isinstance(self.zero, dict):  # a record's spec (dataclasses.asdict)
@@ -765,6 +770,17 @@ class Plan:
                 accepted="a positive number of MiB",
             )
 
+        group = self.reshard_after_forward
+        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 2):
+            raise InputError(
+                lambda n: (
+                    f"{n('reshard_after_forward')} must be an integer of at least 2 (the ranks a unit reshards to "
+                    f"after forward; 1 keeps it unsharded: strategy fsdp-shard-grad-op), got {group!r}"
+                ),
+                field="reshard_after_forward",
+                value=group,
+                accepted="an integer ≥ 2 dividing the FSDP shard group",
+            )
         _check_choice(self.strategy, tuple(STRATEGIES), "strategy")
         _check_choice(self.offload, OFFLOADS, "offload")
         if self.offload != "none" and not STRATEGIES[self.strategy].supports_offload(self.offload):
@@ -833,6 +849,32 @@ def check_mla_job(job: Job) -> None:
         raise MemplanError(f"{model.name}: multi-head latent attention under {reason} is not modelled; {MLA_ACCEPTED}")
 
 
+def _check_reshard_group(job: Job) -> None:
+    """FSDP2's integer ``reshard_after_forward`` where it was measured: a factor of the shard
+    group (torch 2.13 _fsdp_init.py _get_post_forward_mesh_info), plain data parallel (its
+    post-forward reshard refuses DTensor parameters, to_sharded_post_forward: no TP), parameters
+    on the GPU."""
+    group, dp = job.plan.reshard_after_forward, job.dp
+    problem = (
+        f"it must divide the {dp} ranks full shard shards over"
+        if group is None or dp % group
+        else "torch reshards DTensor (tensor-parallel) parameters to the whole group only"
+        if job.layout.tp > 1
+        else "it is not measured beside context or pipeline parallel"
+        if not job.layout.is_data_parallel
+        else "it is not measured with offloaded parameters"
+        if job.plan.offload in ("params", "all")
+        else ""
+    )
+    if problem:
+        raise InputError(
+            lambda n: f"{n('reshard_after_forward')} {group}: {problem}",
+            field="reshard_after_forward",
+            value=group,
+            accepted=f"a factor of {dp} (≥ 2) on plain data parallel",
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Job:
     """Everything one estimate needs."""
@@ -883,6 +925,8 @@ class Job:
             )
         if self.model.mla:
             check_mla_job(self)
+        if self.plan.reshard_after_forward is not None and self.plan.strategy == "fsdp-full-shard":
+            _check_reshard_group(self)
         strategy = STRATEGIES[self.plan.strategy]
         if not strategy.allows_gpus(self.dp):
             raise MemplanError(
