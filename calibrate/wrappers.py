@@ -67,8 +67,9 @@ def fsdp_on(model: nn.Module, job: Job, mesh) -> nn.Module:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     strategy, policy = STRATEGIES[job.plan.strategy], POLICIES[job.train.precision]
-    # full shard's integer reshard group where the plan gives one (fully_shard's own keyword)
-    reshard = (job.plan.reshard_after_forward if strategy.id == "fsdp-full-shard" else None) or strategy.reshard_after_forward
+    # full shard's integer reshard group where the plan gives one below the shard group (fully_shard's
+    # own keyword; the whole group is True, as torch reads it)
+    reshard = job.post_forward_group or strategy.reshard_after_forward
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard}
     if policy.master:
         reduce = job.train.reduce_dtype

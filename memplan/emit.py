@@ -227,6 +227,15 @@ def _toml(value) -> str:
 
 def emit(job: Job, kind: str) -> str:
     """The launch configuration of ``kind`` for ``job`` as text."""
+    if job.post_forward_group and kind in ("accelerate", "torchtitan"):
+        # accelerate's fsdp_reshard_after_forward and torchtitan's fsdp_reshard_after_forward are
+        # true / false and default / always / never: neither passes fully_shard an integer
+        raise MemplanError(
+            lambda n: (
+                f"{n('emit')} {kind} cannot say {n('reshard_after_forward')} {job.plan.reshard_after_forward} "
+                "(its config takes no reshard group): use --emit fsdp2"
+            )
+        )
     if kind in _OWN_KINDS:
         return _OWN_KINDS[kind](job, STRATEGIES[job.plan.strategy])
     if kind == "accelerate":

@@ -939,6 +939,13 @@ class Job:
         """GPUs the plan's strategy shards or replicates over: all of them without a layout."""
         return self.layout.dp(self.cluster.gpus)
 
+    @property
+    def post_forward_group(self) -> int | None:
+        """The ranks FSDP2 full shard reshards a unit to after forward where the plan gives fewer
+        than it shards over (``fully_shard(reshard_after_forward=N)``); None: full shard's own."""
+        group = self.plan.reshard_after_forward
+        return group if self.plan.strategy == "fsdp-full-shard" and group and group < self.dp else None
+
     def with_(self, **changes) -> Job:
         """Copy with fields of the nested specs changed by name, e.g. ``with_(gpus=16, micro_batch=2)``."""
         if changes.keys() == {"micro_batch"}:

@@ -213,6 +213,14 @@ def comm_seconds(job: Job, link: Link) -> float:
     if n == 1:
         return 0.0
     k = max(1, job.cluster.gpus_per_node // layout.tp)
+    group = job.post_forward_group
+    if group:
+        # fully_shard(reshard_after_forward=N): the backward's all-gather runs over the N ranks
+        # holding the post-forward copies (torch 2.13 _fsdp_param.py to_sharded_post_forward),
+        # within a node where N fits in one; the forward's over all n
+        backward = _ring(group) * weights * micro / (link.intra_node_bytes_s if group <= k else slow)
+        forward = _ring(n) * (weights * micro + grads) / slow
+        return forward + backward + ep_seconds(job, link)
     return _dp_seconds(n, k, link, strategy, grads, weights, micro, slow) + ep_seconds(job, link)
 
 

@@ -229,6 +229,8 @@ def jobs(draw, *, strategy=None, source=None, with_layout=True, fixed_ac=False) 
         flags += ["--strategy", strategy]
     offloads = ("none", *STRATEGIES[strategy].offloads) if strategy in STRATEGIES else specs.OFFLOADS
     flags += _maybe(draw, "--offload", offloads, 0.15)
+    if strategy in ("fsdp-full-shard", "all") and not lay and gpus >= 4:  # FSDP2's post-forward reshard group
+        flags += _maybe(draw, "--reshard-after-forward", [g for g in (2, 4, 8) if gpus % g == 0 and g < gpus], 0.2)
     return flags
 
 
@@ -597,7 +599,9 @@ def test_recommendation_reasked_with_estimate_gives_the_same_bytes(args):
         return
     rec = run.json()
     assume(rec.get("strategy"))
-    asked = _without(args, "--strategy", "--precision", "--ac", "--offload", "--micro-batch") + _option_flags(rec)
+    # the post-forward reshard group is full shard's keyword: the option's own, as its strategy
+    own = () if rec["strategy"] == "fsdp-full-shard" else ("--reshard-after-forward",)
+    asked = _without(args, "--strategy", "--precision", "--ac", "--offload", "--micro-batch", *own) + _option_flags(rec)
     out = estimate_json(asked)
     assert out is not None, "estimate refuses the recommended option"
     total = _decided_total(out["estimates"][0])

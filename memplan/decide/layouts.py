@@ -183,9 +183,12 @@ def _settings() -> list[tuple[str, int]]:
 
 
 def _with(job: Job, layout: Layout, strategy: str, ac: str, micro: int) -> Job:
+    # a post-forward reshard group is plain data parallel's (torch reshards DTensor parameters to
+    # the whole group only): a layout's alternative runs without it
+    group = job.plan.reshard_after_forward if layout.is_data_parallel else None
     return replace(
         job,
-        plan=replace(job.plan, strategy=strategy),
+        plan=replace(job.plan, strategy=strategy, reshard_after_forward=group),
         train=job.train.with_ac(ac, micro_batch=micro),
         layout=layout,
     )

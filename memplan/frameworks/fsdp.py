@@ -55,6 +55,54 @@ def _outside_blocks(step, instant: str) -> list[tuple[str, int, str]]:
     ]
 
 
+_BLOCK_INDEX = {"first": lambda L: 0, "lower": lambda L: 1, "upper": lambda L: L - 2, "last": lambda L: L - 1}
+"""The block each of ``FSDP_BLOCK_MOMENTS``' and ``FSDP_MIDDLE_BLOCK_MOMENTS``' instants is in."""
+
+
+def _post_forward_copies(step, instant: str) -> list[Term]:
+    """``fully_shard(reshard_after_forward=N)`` with N below the shard group: after its forward a
+    unit keeps a clone of its 1/N slice of the all-gather output (torch 2.13 _fsdp_param.py
+    to_sharded_post_forward), freed when its backward's all-gather has copied out
+    (``to_unsharded``). At ``instant``: every block's after the forward; at a block's backward
+    those of the blocks below it, and its own through its copy-out (a prefetched unit's until its
+    own); an input embedding unit's (torchtitan's, accelerate's) until the step's last backward;
+    a root resharded after forward (torchtune's) until its pre-backward, at the head."""
+    group, L = step.job.post_forward_group, step.job.model.num_layers
+    if not group or instant == "start":
+        return []
+    which = instant.split("_")[0]
+    blocks = _BLOCK_INDEX[which](L) + instant.endswith("copy") if which in _BLOCK_INDEX else L
+    units = step.fsdp_units
+    outside = (
+        step.embedding_unit_params()
+        if units == "blocks" and not step.job.model.tied_embeddings
+        else step.root_params
+        if units == "all" and instant in ("forward", "loss")
+        else 0
+    )
+    g, bp = step.gather_bytes, step.block_params
+    copies = [
+        term(
+            B,
+            "fsdp.post_forward",
+            f"{blocks} blocks' post-forward copies (1/{group})",
+            f"{g}·{blocks}·{bp:,}/{group}",
+            -(-g * blocks * bp // group),
+        )
+    ]
+    if outside:
+        copies.append(
+            term(
+                B,
+                "fsdp.post_forward",
+                f"{'input embedding' if units == 'blocks' else 'root'} unit's post-forward copy (1/{group})",
+                f"{g}·{outside:,}/{group}",
+                -(-g * outside // group),
+            )
+        )
+    return [c for c in copies if c.bytes]
+
+
 def _forward_start(step) -> list:
     """At the first block's all-gather copy-out: the unit gathered before it (the root, or the
     input embedding's own unit) with its all-gather output retained (``FORWARD_START``), and
@@ -457,10 +505,12 @@ class FSDP(Framework):
         s, L, bp = step.strategy, step.job.model.num_layers, step.block_params
         if instant == "start":
             return _forward_start(step)
-        if instant.split("_")[0] in ("first", "upper", "lower", "last"):
-            return [
-                _gathered(step, key, count, name) for key, count, name in _outside_blocks(step, "block") if count
-            ] + _block_backward(step, instant)
+        if instant.split("_")[0] in _BLOCK_INDEX:
+            return (
+                [_gathered(step, key, count, name) for key, count, name in _outside_blocks(step, "block") if count]
+                + _block_backward(step, instant)
+                + _post_forward_copies(step, instant)
+            )
         terms = [_gathered(step, key, count, name) for key, count, name in _outside_blocks(step, instant) if count]
         if instant == "forward" and step.loss_in_model and s.reshard_after_forward and step.gather_group > 1:
             # FSDP2 keeps the last forward all-gather's output (FSDPCommContext.all_gather_state)
@@ -502,7 +552,7 @@ class FSDP(Framework):
                     * (step.block_params if step.P == "P" else step.trained.blocks[-1]),
                 )
             )
-        return terms
+        return terms + _post_forward_copies(step, instant)
 
     def holds_root_grads(self, step) -> bool:
         return not step.job.train.optimizer_in_backward
@@ -594,7 +644,8 @@ class FSDP(Framework):
             n = step.embedding_unit_params()
             prefetched = [_gathered(step, "fsdp.prefetched_embedding", n, "input embedding unit (backward prefetch)")]
         unsharded = _gathered(step, "fsdp.block", bp, "unsharded block")
-        return [t for b in block for t in ([unsharded, *prefetched] if b.key == "fsdp.block" else [b])]
+        terms = [t for b in block for t in ([unsharded, *prefetched] if b.key == "fsdp.block" else [b])]
+        return [t for t in terms if t.key != "fsdp.post_forward"] + _post_forward_copies(step, "first_copy")
 
     def accelerate(self, job, strategy) -> dict:
         v2 = strategy.id != "fsdp-no-shard"

@@ -104,7 +104,7 @@ def fsdp2_snippet(job, strategy) -> str:
         "    for block in [m for m in model.modules() if isinstance(m, block_cls)]:",
         (
             f"        fully_shard(wrappers.get(id(block), block), mesh=mesh, {policies}, "
-            f"reshard_after_forward={strategy.reshard_after_forward})"
+            f"reshard_after_forward={job.post_forward_group or strategy.reshard_after_forward})"
         ),
         f"    fully_shard(model, mesh=mesh, {policies}, reshard_after_forward=False)",
         "    return model",
