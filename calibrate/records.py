@@ -71,7 +71,14 @@ _LATER_DEFAULTS: dict[str, dict[str, Any]] = {
         if f.name
         in (*MOE_FIELDS, *MLA_FIELDS, "qk_norm", "type_vocab_size", "num_labels", "head_dim", "fused_projections")
     },
-    "plan": {"ep": 1, "zero": None, "gradient_as_bucket_view": False, "bucket_cap_mb": None, "static_graph": False},
+    "plan": {
+        "ep": 1,
+        "zero": None,
+        "gradient_as_bucket_view": False,
+        "bucket_cap_mb": None,
+        "static_graph": False,
+        "reshard_after_forward": None,
+    },
     "cluster": {"alloc_conf": ""},
 }
 """Inputs added after records existed, by part: kept in a record only where not at their default."""

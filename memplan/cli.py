@@ -338,7 +338,7 @@ def recommend(priority, interconnect, bw, calibration, emit, output, framework, 
     import json
 
     from . import api, report
-    from .emit import WRITES, check_destination
+    from .emit import DATA_PARALLEL_KINDS, WRITES, check_destination
 
     if output is not None:
         if not emit:
@@ -359,7 +359,8 @@ def recommend(priority, interconnect, bw, calibration, emit, output, framework, 
         framework=framework,
         strategies=writes,
     )
-    if search_layout is None and _layout_wins(flags, rec, interconnect, bw):
+    # a form that writes data parallel alone takes data parallel's pick (the layouts searched on --search-layout)
+    if search_layout is None and emit not in DATA_PARALLEL_KINDS and _layout_wins(flags, rec, interconnect, bw):
         _deliver(*_layout_pick(flags, interconnect, bw, emit, fmt), emit, output, fmt)
         return
     launch = _launch(rec.best, emit)

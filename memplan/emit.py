@@ -31,6 +31,11 @@ WRITES = {
 """The strategies each framework's own form writes (accelerate and torchrun launch any)."""
 
 
+DATA_PARALLEL_KINDS = ("fsdp2", "fsdp1", "accelerate", "deepspeed")
+"""The forms that write their strategy over every GPU: no TP, CP or PP mesh (torchtitan's job
+config and a torchrun line's script can hold a layout)."""
+
+
 def fsdp2_snippet(job: Job) -> str:
     """``fully_shard`` per block, then the root (torchtitan's parallelize order: AC first)."""
     return emit(job, "fsdp2")
@@ -67,6 +72,8 @@ def launch_command(job: Job, script: str = "train.py") -> str:
     """torchrun on one node; srun + torchrun (one task per node, c10d rendezvous) on several."""
     c = job.cluster
     args = f"{script} --micro-batch {job.train.micro_batch} --grad-accum {job.train.grad_accum}"
+    if not job.layout.is_data_parallel:  # the script applies the layout: said where the line is read
+        args = f"{args}  # the script lays out {job.layout.describe()} × dp {job.dp}"
     if not adapter(STRATEGIES[job.plan.strategy]).distributed:
         return f"# {header(job)}\npython {args}\n"
     if c.num_nodes == 1:
@@ -227,6 +234,14 @@ def _toml(value) -> str:
 
 def emit(job: Job, kind: str) -> str:
     """The launch configuration of ``kind`` for ``job`` as text."""
+    if not job.layout.is_data_parallel and kind in DATA_PARALLEL_KINDS:
+        # each writes its strategy over every GPU: the layout would be dropped without a word
+        raise MemplanError(
+            lambda n: (
+                f"{n('emit')} {kind} writes {job.plan.strategy} over all {job.cluster.gpus} GPUs, not the layout "
+                f"{job.layout.describe()} × dp {job.dp}: use --emit torchtitan (or torchrun, whose script applies it)"
+            )
+        )
     if job.post_forward_group and kind in ("accelerate", "torchtitan"):
         # accelerate's fsdp_reshard_after_forward and torchtitan's fsdp_reshard_after_forward are
         # true / false and default / always / never: neither passes fully_shard an integer

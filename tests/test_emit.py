@@ -109,6 +109,30 @@ def test_emit_refuses_what_does_not_apply():
     assert set(KINDS) == {"fsdp2", "fsdp1", "accelerate", "deepspeed", "torchrun", "torchtitan"}
 
 
+@pytest.mark.parametrize("kind", ["fsdp2", "fsdp1", "accelerate", "deepspeed"])
+def test_a_form_that_writes_data_parallel_alone_refuses_a_layout_and_torchrun_says_it(kind):
+    """Each of these forms lays its strategy over every GPU: a TP job's file would be another job."""
+    args = ["recommend", "--model", "llama-3.1-8b", "--gpus", "16", "--gpu", "h100-sxm", "--tp", "2"]
+    strategy = "zero3" if kind == "deepspeed" else "fsdp-full-shard"
+    result = CliRunner().invoke(main, [*args, "--strategy", strategy, "--emit", kind])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines()[-1] == (
+        f"Error: --emit {kind} writes {strategy} over all 16 GPUs, not the layout TP 2 + SP × dp 8: "
+        "use --emit torchtitan (or torchrun, whose script applies it)"
+    )
+    line = CliRunner().invoke(main, [*args, "--emit", "torchrun"])
+    assert line.exit_code == 0 and line.stdout.rstrip().endswith("# the script lays out TP 2 + SP × dp 8")
+
+
+def test_a_data_parallel_form_takes_data_parallels_pick_where_a_layout_would_win():
+    """64 GPUs search the layouts by default; --emit fsdp2 can only write data parallel, so its pick stays."""
+    args = ["recommend", "--model", "llama-3.1-70b", "--gpus", "64", "--gpu", "h100-sxm"]
+    assert "Recommended layout: TP" in CliRunner().invoke(main, args).stdout
+    result = CliRunner().invoke(main, [*args, "--emit", "fsdp2"])
+    assert result.exit_code == 0 and "fully_shard(" in result.stdout
+    assert "Recommendation (speed): fsdp-" in result.stderr
+
+
 def test_cli_recommend_emit():
     result = CliRunner().invoke(
         main, ["recommend", "--params", "7e9", "--gpus", "8", "--gpu", "a100-40gb", "--emit", "fsdp2"]
