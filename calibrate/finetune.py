@@ -35,7 +35,7 @@ def adapt(job: Job, model, lora: dict | None = None) -> None:
         return
     if tuning.mode == "qlora":
         for block in model.layers:
-            _quantize_linears(block, compute_dtype=torch.bfloat16)
+            _quantize_linears(block, compute_dtype=torch.bfloat16, double_quant=tuning.double_quant)
     from peft import LoraConfig, get_peft_model
 
     given = dict(lora or {})
@@ -51,9 +51,11 @@ def _modules(targets: tuple[str, ...]) -> list[str]:
     return [PROJ[n] for n in targets]
 
 
-def _quantize_linears(block, *, compute_dtype) -> None:
-    """Every nn.Linear of the block as bitsandbytes' Linear4bit: NF4 with double quantization,
-    quantized on the move to the device (Params4bit._quantize)."""
+def _quantize_linears(block, *, compute_dtype, double_quant: bool) -> None:
+    """Every nn.Linear of the block as bitsandbytes' Linear4bit: NF4, its absmax statistics
+    quantized again where ``double_quant`` (BitsAndBytesConfig's bnb_4bit_use_double_quant, as
+    transformers passes it: compress_statistics), quantized on the move to the device
+    (Params4bit._quantize)."""
     import bitsandbytes as bnb
     import torch.nn as nn
 
@@ -66,11 +68,11 @@ def _quantize_linears(block, *, compute_dtype) -> None:
                 child.out_features,
                 bias=child.bias is not None,
                 compute_dtype=compute_dtype,
-                compress_statistics=True,
+                compress_statistics=double_quant,
                 quant_type="nf4",
             )
             layer.weight = bnb.nn.Params4bit(
-                child.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4"
+                child.weight.data, requires_grad=False, compress_statistics=double_quant, quant_type="nf4"
             )
             if child.bias is not None:
                 layer.bias = nn.Parameter(child.bias.data, requires_grad=False)

@@ -494,6 +494,9 @@ class Tuning:
     targets: tuple[str, ...] = ()
     """The block projections that carry an adapter (``LINEARS``' names)."""
     dropout: float = 0.0
+    double_quant: bool = True
+    """qlora: bitsandbytes' double quantization of the 4-bit blocks' absmax statistics
+    (``BitsAndBytesConfig(bnb_4bit_use_double_quant=...)``, Params4bit's compress_statistics)."""
 
     @property
     def adapters(self) -> bool:
@@ -548,7 +551,7 @@ def _targets(value: str) -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=256)
-def tuning(mode: str, rank: int, alpha: float, targets: str, dropout: float) -> Tuning:
+def tuning(mode: str, rank: int, alpha: float, targets: str, dropout: float, double_quant: bool = True) -> Tuning:
     """The ``Tuning`` of TrainSpec's fine-tuning fields, checked."""
     if mode.startswith("frozen:"):
         count = mode.removeprefix("frozen:")
@@ -561,7 +564,16 @@ def tuning(mode: str, rank: int, alpha: float, targets: str, dropout: float) -> 
         raise _bad_tuning("lora_rank", rank, "a positive integer")
     if not 0.0 <= dropout < 1.0:
         raise _bad_tuning("lora_dropout", dropout, "a probability in [0, 1)")
-    return Tuning(mode=mode, rank=rank, alpha=float(alpha), targets=_targets(targets), dropout=float(dropout))
+    if not double_quant and mode != "qlora":
+        raise _bad_tuning("qlora_double_quant", double_quant, "true unless finetune is qlora (4-bit base weights)")
+    return Tuning(
+        mode=mode,
+        rank=rank,
+        alpha=float(alpha),
+        targets=_targets(targets),
+        dropout=float(dropout),
+        double_quant=bool(double_quant),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -603,6 +615,7 @@ class TrainSpec:
     lora_alpha: float = 16.0
     lora_targets: str = "attention"
     lora_dropout: float = 0.0
+    qlora_double_quant: bool = True
 
     def __post_init__(self):
         _check_positive(self, "seq_len", "micro_batch", "grad_accum")
@@ -645,7 +658,9 @@ class TrainSpec:
     @property
     def tuning(self) -> Tuning:
         """What is trained, as a ``Tuning``."""
-        return tuning(self.finetune, self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_dropout)
+        return tuning(
+            self.finetune, self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_dropout, self.qlora_double_quant
+        )
 
     @property
     def tokens_per_micro_batch(self) -> int:
