@@ -24,10 +24,17 @@ P, O = Component.PARAMS, Component.OPTIMIZER  # noqa: E741 - the paper's P/G/O n
 
 # --- what is trained ---------------------------------------------------------------------
 
-NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
-"""bitsandbytes' NF4 with double quantization (Params4bit, compress_statistics=True): two
-4-bit codes a byte, one absmax per block of 64 quantized to 8 bits, and one fp32 absmax of
-those per block of 256 (functional.quantize_4bit, QuantState.state2)."""
+
+def nf4_bytes_per_param(double_quant: bool) -> float:
+    """bitsandbytes' NF4 (Params4bit, blocksize 64): two 4-bit codes a byte and one absmax per
+    block of 64; with double quantization (compress_statistics=True) the absmax quantized to 8 bits
+    and one fp32 absmax of those per block of 256 (functional.quantize_4bit, QuantState.state2),
+    without it the fp32 absmax itself (measured: validation/records/qlora_quant_cpu.md)."""
+    return 0.5 + (1 / 64 + 4 / (64 * 256) if double_quant else 4 / 64)
+
+
+def _nf4_formula(double_quant: bool) -> str:
+    return "(1/2 + 1/64 + 4/(64·256))·P_linear" if double_quant else "(1/2 + 4/64)·P_linear"
 
 
 def _family(model) -> str:
@@ -237,6 +244,7 @@ def _adapter_bytes(step) -> int:
 def finetune_param_terms(step) -> list[Term]:
     """Frozen base weights (NF4 for qlora's block linears) beside the trained parameters."""
     t, pol, sharded = step.trained, step.policy, step.strategy.shards_params
+    double_quant = step.job.train.tuning.double_quant
     base = 4 if step.shard_master else pol.param_bytes
     trained_bytes = 4 if step.shard_master else step.train_policy.param_bytes
     div = step.div(sharded)
@@ -257,9 +265,9 @@ def finetune_param_terms(step) -> list[Term]:
             term(
                 P,
                 "params.nf4",
-                "NF4 base weights (double quantization)",
-                "(1/2 + 1/64 + 4/(64·256))·P_linear",
-                math.ceil(NF4_BYTES_PER_PARAM * step.local(t.quantized, sharded)),
+                "NF4 base weights" + (" (double quantization)" if double_quant else ""),
+                _nf4_formula(double_quant),
+                math.ceil(nf4_bytes_per_param(double_quant) * step.local(t.quantized, sharded)),
             ),
         )
     return terms
@@ -507,7 +515,7 @@ def adapter_block_saved(model, train, full: list[Saved], *, adapter_bytes: int) 
 
 # --- what the reports say of it ----------------------------------------------------------
 
-FINETUNE_FIELDS = ("finetune", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
+FINETUNE_FIELDS = ("finetune", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "qlora_double_quant")
 """TrainSpec's fine-tuning fields: reported only for a fine-tune other than full (a full one's
 report reads as before they existed)."""
 
@@ -519,7 +527,8 @@ def finetune_inputs(job) -> dict:
     t = trained(job.model, tuning)
     if tuning.mode == "full":
         return {"trainable_params": t.trainable, "frozen_params": t.frozen, "total_params": t.total}
-    return {k: getattr(job.train, k) for k in FINETUNE_FIELDS} | {
+    given = [k for k in FINETUNE_FIELDS if k != "qlora_double_quant" or tuning.mode == "qlora"]
+    return {k: getattr(job.train, k) for k in given} | {
         "trainable_params": t.trainable,
         "frozen_params": t.frozen,
         "total_params": t.total,

@@ -369,3 +369,43 @@ def _default_name(cfg: dict, path: Path | None, model_type: str) -> str:
     if isinstance(given, str) and given:
         return given
     return path.resolve().parent.name if path is not None else model_type
+
+
+BNB_ACCEPTED = {
+    "bnb_4bit_quant_type": ("nf4", "fp4"),
+    "bnb_4bit_compute_dtype": ("bfloat16", "float16", None),
+    "bnb_4bit_quant_storage": ("uint8", None),
+    "llm_int8_skip_modules": (None,),
+    "llm_int8_enable_fp32_cpu_offload": (False, None),
+}
+"""transformers' BitsAndBytesConfig fields (utils/quantization_config.py) a 4-bit checkpoint's
+``quantization_config`` may hold and memplan's qlora models: both 4-bit codes (one byte per two
+weights, the same absmax blocks: bitsandbytes functional.quantize_4bit), a 2-byte compute dtype
+(the dequantized weight's), uint8 storage, every block linear quantized. ``llm_int8_threshold``
+and ``llm_int8_has_fp16_weight`` are LLM.int8's (8-bit) and change nothing here."""
+
+
+def bnb_4bit_double_quant(cfg: dict, path: Path | None) -> bool | None:
+    """A config.json's bitsandbytes 4-bit ``quantization_config`` (a pre-quantized checkpoint, or
+    ``save_pretrained`` after ``from_pretrained(quantization_config=BitsAndBytesConfig(...))``):
+    its ``bnb_4bit_use_double_quant`` (BitsAndBytesConfig's default False); None: the config
+    holds no 4-bit quantization. What memplan does not model is refused, naming the field."""
+    quant = cfg.get("quantization_config")
+    if not quant:
+        return None
+    where = f"{path or 'config.json'} quantization_config"
+    method = quant.get("quant_method")
+    if method != "bitsandbytes":
+        raise MemplanError(
+            f"{where}.quant_method {method!r} is not modelled; memplan models bitsandbytes 4-bit (qlora)"
+        )
+    if quant.get("load_in_8bit"):
+        raise MemplanError(f"{where}.load_in_8bit true (LLM.int8) is not modelled; memplan models load_in_4bit (qlora)")
+    if not quant.get("load_in_4bit"):
+        return None
+    for field, accepted in BNB_ACCEPTED.items():
+        value = quant.get(field)
+        if value not in accepted and not (value == [] and None in accepted):
+            shown = ", ".join(str(a).lower() if a is not None else "unset" for a in accepted)
+            raise MemplanError(f"{where}.{field} {value!r} is not modelled; accepted: {shown}")
+    return bool(quant.get("bnb_4bit_use_double_quant", False))

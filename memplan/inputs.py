@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 from . import catalog
 from .errors import InputError
-from .hfconfig import model_from_hf_config
+from .hfconfig import bnb_4bit_double_quant, load_config, model_from_hf_config
 from .infer import model_for_params, parse_params
 from .moe import allows_ep
 from .request import SHAPES, ModelRequest, Request
@@ -106,6 +106,36 @@ def _default_seq_len(model: ModelSpec, train: TrainSpec, *, given: bool) -> tupl
     return replace(train, seq_len=positions), (note,)
 
 
+def _checkpoint_quantization(request: Request, train: TrainSpec) -> tuple[TrainSpec, tuple[str, ...]]:
+    """A config.json holding a bitsandbytes 4-bit ``quantization_config``: its weights train as
+    qlora's (refused otherwise: 4-bit weights take no gradient), its double quantization where
+    ``--qlora-double-quant`` is not given, and the line saying so."""
+    if request.model.config is None:
+        return train, ()
+    cfg, path = load_config(request.model.config)
+    double_quant = bnb_4bit_double_quant(cfg, path)
+    if double_quant is None:
+        return train, ()
+    if train.finetune != "qlora":
+        raise InputError(
+            lambda n: (
+                f"{path or 'config.json'} quantization_config loads the weights in 4 bits (bitsandbytes): "
+                f"they train adapters only, give {n('finetune')} qlora (got {train.finetune})"
+            ),
+            field="finetune",
+            value=train.finetune,
+            accepted="qlora with a 4-bit checkpoint",
+        )
+    field = "quantization_config.bnb_4bit_use_double_quant"
+    if request.training.qlora_double_quant is None:
+        train = replace(train, qlora_double_quant=double_quant)
+        return train, (f"qlora-double-quant {'on' if double_quant else 'off'} (config.json {field})",)
+    if train.qlora_double_quant != double_quant:  # the flag wins, said beside the file's value
+        state, file_state = ("on", "false") if train.qlora_double_quant else ("off", "true")
+        return train, (f"qlora-double-quant {state} as given (config.json {field}: {file_state})",)
+    return train, ()
+
+
 def _gpu_alias(name: str | None) -> tuple[str, ...]:
     """The line naming the GPU a short name (``h100``) was read as, and the table's others of its family."""
     if name is None or name.strip().lower() in catalog.gpus():
@@ -141,7 +171,8 @@ def build_jobs(request: Request | None = None, /, **inputs) -> tuple[ModelChoice
         alloc_conf=c.alloc_conf,
     )
     train, context = _default_seq_len(choice.spec, train, given=request.training.seq_len is not None)
-    choice = replace(choice, assumptions=context + _gpu_alias(c.gpu))
+    train, quantized = _checkpoint_quantization(request, train)
+    choice = replace(choice, assumptions=context + quantized + _gpu_alias(c.gpu))
     layout = request.layout.spec()
     ids = strategies_for(plan.strategy, plan.offload, layout.dp(cluster.gpus))
     if plan.strategy == "all":  # expert parallel composes with FSDP only

@@ -659,7 +659,12 @@ class TrainSpec:
     def tuning(self) -> Tuning:
         """What is trained, as a ``Tuning``."""
         return tuning(
-            self.finetune, self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_dropout, self.qlora_double_quant
+            self.finetune,
+            self.lora_rank,
+            self.lora_alpha,
+            self.lora_targets,
+            self.lora_dropout,
+            self.qlora_double_quant,
         )
 
     @property

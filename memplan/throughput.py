@@ -15,7 +15,7 @@ from functools import cache
 
 from . import catalog
 from .errors import MemplanError
-from .finetune import NF4_BYTES_PER_PARAM, trained
+from .finetune import nf4_bytes_per_param, trained
 from .frameworks import adapter
 from .mla import attention_flops_per_token
 from .moe import active_params, fsdp_traffic_params, num_moe_layers, routed_rows
@@ -155,7 +155,7 @@ def dequant_seconds(job: Job, link: Link) -> float:
     if tuning.mode != "qlora":
         return 0.0
     calls = 2 * job.train.grad_accum * job.layout.microbatches
-    nbytes = trained(job.model, tuning).quantized * (NF4_BYTES_PER_PARAM + 2)
+    nbytes = trained(job.model, tuning).quantized * (nf4_bytes_per_param(tuning.double_quant) + 2)
     return calls * nbytes / link.gpu.memory_bw_bytes_s / job.layout.model_parallel
 
 

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from memplan.cli import main
 from memplan.errors import MemplanError
-from memplan.finetune import NF4_BYTES_PER_PARAM, trained
+from memplan.finetune import nf4_bytes_per_param, trained
 from memplan.memory import estimate
 from memplan.specs import Job, ModelSpec, TrainSpec, tuning
 
@@ -79,7 +79,7 @@ def test_nf4_bytes_are_bitsandbytes_storage():
     state = weight.quant_state
     # codes, 8-bit block absmax, and the nested state's fp32 absmax (its code table is shared)
     stored = weight.numel() + state.absmax.numel() * state.absmax.element_size() + 4 * state.state2.absmax.numel()
-    assert stored == math.ceil(NF4_BYTES_PER_PARAM * out_features * in_features)
+    assert stored == math.ceil(nf4_bytes_per_param(True) * out_features * in_features)
 
 
 LLAMA = ModelSpec(num_layers=4, hidden=512, num_heads=8, num_kv_heads=2, ffn_hidden=1376, vocab_size=4096)

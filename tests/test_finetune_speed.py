@@ -7,7 +7,7 @@ import pytest
 from memplan import catalog
 from memplan.catalog import model_preset
 from memplan.decide import finetune_modes
-from memplan.finetune import NF4_BYTES_PER_PARAM, trained
+from memplan.finetune import nf4_bytes_per_param, trained
 from memplan.report import finetune_lines
 from memplan.specs import ClusterSpec, Job, TrainSpec
 from memplan.throughput import dequant_seconds, flops_per_token, link_for, step_time
@@ -44,7 +44,7 @@ def test_qlora_dequantizes_every_nf4_weight_in_forward_and_backward():
     link = link_for(job)
     quantized = trained(MODEL, job.train.tuning).quantized
     assert quantized > 0.8 * MODEL.num_params
-    expected = 2 * 3 * quantized * (NF4_BYTES_PER_PARAM + 2) / link.gpu.memory_bw_bytes_s
+    expected = 2 * 3 * quantized * (nf4_bytes_per_param(True) + 2) / link.gpu.memory_bw_bytes_s
     assert dequant_seconds(job, link) == pytest.approx(expected)
     assert dequant_seconds(job.with_(finetune="lora"), link) == 0.0
     lora = job.with_(finetune="lora")

@@ -69,6 +69,8 @@ CASES = (
     _qlora(WIDE, double_quant=True, b=1, s=64, rank=16, targets="all-linear"),
     _qlora(QWEN_WIDE, double_quant=False, b=2, s=128),
     _qlora(QWEN_WIDE, double_quant=False, b=1, s=128, targets="all-linear", ac="full"),
+    # added after the model read the setting (not held out): the qwen2 shape with double quantization
+    _qlora(QWEN_WIDE, double_quant=True, b=2, s=128),
 )
 BY_ID = {case.id: case for case in CASES}
 
