@@ -241,6 +241,47 @@ class _CpuMeter:
         return {}
 
 
+class _StorageMeter:
+    """Peak live tensor bytes from a dispatch mode alone (``alloctrace.LiveBytes``): every storage
+    an operator makes, freed when its last reference dies, as MemTracker counts them, without
+    MemTracker's module hooks (no categories)."""
+
+    def __init__(self):
+        from .alloctrace import LiveBytes
+
+        self.probe = LiveBytes()
+        self.device = torch.device("cpu")
+
+    def __enter__(self):
+        self.probe.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.probe.__exit__(*exc)
+
+    def new_step(self):
+        return None
+
+    def after_setup(self):
+        return None
+
+    def reset_peak(self):
+        self.probe.reset_peak()
+
+    def peak(self) -> int:
+        return self.probe.peak_bytes
+
+    def categories(self) -> dict[str, int]:
+        return {}
+
+    def extra(self) -> dict:
+        return {}
+
+
+METERS = {"memtracker": _CpuMeter, "storages": _StorageMeter}
+"""The CPU meters: torch's MemTracker (the harness's), or the dispatch mode's storages alone."""
+
+
 class _CudaMeter:
     """torch.cuda's allocator statistics (GPU ground truth)."""
 

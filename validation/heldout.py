@@ -314,10 +314,15 @@ class Case:
             steps=STEPS,
             warmup=WARMUP,
             adapt=self.adapt,
+            **self.run_options(),
         )
 
     def adapt(self, model) -> None:
         """Change the built model before it is wrapped: a held-out case trains it as built."""
+
+    def run_options(self) -> dict:
+        """What calibrate.loops.run takes beyond the case's own fields (``TypedCase``'s too)."""
+        return {}
 
     def record_fields(self) -> dict:
         """What a record of this case says beyond the held-out matrix's fields."""
