@@ -278,7 +278,7 @@ class _StorageMeter:
         return {}
 
 
-METERS = {"memtracker": _CpuMeter, "storages": _StorageMeter}
+METERS: dict[str, type[_CpuMeter] | type[_StorageMeter]] = {"memtracker": _CpuMeter, "storages": _StorageMeter}
 """The CPU meters: torch's MemTracker (the harness's), or the dispatch mode's storages alone."""
 
 

@@ -163,9 +163,12 @@ class TrainingRequest(LoopSettings, _Step):
     linears: q,k,v,o,gate,up,down; phi3's fused qkv,gate_up; gpt2's qkv,o,up,down (or c_attn,c_proj,c_fc)."""
     lora_dropout: float | None = setting(None, default_help="0")
     """Dropout on each adapter's input (its output and mask are kept for backward; 0 where not given)."""
+    dora: bool | None = setting(None, default_help="off")
+    """peft's DoRA (``LoraConfig(use_dora=True)``) on the adapters: a trained magnitude per output
+    feature rescaling each adapted linear (finetune lora only)."""
 
     def __post_init__(self):
-        given = [k for k in _LORA if getattr(self, k) is not None]
+        given = [k for k in _LORA if getattr(self, k) is not None and k != "dora"]  # dora: lora alone (Tuning)
         if given and self.finetune not in ("lora", "qlora"):
             raise InputError(
                 lambda n: (
@@ -200,7 +203,7 @@ class TrainingRequest(LoopSettings, _Step):
 
 _LOOP = tuple(f.name for f in fields(LoopSettings))
 """The TrainingRequest fields that are loop settings (``loop.Loop``), None where the recipe sets them."""
-_LORA = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
+_LORA = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "dora")
 """The TrainingRequest fields of the adapters, None where not given (TrainSpec's defaults)."""
 _UNSET = ("seq_len", *_LORA)
 """The TrainingRequest fields None where not given: TrainSpec's defaults (seq_len: see ``inputs``)."""

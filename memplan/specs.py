@@ -494,6 +494,9 @@ class Tuning:
     targets: tuple[str, ...] = ()
     """The block projections that carry an adapter (``LINEARS``' names)."""
     dropout: float = 0.0
+    dora: bool = False
+    """peft's DoRA (``LoraConfig(use_dora=True)``): a trained magnitude vector per adapted linear,
+    which rescales its base and LoRA outputs (``finetune.dora_block_saved``)."""
 
     @property
     def adapters(self) -> bool:
@@ -505,7 +508,8 @@ class Tuning:
         if not self.adapters:
             return "full"
         drop = f", dropout {self.dropout:g}" if self.dropout else ""
-        return f"{self.mode} rank {self.rank} on {','.join(self.targets)}{drop}"
+        dora = ", DoRA" if self.dora else ""
+        return f"{self.mode} rank {self.rank} on {','.join(self.targets)}{drop}{dora}"
 
 
 LINEARS = {
@@ -548,8 +552,18 @@ def _targets(value: str) -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=256)
-def tuning(mode: str, rank: int, alpha: float, targets: str, dropout: float) -> Tuning:
+def tuning(mode: str, rank: int, alpha: float, targets: str, dropout: float, dora: bool = False) -> Tuning:
     """The ``Tuning`` of TrainSpec's fine-tuning fields, checked."""
+    if dora and mode != "lora":
+        raise InputError(
+            lambda n: (
+                f"{n('dora')} applies to {n('finetune')} lora only (peft's DoRA is measured on "
+                f"unquantized linears), got {n('finetune')} {mode}"
+            ),
+            field="dora",
+            value=dora,
+            accepted="finetune lora",
+        )
     if mode.startswith("frozen:"):
         count = mode.removeprefix("frozen:")
         if not count.isdigit() or int(count) < 1:
@@ -561,7 +575,9 @@ def tuning(mode: str, rank: int, alpha: float, targets: str, dropout: float) -> 
         raise _bad_tuning("lora_rank", rank, "a positive integer")
     if not 0.0 <= dropout < 1.0:
         raise _bad_tuning("lora_dropout", dropout, "a probability in [0, 1)")
-    return Tuning(mode=mode, rank=rank, alpha=float(alpha), targets=_targets(targets), dropout=float(dropout))
+    return Tuning(
+        mode=mode, rank=rank, alpha=float(alpha), targets=_targets(targets), dropout=float(dropout), dora=bool(dora)
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -603,6 +619,7 @@ class TrainSpec:
     lora_alpha: float = 16.0
     lora_targets: str = "attention"
     lora_dropout: float = 0.0
+    dora: bool = False
 
     def __post_init__(self):
         _check_positive(self, "seq_len", "micro_batch", "grad_accum")
@@ -645,7 +662,7 @@ class TrainSpec:
     @property
     def tuning(self) -> Tuning:
         """What is trained, as a ``Tuning``."""
-        return tuning(self.finetune, self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_dropout)
+        return tuning(self.finetune, self.lora_rank, self.lora_alpha, self.lora_targets, self.lora_dropout, self.dora)
 
     @property
     def tokens_per_micro_batch(self) -> int:

@@ -32,6 +32,7 @@ from .errors import MemplanError
 from .finetune import (
     PLACES,
     block_place,
+    dora_forward_saved,
     kept_in_place,
     outside_saved,
     transient_in_place,
@@ -174,6 +175,18 @@ exist only at its end, inside its input norm's backward (``Step.block_end_terms`
 recomputed tensors are freed (measured per module with MemTracker, validation.peak_probe: the
 head-dim matrix's qwen3 single full-AC case and the tuned DDP full-AC eager record, the MLP output
 projection's gradient alone of the block's own at the peak inside its backward)."""
+
+
+DORA_FORWARD = MomentSpec(
+    name="dora.forward",
+    phase="forward",
+    label="DoRA's weight norm in the last block's forward",
+    groups=("states", "grads.carried", "activations.blocks", "activations.pre", "dora.forward"),
+)
+"""peft's DoRA builds each adapted linear's full weight and its norm in every forward
+(``finetune.dora_forward_saved``): in the last block's, beside every block's kept tensors (the
+last one's counted whole) and what the embedding keeps (measured: the Phi-3 DoRA case's peak,
+validation/records/peft_dora_cpu.md)."""
 
 
 TIED_SUM = MomentSpec(
@@ -467,6 +480,9 @@ class Step(Quantities):
             groups["block.backward.last_checkpointed"] = self.transient_terms(j)
         if loop.offload_activations:
             groups.update(self.offload_groups())
+        if train.tuning.dora:
+            groups["activations.pre"] = _terms(A, pre, "activations.outside")
+            groups["dora.forward"] = _terms(A, dora_forward_saved(self), "dora.forward")
         return groups
 
     def offload_groups(self) -> dict[str, list[Term]]:
@@ -674,6 +690,8 @@ class Step(Quantities):
             specs = insert(specs, COMPILED_HEAD_BACKWARD, *upcast, after="backward.start")
         if self.tied_sum():
             specs = insert(specs, TIED_SUM, before="optimizer")
+        if self.job.train.tuning.dora:
+            specs = insert(specs, DORA_FORWARD, before="forward.end")
         return self.framework.schedule(self, specs)
 
     @cached_property

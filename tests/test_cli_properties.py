@@ -177,6 +177,8 @@ def train_flags(draw, info: dict, *, fixed_ac: bool = False) -> list[str]:
         if finetune in ("lora", "qlora"):
             flags += _maybe(draw, "--lora-rank", st.sampled_from([8, 16, 64]), 0.4)
             flags += _maybe(draw, "--lora-targets", ["attention", "all-linear", "q,v"], 0.4)
+        if finetune == "lora":
+            flags += _toggle(draw, "dora", 0.3)
     return flags
 
 

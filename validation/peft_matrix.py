@@ -5,7 +5,9 @@ the ``LoraConfig`` keywords the user wrote beyond it (the Phi-3 cases were first
 unfused llama blocks, the records before ``fused_projections`` existed: the first table,
 validation/records/peft_matrix_cpu.first.md); the runs are the
 fine-tune matrix's (validation.finetune_matrix: transformers' model built from a config, peft's
-get_peft_model, MemTracker's peak of live tensors on one rank).
+get_peft_model, MemTracker's peak of live tensors on one rank; the DoRA cases by the storage meter,
+``PeftCase.meter``, validation/records/peft_dora_cpu.md). A record's ``use_dora`` is stated to
+memplan as ``--dora`` (``stated_job``).
 
     python -m validation.peft_matrix            # measure every case not yet recorded
     python -m validation.peft_matrix --report   # measured, estimated today, error %, peak phase
@@ -147,6 +149,17 @@ def make_record(case: PeftCase, outcome: dict, wall_s: float) -> dict:
     return heldout.make_record(case, outcome, wall_s) | {"id": record_id(case)}
 
 
+PEFT_INPUTS = {"use_dora": "dora"}
+"""``LoraConfig`` keywords a record carries (``peft_config``) that are memplan inputs now: a
+DoRA run is stated with ``--dora`` (the records were made before it existed)."""
+
+
+def stated_job(record: dict):
+    """The record's job with its loop (``heldout.loop_job``) and the peft keywords memplan takes."""
+    given = record.get("peft_config") or {}
+    return heldout.loop_job(record).with_(**{PEFT_INPUTS[k]: v for k, v in given.items() if k in PEFT_INPUTS})
+
+
 def render_report(recs: list[dict]) -> str:
     """The table of the cases as stated today (the first table's records of the Phi-3 cases,
     stated as unfused llama blocks, left out: validation/records/peft_matrix_cpu.first.md), then
@@ -154,7 +167,7 @@ def render_report(recs: list[dict]) -> str:
     from calibrate.report import render_table
 
     current = {record_id(case) for case in CASES}
-    table = render_table(heldout.table_rows([r for r in recs if r["id"] in current]))
+    table = render_table(heldout.table_rows([r for r in recs if r["id"] in current], job_of=stated_job))
     return table + "\n\n" + render_meters(recs)
 
 
@@ -184,7 +197,7 @@ def render_meters(recs: list[dict]) -> str:
             continue
         measured = probe["measurement"]["peak_allocated_bytes"]
         other = tracked["measurement"]["peak_allocated_bytes"] if tracked else None
-        estimated = estimate(heldout.loop_job(probe)).allocated_bytes
+        estimated = estimate(stated_job(probe)).allocated_bytes
         phases = f"{probe['measurement']['phase']}, {tracked['measurement']['phase'] if tracked else ''}"
         difference = _mib(other - measured) if other is not None else ""
         lines.append(
