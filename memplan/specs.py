@@ -496,7 +496,7 @@ class Tuning:
     dropout: float = 0.0
     dora: bool = False
     """peft's DoRA (``LoraConfig(use_dora=True)``): a trained magnitude vector per adapted linear,
-    which rescales its base and LoRA outputs (``finetune.dora_block_saved``)."""
+    which rescales its base and LoRA outputs (``finetune.dora_saved``)."""
 
     @property
     def adapters(self) -> bool:

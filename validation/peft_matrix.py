@@ -124,6 +124,17 @@ its ModTracker's multi-grad hooks on each module's inputs keep DoRA's per-forwar
 alive, so those peaks hold some of the meter's own keeping."""
 DORA_CASES = tuple(replace(case, id=f"{case.id}-storages", meter="storages") for case in DORA_AS_FIRST_MEASURED)
 """The same runs measured by the live storages a dispatch mode sees alone (``meter``)."""
+DORA_LOOPS = (
+    _peft_case(LLAMA, "lora", "single", "fp32", targets="all-linear", ac="full", lora=DORA, meter="storages"),
+    _peft_case(
+        PHI3_GQA, "lora", "single", "fp32", b=2, s=256, targets="all-linear", ac="full", lora=DORA, meter="storages"
+    ),
+    _peft_case(QWEN, "lora", "ddp", "fp32", gpus=2, lora=DORA, meter="storages"),
+    _peft_case(LLAMA, "lora", "fsdp", "fp32", gpus=2, targets="all-linear", lora=DORA, meter="storages"),
+)
+"""Held out, measured after the model of the eight above and before memplan modelled DoRA under
+transformers' gradient checkpointing (each block's forward, DoRA's temporaries too, run again
+in the backward), DDP and FSDP2 (two gloo ranks)."""
 METER_CHECK = tuple(
     _peft_case(LLAMA, "lora", "single", "fp32", meter=meter, **shape)
     for shape in ({}, {"b": 4, "s": 128, "rank": 32, "targets": "q,v,down"})
@@ -131,7 +142,7 @@ METER_CHECK = tuple(
 )
 """Plain LoRA (no DoRA) under both meters: where MemTracker keeps nothing of its own, the
 storage meter's peak is MemTracker's."""
-CASES = FUSED + DORA_CASES + METER_CHECK
+CASES = FUSED + DORA_CASES + METER_CHECK + DORA_LOOPS
 BY_ID = {case.id: case for case in CASES}
 
 
