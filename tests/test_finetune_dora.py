@@ -80,6 +80,25 @@ def test_dora_forward_moment_holds_the_widest_linears_weight_temporaries():
     assert temporaries.bytes == 4 * (n_in * n_in + n_in * 8 + 3 * n_in * n_out)
 
 
+def _dora_terms(job: Job, label: str) -> list[int]:
+    """The DoRA forward temporaries of ``job``'s moments whose label starts with ``label``."""
+    return [
+        t.bytes for m in estimate(job).moments if m.label.startswith(label) for t in m.terms if t.key == "dora.forward"
+    ]
+
+
+def test_dora_under_full_ac_recomputes_the_temporaries_in_the_last_blocks_backward():
+    recompute, forward = (
+        "DoRA's weight norm in the last block's recompute",
+        "DoRA's weight norm in the last block's forward",
+    )
+    checkpointed = _job(True).with_(activation_checkpointing="full")
+    assert (
+        _dora_terms(checkpointed, recompute) == _dora_terms(checkpointed, forward) == _dora_terms(_job(True), forward)
+    )
+    assert _dora_terms(_job(True), recompute) == []
+
+
 @pytest.mark.parametrize("mode", ["full", "qlora", "frozen:2"])
 def test_dora_other_than_on_lora_is_refused(mode):
     with pytest.raises(MemplanError, match="lora only"):
@@ -163,7 +182,7 @@ TOLERANCE_PCT = 2.0
 """The bar of the fine-tune matrix: within 2 % of the measured peak of live tensors."""
 
 
-@pytest.mark.parametrize("case", _cases("DORA_CASES"), ids=lambda c: c.id)
+@pytest.mark.parametrize("case", _cases("DORA_CASES") + _cases("DORA_LOOPS"), ids=lambda c: c.id)
 def test_estimate_within_tolerance_of_peft_dora(case):
     from validation import peft_matrix
 
