@@ -142,11 +142,33 @@ def _root_tensors(model) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
     return embedding, head + ([] if model.tied_embeddings else [(model.vocab_size, h)])
 
 
+def _adapter_tensors(model, tuning: Tuning) -> list[tuple[int, ...]]:
+    """lora_A (r × in) and lora_B (out × r) of each target linear (peft tuners/lora/layer.py
+    update_layer) and, with DoRA, its magnitude, one per output feature, after them (tuners/lora/
+    dora.py DoraLinearLayer.update_layer: ``nn.Parameter(weight_norm)``)."""
+    if tuning.dora and model.arch not in DORA_BLOCKS:
+        raise InputError(
+            lambda n: (
+                f"{n('dora')} is modelled for {_FAMILIES['llama']} blocks, not {model.arch}: what peft's "
+                "DoRA saves there is not measured"
+            ),
+            field="dora",
+            value=True,
+            accepted="no dora for this model",
+        )
+    linears, r = _linears(model), tuning.rank
+    magnitude = (lambda out: [(out,)]) if tuning.dora else (lambda out: [])
+    return [
+        shape
+        for n in targets_of(model, tuning)
+        for shape in [(r, linears[n][0]), (linears[n][1], r), *magnitude(linears[n][1])]
+    ]
+
+
 @lru_cache(maxsize=1024)
 def trained(model, tuning: Tuning) -> Trained:
-    """What a fine-tune of ``model`` trains: peft freezes every base parameter and adds
-    lora_A (r × in) and lora_B (out × r) to each target linear (peft tuners/lora/layer.py
-    update_layer); frozen:N freezes the input embedding and the first N blocks."""
+    """What a fine-tune of ``model`` trains: peft freezes every base parameter and adds its
+    adapters (``_adapter_tensors``); frozen:N freezes the input embedding and the first N blocks."""
     L, P = model.num_layers, model.num_params
     block_tensors = _block_tensors(model)
     if tuning.mode == "full":
@@ -199,25 +221,8 @@ def trained(model, tuning: Tuning) -> Trained:
             value=tuning.mode,
             accepted="full or frozen:N for this model",
         )
-    if tuning.dora and model.arch not in DORA_BLOCKS:
-        raise InputError(
-            lambda n: (
-                f"{n('dora')} is modelled for {_FAMILIES['llama']} blocks, not {model.arch}: what peft's "
-                "DoRA saves there is not measured"
-            ),
-            field="dora",
-            value=True,
-            accepted="no dora for this model",
-        )
+    adapter_tensors = _adapter_tensors(model, tuning)
     linears = _linears(model)
-    # DoRA's magnitude, one per output feature of each adapted linear, after its lora_A and
-    # lora_B (peft tuners/lora/dora.py DoraLinearLayer.update_layer: nn.Parameter(weight_norm))
-    magnitude = (lambda n: ((linears[n][1],),)) if tuning.dora else (lambda n: ())
-    adapter_tensors = [
-        shape
-        for n in targets_of(model, tuning)
-        for shape in ((tuning.rank, linears[n][0]), (linears[n][1], tuning.rank), *magnitude(n))
-    ]
     per_block = sum(math.prod(s) for s in adapter_tensors)
     quantized = L * sum(i * o for i, o in linears.values()) if tuning.mode == "qlora" else 0
     return Trained(
