@@ -279,7 +279,7 @@ class _StorageMeter:
 
 
 METERS: dict[str, type[_CpuMeter] | type[_StorageMeter]] = {"memtracker": _CpuMeter, "storages": _StorageMeter}
-"""The CPU meters: torch's MemTracker (the harness's), or the dispatch mode's storages alone."""
+"""The CPU meters: torch's MemTracker (the harness's), or the dispatch mode's storages alone (DoRA's)."""
 
 
 class _CudaMeter:
@@ -355,7 +355,8 @@ def run(
         raise ValueError("steps must exceed warmup: the measured step needs optimizer states")
     torch.manual_seed(dist.get_rank() if dist.is_initialized() else 0)
     on_cuda = torch.cuda.is_available() and job.train.device == "cuda"
-    meter = _CudaMeter() if on_cuda else _CpuMeter()
+    # DoRA on CPU: MemTracker's module hooks keep its per-forward weight graphs (``METERS``)
+    meter = _CudaMeter() if on_cuda else METERS["storages" if job.train.dora else "memtracker"]()
     train = job.train
     if user is None:
         batch = make_batch(job.model, micro_batch=train.micro_batch, seq_len=train.seq_len, device=meter.device)

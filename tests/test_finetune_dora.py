@@ -232,3 +232,22 @@ def test_live_dora_measurement_matches_the_record():
     assert outcome["status"] == "ok", outcome["error"]
     measured = outcome["measurement"]["peak_allocated_bytes"]
     assert abs(measured - recorded) <= 0.005 * recorded, (measured, recorded)
+
+
+@pytest.mark.slow
+def test_calibrate_run_measures_dora_with_the_storage_meter(tmp_path):
+    """``memplan calibrate run --finetune lora --dora`` on the hf workload: measured without
+    MemTracker's module hooks (calibrate.measure.run), within the matrix's bar of the estimate."""
+    from calibrate import records
+
+    out = tmp_path / "runs.jsonl"
+    shape = ["--arch", "llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "128", "--vocab", "256"]
+    step = ["--seq-len", "32", "--micro-batch", "2", "--precision", "fp32", "--device", "cpu", "--gpus", "1"]
+    job = ["--strategy", "single", "--finetune", "lora", "--dora", "--workload", "hf", "--out", str(out)]
+    result = _cli("calibrate", "run", *shape, *step, *job)
+    assert result.exit_code == 0, result.output
+    (record,) = records.read([out])
+    assert record["spec"]["train"]["dora"] is True
+    measured = record["measurement"]["peak_allocated_bytes"]
+    estimated = estimate(records.job_from_spec(record["spec"])).allocated_bytes
+    assert abs(estimated - measured) <= TOLERANCE_PCT / 100 * measured, (estimated, measured)
