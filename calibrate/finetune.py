@@ -39,6 +39,8 @@ def adapt(job: Job, model, lora: dict | None = None) -> None:
     from peft import LoraConfig, get_peft_model
 
     given = dict(lora or {})
+    if tuning.dora:
+        given.setdefault("use_dora", True)
     if "target_modules" not in given:
         given["target_modules"] = "all-linear" if tuning.targets == ("all-linear",) else _modules(tuning.targets)
     config = LoraConfig(r=tuning.rank, lora_alpha=int(tuning.alpha), lora_dropout=tuning.dropout, **given)

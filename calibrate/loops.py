@@ -50,7 +50,7 @@ from memplan import loop as memplan_loop
 from memplan.precision import POLICIES
 from memplan.specs import Job, ModelSpec
 
-from .measure import Measurement, _CpuMeter, _optimizer
+from .measure import METERS, Measurement, _optimizer
 from .workloads import hf_config
 from .wrappers import DTYPES, wrap
 
@@ -671,6 +671,7 @@ def run(
     warmup: int = 1,
     adapt=None,
     hf_overrides: dict | None = None,
+    cpu_meter: str = "memtracker",
 ) -> Measurement:
     """Build the HF model, wrap it as the job's strategy, and train ``steps`` steps with the
     loop's step; measure the last (MemTracker's peak of live tensors, by phase; under
@@ -680,7 +681,8 @@ def run(
     float8, AC, compile, FSDP, and how the gradients are cleared after each step (``Loop.zero_grad``:
     none ``optimizer.zero_grad(set_to_none=True)``, zeros ``set_to_none=False``, so they stay
     allocated through the next forward). ``hf_overrides``: transformers config keys beyond the
-    spec's shapes."""
+    spec's shapes. ``cpu_meter``: the CPU meter (``measure.METERS``), MemTracker's or the storages a
+    dispatch mode sees alone."""
     from torch.profiler import record_function
 
     if steps <= warmup:
@@ -692,7 +694,7 @@ def run(
     # so a compiled case is measured by the allocator alone (measured: with MemTracker on, the
     # compiled case's peak was the eager one's and dynamo's counters were empty)
     compiled = train.compile or loop.loss_impl == "cce-torch-compile"  # its loss is compiled code
-    meter = _NoMeter() if compiled else _CpuMeter()
+    meter = _NoMeter() if compiled else METERS[cpu_meter]()
     allocator = _AllocatorPeak() if compiled else None
     ids = torch.randint(0, job.model.vocab_size, (train.micro_batch, train.seq_len))
     phase_peaks: dict[str, int] = {}

@@ -241,6 +241,47 @@ class _CpuMeter:
         return {}
 
 
+class _StorageMeter:
+    """Peak live tensor bytes from a dispatch mode alone (``alloctrace.LiveBytes``): every storage
+    an operator makes, freed when its last reference dies, as MemTracker counts them, without
+    MemTracker's module hooks (no categories)."""
+
+    def __init__(self):
+        from .alloctrace import LiveBytes
+
+        self.probe = LiveBytes()
+        self.device = torch.device("cpu")
+
+    def __enter__(self):
+        self.probe.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.probe.__exit__(*exc)
+
+    def new_step(self):
+        return None
+
+    def after_setup(self):
+        return None
+
+    def reset_peak(self):
+        self.probe.reset_peak()
+
+    def peak(self) -> int:
+        return self.probe.peak_bytes
+
+    def categories(self) -> dict[str, int]:
+        return {}
+
+    def extra(self) -> dict:
+        return {}
+
+
+METERS: dict[str, type[_CpuMeter] | type[_StorageMeter]] = {"memtracker": _CpuMeter, "storages": _StorageMeter}
+"""The CPU meters: torch's MemTracker (the harness's), or the dispatch mode's storages alone (DoRA's)."""
+
+
 class _CudaMeter:
     """torch.cuda's allocator statistics (GPU ground truth)."""
 
@@ -314,7 +355,8 @@ def run(
         raise ValueError("steps must exceed warmup: the measured step needs optimizer states")
     torch.manual_seed(dist.get_rank() if dist.is_initialized() else 0)
     on_cuda = torch.cuda.is_available() and job.train.device == "cuda"
-    meter = _CudaMeter() if on_cuda else _CpuMeter()
+    # DoRA on CPU: MemTracker's module hooks keep its per-forward weight graphs (``METERS``)
+    meter = _CudaMeter() if on_cuda else METERS["storages" if job.train.dora else "memtracker"]()
     train = job.train
     if user is None:
         batch = make_batch(job.model, micro_batch=train.micro_batch, seq_len=train.seq_len, device=meter.device)

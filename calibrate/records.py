@@ -57,14 +57,14 @@ STATUSES = ("ok", "oom", "timeout", "failed", "cancelled")
 WORKLOADS = ("native", "hf")
 _NO_LAYOUT = Layout()
 _SPEC_TYPES = {"model": ModelSpec, "train": TrainSpec, "cluster": ClusterSpec, "plan": Plan}
-_FINETUNE = ("finetune", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
+_FINETUNE = ("finetune", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "dora", "qlora_double_quant")
 _LOOP_DEFAULTS = {
     f.name: f.default
     for f in fields(TrainSpec)
     if f.name in ("recipe", "ac_every", *_FINETUNE, *(g.name for g in fields(Loop)))
 }
 _LATER_DEFAULTS: dict[str, dict[str, Any]] = {
-    "train": _LOOP_DEFAULTS | {"kv_copies": None, "qlora_double_quant": True},
+    "train": _LOOP_DEFAULTS | {"kv_copies": None},
     "model": {
         f.name: f.default
         for f in fields(ModelSpec)

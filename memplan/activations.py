@@ -182,6 +182,9 @@ def block_kept(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False)
     return saved
 
 
+GRADIENT_TEMPORARIES = "block backward gradient temporaries"
+
+
 def block_backward_transient(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False) -> list[Saved]:
     """Extra bytes live while one block runs its backward: recomputed activations under
     AC, plus gradient temporaries (measured: the SwiGLU/GELU backward holds two
@@ -189,7 +192,7 @@ def block_backward_transient(model: ModelSpec, train: TrainSpec, *, inputs_cast:
     MLP, whose exact GELU has a fused backward)."""
     x = shapes(model, train)
     k = 1 if x.autocast or model.arch in ("vit", "bert") else 2
-    out = [Saved("block backward gradient temporaries", f"{k}·c·b·s·f", k * x.c * x.tokens * x.f)]
+    out = [Saved(GRADIENT_TEMPORARIES, f"{k}·c·b·s·f", k * x.c * x.tokens * x.f)]
     if model.num_experts:
         out = moe_backward_transient(model, x)
     if model.arch == "vit":

@@ -45,6 +45,9 @@ def _family(model) -> str:
 ADAPTED_BLOCKS = {"llama": ("lora", "qlora"), "gpt2": ("lora",)}
 """The block families whose adapters are measured with peft (validation/finetune_matrix.py;
 validation/peft_matrix.py: Phi-3's fused projections, GPT-2's Conv1D) and the modes measured."""
+DORA_BLOCKS = ("llama",)
+"""The block families peft's DoRA is measured on (validation/peft_matrix.py DORA_CASES: llama,
+qwen2 and Phi-3's fused blocks; not GPT-2's Conv1D)."""
 _FAMILIES = {"llama": "llama-family (llama, qwen2, mistral, phi3)", "gpt2": "gpt2"}
 
 
@@ -146,11 +149,33 @@ def _root_tensors(model) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
     return embedding, head + ([] if model.tied_embeddings else [(model.vocab_size, h)])
 
 
+def _adapter_tensors(model, tuning: Tuning) -> list[tuple[int, ...]]:
+    """lora_A (r × in) and lora_B (out × r) of each target linear (peft tuners/lora/layer.py
+    update_layer) and, with DoRA, its magnitude, one per output feature, after them (tuners/lora/
+    dora.py DoraLinearLayer.update_layer: ``nn.Parameter(weight_norm)``)."""
+    if tuning.dora and model.arch not in DORA_BLOCKS:
+        raise InputError(
+            lambda n: (
+                f"{n('dora')} is modelled for {_FAMILIES['llama']} blocks, not {model.arch}: what peft's "
+                "DoRA saves there is not measured"
+            ),
+            field="dora",
+            value=True,
+            accepted="no dora for this model",
+        )
+    linears, r = _linears(model), tuning.rank
+    magnitude = (lambda out: [(out,)]) if tuning.dora else (lambda out: [])
+    return [
+        shape
+        for n in targets_of(model, tuning)
+        for shape in [(r, linears[n][0]), (linears[n][1], r), *magnitude(linears[n][1])]
+    ]
+
+
 @lru_cache(maxsize=1024)
 def trained(model, tuning: Tuning) -> Trained:
-    """What a fine-tune of ``model`` trains: peft freezes every base parameter and adds
-    lora_A (r × in) and lora_B (out × r) to each target linear (peft tuners/lora/layer.py
-    update_layer); frozen:N freezes the input embedding and the first N blocks."""
+    """What a fine-tune of ``model`` trains: peft freezes every base parameter and adds its
+    adapters (``_adapter_tensors``); frozen:N freezes the input embedding and the first N blocks."""
     L, P = model.num_layers, model.num_params
     block_tensors = _block_tensors(model)
     if tuning.mode == "full":
@@ -203,12 +228,8 @@ def trained(model, tuning: Tuning) -> Trained:
             value=tuning.mode,
             accepted="full or frozen:N for this model",
         )
+    adapter_tensors = _adapter_tensors(model, tuning)
     linears = _linears(model)
-    adapter_tensors = [
-        shape
-        for n in targets_of(model, tuning)
-        for shape in ((tuning.rank, linears[n][0]), (linears[n][1], tuning.rank))
-    ]
     per_block = sum(math.prod(s) for s in adapter_tensors)
     quantized = L * sum(i * o for i, o in linears.values()) if tuning.mode == "qlora" else 0
     return Trained(
@@ -510,14 +531,74 @@ def adapter_block_saved(model, train, full: list[Saved], *, adapter_bytes: int) 
         elif name in shared:  # the o projection's input is the attention output sdpa keeps
             once[shared[name]] = Saved(f"lora input: {shared[name]}", f"c·b·s·{w}", x.c * t * n)
         saved.append(Saved(f"lora {name}: low-rank intermediate", f"{a}·b·s·r", a * t * train.tuning.rank))
+        if train.tuning.dora:
+            saved += dora_saved(model, train, name, adapter_bytes=a)
     return saved + list(once.values())
+
+
+_OUTPUT_WIDTH = {"q": "q", "k": "kv", "v": "kv", "qkv": "(q+2kv)", "o": "h", "gate": "f", "up": "f"}
+_OUTPUT_WIDTH |= {"gate_up": "2f", "down": "h"}
+
+
+def dora_saved(model, train, name: str, *, adapter_bytes: int) -> list[Saved]:
+    """What peft's DoRA keeps of adapted linear ``name`` beyond LoRA's (peft 0.21 tuners/lora/
+    dora.py DoraLinearLayer.forward, variants.py DoraLinearVariant.forward): ``(m/‖W+sBA‖ − 1) ·
+    base + m/‖W+sBA‖ · lora · s`` keeps both products' operands, the base output (the base layer's,
+    in the compute dtype; with dropout ``F.linear`` of the dropout output, in the adapter dtype,
+    which also keeps the weight it is given: the base weight cast to the adapter dtype where
+    they differ), the LoRA output ``lora_B(lora_A(x))``, and three out-wide fp32 vectors (the
+    detached weight norm the division keeps, the scale and the scale − 1)."""
+    x, a = shapes(model, train), adapter_bytes
+    t, p = x.tokens, train.tuning.dropout
+    n_in, n_out = _linears(model)[name]
+    w = _OUTPUT_WIDTH[name]
+    base = a if p > 0 else x.c
+    saved = [
+        Saved(f"dora {name}: base output", f"{base}·b·s·{w}", base * t * n_out),
+        Saved(f"dora {name}: LoRA output", f"{a}·b·s·{w}", a * t * n_out),
+        Saved(f"dora {name}: weight norm, scale, scale − 1", f"3·4·{w}", 3 * 4 * n_out),
+    ]
+    if p > 0 and x.c != a:
+        saved.append(Saved(f"dora {name}: base weight cast for F.linear", f"{a}·in·{w}", a * n_in * n_out))
+    return saved
+
+
+def _dora_forward_bytes(n_in: int, n_out: int, rank: int, *, a: int, cast: bool) -> int:
+    """One DoRA forward's weight-sized temporaries at their largest, in the adapter dtype ``a``
+    (dora.py): ``get_lora_weight`` builds ``lora_B(lora_A(eye(in)))``, whose graph keeps eye(in)
+    and the in × r product beside the in × out weight until the forward returns;
+    ``get_weight_norm`` then makes ``scaling · lora_weight`` and ``W + that`` (out × in each);
+    ``cast``: the base weight cast to the adapter dtype (``weight.to(x.dtype)``), alive through
+    the forward (with dropout it is kept, a ``dora_saved`` term)."""
+    return a * (n_in * n_in + n_in * rank + (3 + cast) * n_in * n_out)
+
+
+def dora_forward_saved(step) -> list[Saved]:
+    """``DORA_FORWARD``'s transient (step.py): the adapted linear of the largest temporaries."""
+    model, train = step.job.model, step.job.train
+    a, c, rank = _adapter_bytes(step), shapes(model, train).c, train.tuning.rank
+    cast = c != a and train.tuning.dropout == 0
+    linears = _linears(model)
+    name = max(targets_of(model, train.tuning), key=lambda n: _dora_forward_bytes(*linears[n], rank, a=a, cast=cast))
+    w = _OUTPUT_WIDTH[name]
+    formula = f"{a}·(in² + in·r + {3 + cast}·in·{w})"
+    nbytes = _dora_forward_bytes(*linears[name], rank, a=a, cast=cast)
+    return [Saved(f"dora {name}: eye(in), lora weight, weight norm temporaries", formula, nbytes)]
 
 
 # --- what the reports say of it ----------------------------------------------------------
 
-FINETUNE_FIELDS = ("finetune", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "qlora_double_quant")
+FINETUNE_FIELDS = (
+    "finetune",
+    "lora_rank",
+    "lora_alpha",
+    "lora_targets",
+    "lora_dropout",
+    "dora",
+    "qlora_double_quant",
+)
 """TrainSpec's fine-tuning fields: reported only for a fine-tune other than full (a full one's
-report reads as before they existed)."""
+report reads as before they existed; ``dora`` only where on, ``qlora_double_quant`` under qlora)."""
 
 
 def finetune_inputs(job) -> dict:
@@ -527,7 +608,8 @@ def finetune_inputs(job) -> dict:
     t = trained(job.model, tuning)
     if tuning.mode == "full":
         return {"trainable_params": t.trainable, "frozen_params": t.frozen, "total_params": t.total}
-    given = [k for k in FINETUNE_FIELDS if k != "qlora_double_quant" or tuning.mode == "qlora"]
+    optional = {"dora": job.train.dora, "qlora_double_quant": tuning.mode == "qlora"}
+    given = [k for k in FINETUNE_FIELDS if optional.get(k, True)]
     return {k: getattr(job.train, k) for k in given} | {
         "trainable_params": t.trainable,
         "frozen_params": t.frozen,

@@ -58,7 +58,9 @@ def estimate(job: Job) -> Estimate:
 
 def modes_compared(job) -> list[tuple[str, Estimate]]:
     """The job's estimate under each fine-tune mode that applies to its model (full; lora and
-    qlora on llama-family blocks), the adapters as the job gives them: what ``recommend`` weighs
-    on one GPU with each one's step time (throughput.flops_per_token, dequant_seconds)."""
+    qlora on llama-family blocks), the adapters as the job gives them (DoRA on lora alone): what
+    ``recommend`` weighs on one GPU with each one's step time (throughput.flops_per_token,
+    dequant_seconds)."""
     modes = COMPARED if job.model.arch == "llama" else COMPARED[:1]
-    return [(mode, estimate(job.with_(finetune=mode))) for mode in modes]
+    dora = job.train.dora
+    return [(mode, estimate(job.with_(finetune=mode, dora=dora and mode == "lora"))) for mode in modes]

@@ -167,9 +167,12 @@ class TrainingRequest(LoopSettings, _Step):
     """qlora: bitsandbytes' double quantization of the 4-bit weights' absmax statistics
     (``bnb_4bit_use_double_quant``; off: one fp32 absmax per 64 weights, 0.047 bytes a weight more).
     A config.json's ``quantization_config`` sets it where not given."""
+    dora: bool | None = setting(None, default_help="off")
+    """peft's DoRA (``LoraConfig(use_dora=True)``) on the adapters: a trained magnitude per output
+    feature rescaling each adapted linear (finetune lora only)."""
 
     def __post_init__(self):
-        given = [k for k in _LORA if getattr(self, k) is not None]
+        given = [k for k in _LORA if getattr(self, k) is not None and k != "dora"]  # dora: lora alone (Tuning)
         if given and self.finetune not in ("lora", "qlora"):
             raise InputError(
                 lambda n: (
@@ -214,7 +217,7 @@ class TrainingRequest(LoopSettings, _Step):
 
 _LOOP = tuple(f.name for f in fields(LoopSettings))
 """The TrainingRequest fields that are loop settings (``loop.Loop``), None where the recipe sets them."""
-_LORA = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
+_LORA = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "dora")
 """The TrainingRequest fields of the adapters, None where not given (TrainSpec's defaults)."""
 _UNSET = ("seq_len", *_LORA, "qlora_double_quant")
 """The TrainingRequest fields None where not given: TrainSpec's defaults (seq_len: see ``inputs``)."""

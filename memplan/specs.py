@@ -497,6 +497,9 @@ class Tuning:
     double_quant: bool = True
     """qlora: bitsandbytes' double quantization of the 4-bit blocks' absmax statistics
     (``BitsAndBytesConfig(bnb_4bit_use_double_quant=...)``, Params4bit's compress_statistics)."""
+    dora: bool = False
+    """peft's DoRA (``LoraConfig(use_dora=True)``): a trained magnitude vector per adapted linear,
+    which rescales its base and LoRA outputs (``finetune.dora_saved``)."""
 
     @property
     def adapters(self) -> bool:
@@ -508,7 +511,8 @@ class Tuning:
         if not self.adapters:
             return "full"
         drop = f", dropout {self.dropout:g}" if self.dropout else ""
-        return f"{self.mode} rank {self.rank} on {','.join(self.targets)}{drop}"
+        dora = ", DoRA" if self.dora else ""
+        return f"{self.mode} rank {self.rank} on {','.join(self.targets)}{drop}{dora}"
 
 
 LINEARS = {
@@ -551,8 +555,20 @@ def _targets(value: str) -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=256)
-def tuning(mode: str, rank: int, alpha: float, targets: str, dropout: float, double_quant: bool = True) -> Tuning:
+def tuning(
+    mode: str, rank: int, alpha: float, targets: str, dropout: float, dora: bool = False, double_quant: bool = True
+) -> Tuning:
     """The ``Tuning`` of TrainSpec's fine-tuning fields, checked."""
+    if dora and mode != "lora":
+        raise InputError(
+            lambda n: (
+                f"{n('dora')} applies to {n('finetune')} lora only (peft's DoRA is measured on "
+                f"unquantized linears), got {n('finetune')} {mode}"
+            ),
+            field="dora",
+            value=dora,
+            accepted="finetune lora",
+        )
     if mode.startswith("frozen:"):
         count = mode.removeprefix("frozen:")
         if not count.isdigit() or int(count) < 1:
@@ -572,6 +588,7 @@ def tuning(mode: str, rank: int, alpha: float, targets: str, dropout: float, dou
         alpha=float(alpha),
         targets=_targets(targets),
         dropout=float(dropout),
+        dora=bool(dora),
         double_quant=bool(double_quant),
     )
 
@@ -615,6 +632,7 @@ class TrainSpec:
     lora_alpha: float = 16.0
     lora_targets: str = "attention"
     lora_dropout: float = 0.0
+    dora: bool = False
     qlora_double_quant: bool = True
 
     def __post_init__(self):
@@ -664,7 +682,8 @@ class TrainSpec:
             self.lora_alpha,
             self.lora_targets,
             self.lora_dropout,
-            self.qlora_double_quant,
+            dora=self.dora,
+            double_quant=self.qlora_double_quant,
         )
 
     @property

@@ -17,7 +17,7 @@ from functools import cached_property
 from itertools import chain
 
 from . import loss, moe
-from .activations import model_saved
+from .activations import GRADIENT_TEMPORARIES, model_saved
 from .breakdown import Component, Moment, Term, term
 from .checkpointing import (
     block_kept_under,
@@ -32,6 +32,7 @@ from .errors import MemplanError
 from .finetune import (
     PLACES,
     block_place,
+    dora_forward_saved,
     kept_in_place,
     outside_saved,
     transient_in_place,
@@ -174,6 +175,37 @@ exist only at its end, inside its input norm's backward (``Step.block_end_terms`
 recomputed tensors are freed (measured per module with MemTracker, validation.peak_probe: the
 head-dim matrix's qwen3 single full-AC case and the tuned DDP full-AC eager record, the MLP output
 projection's gradient alone of the block's own at the peak inside its backward)."""
+
+
+DORA_FORWARD = MomentSpec(
+    name="dora.forward",
+    phase="forward",
+    label="DoRA's weight norm in the last block's forward",
+    groups=("states", "grads.carried", "activations.blocks", "activations.pre", "dora.forward"),
+)
+"""peft's DoRA builds each adapted linear's full weight and its norm in every forward
+(``finetune.dora_forward_saved``): in the last block's, beside every block's kept tensors (the
+last one's counted whole) and what the embedding keeps (measured: the Phi-3 DoRA case's peak,
+validation/records/peft_dora_cpu.md)."""
+
+DORA_RECOMPUTE = MomentSpec(
+    name="dora.recompute",
+    phase="backward",
+    label="DoRA's weight norm in the last block's recompute",
+    groups=(
+        "states",
+        "grads.last_block",
+        "activations.last_block",
+        "logits.block",
+        "gathered.last_block",
+        "dora.recompute",
+    ),
+)
+"""Under full AC the last block's backward first runs its forward again, DoRA's temporaries too:
+beside what the recompute has rebuilt (the block's saved set, counted whole) and the gradient
+arriving from the block's output, before the block's own gradient temporaries (measured: the
+llama all-linear DoRA case under transformers' gradient checkpointing, its peak in down_proj's
+get_weight_norm inside checkpoint's recompute_fn)."""
 
 
 TIED_SUM = MomentSpec(
@@ -467,7 +499,20 @@ class Step(Quantities):
             groups["block.backward.last_checkpointed"] = self.transient_terms(j)
         if loop.offload_activations:
             groups.update(self.offload_groups())
+        if train.tuning.dora:
+            groups["activations.pre"] = _terms(A, pre, "activations.outside")
+            groups["dora.forward"] = _terms(A, dora_forward_saved(self), "dora.forward")
+        if self.recomputes_dora():
+            x = shapes(model, train)
+            rebuilt = [t for t in self.transient_terms(last) if t.name != GRADIENT_TEMPORARIES]
+            arriving = term(A, "block.backward", "gradient of the block's output", "r·b·s·h", x.r * x.tokens * x.h)
+            groups["dora.recompute"] = [*rebuilt, arriving, *groups["dora.forward"]]
         return groups
+
+    def recomputes_dora(self) -> bool:
+        """Whether the step has ``DORA_RECOMPUTE``: DoRA, the last block checkpointed under full AC."""
+        train, last = self.job.train, self.job.model.num_layers - 1
+        return train.tuning.dora and train.activation_checkpointing == "full" and self.kind(last)[0]
 
     def offload_groups(self) -> dict[str, list[Term]]:
         """torchtune's activation offloading: at the end of forward and the start of backward
@@ -674,6 +719,10 @@ class Step(Quantities):
             specs = insert(specs, COMPILED_HEAD_BACKWARD, *upcast, after="backward.start")
         if self.tied_sum():
             specs = insert(specs, TIED_SUM, before="optimizer")
+        if self.job.train.tuning.dora:
+            specs = insert(specs, DORA_FORWARD, before="forward.end")
+        if self.recomputes_dora():
+            specs = insert(specs, DORA_RECOMPUTE, before="block.last")
         return self.framework.schedule(self, specs)
 
     @cached_property

@@ -179,6 +179,8 @@ def train_flags(draw, info: dict, *, fixed_ac: bool = False) -> list[str]:
             flags += _maybe(draw, "--lora-targets", ["attention", "all-linear", "q,v"], 0.4)
         if finetune == "qlora":
             flags += _toggle(draw, "qlora-double-quant", 0.25)
+        if finetune == "lora":
+            flags += _toggle(draw, "dora", 0.3)
     return flags
 
 

@@ -314,10 +314,15 @@ class Case:
             steps=STEPS,
             warmup=WARMUP,
             adapt=self.adapt,
+            **self.run_options(),
         )
 
     def adapt(self, model) -> None:
         """Change the built model before it is wrapped: a held-out case trains it as built."""
+
+    def run_options(self) -> dict:
+        """What calibrate.loops.run takes beyond the case's own fields (``TypedCase``'s too)."""
+        return {}
 
     def record_fields(self) -> dict:
         """What a record of this case says beyond the held-out matrix's fields."""
@@ -772,12 +777,12 @@ def loop_job(record: dict) -> Job:
     )
 
 
-def table_rows(recs: list[dict], *, with_loop: bool = True) -> list[dict]:
+def table_rows(recs: list[dict], *, with_loop: bool = True, job_of=loop_job) -> list[dict]:
     """report.rows, the run named by its case (model, loop, strategy, precision, AC, world, shape),
-    estimated with the record's loop (``loop_job``) or, ``with_loop=False``, on its spec alone."""
+    estimated with the record's loop (``job_of``: ``loop_job``) or, ``with_loop=False``, on its spec alone."""
     from calibrate.report import rows
 
-    table = rows(recs, loop_job) if with_loop else rows(recs)
+    table = rows(recs, job_of) if with_loop else rows(recs)
     return [row | {"run": record["case"]} for row, record in zip(table, recs)]
 
 

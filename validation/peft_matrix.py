@@ -5,7 +5,9 @@ the ``LoraConfig`` keywords the user wrote beyond it (the Phi-3 cases were first
 unfused llama blocks, the records before ``fused_projections`` existed: the first table,
 validation/records/peft_matrix_cpu.first.md); the runs are the
 fine-tune matrix's (validation.finetune_matrix: transformers' model built from a config, peft's
-get_peft_model, MemTracker's peak of live tensors on one rank).
+get_peft_model, MemTracker's peak of live tensors on one rank; the DoRA cases by the storage meter,
+``PeftCase.meter``, validation/records/peft_dora_cpu.md). A record's ``use_dora`` is stated to
+memplan as ``--dora`` (``stated_job``).
 
     python -m validation.peft_matrix            # measure every case not yet recorded
     python -m validation.peft_matrix --report   # measured, estimated today, error %, peak phase
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memplan.specs import ModelSpec
 
@@ -70,14 +72,25 @@ HF_TYPE = {PHI3.name: "phi3", PHI3_GQA.name: "phi3", GPT2.name: "gpt2", LLAMA.na
 
 @dataclass(frozen=True)
 class PeftCase(FinetuneCase):
+    meter: str = "memtracker"
+    """The CPU meter (calibrate.measure.METERS): MemTracker's peak of live tensors, or
+    ``storages``, the same count by a dispatch mode alone, without MemTracker's module hooks."""
+
     @property
     def hf_type(self) -> str:
         return HF_TYPE[self.job.model.name]
 
+    def run_options(self) -> dict:
+        return {"cpu_meter": self.meter}
 
-def _peft_case(*args, **kwargs) -> PeftCase:
+    def record_fields(self) -> dict:
+        return super().record_fields() | {"meter": self.meter}
+
+
+def _peft_case(*args, meter: str = "memtracker", **kwargs) -> PeftCase:
     case = _case(*args, **kwargs)
-    return PeftCase(case.id, case.job, case.loop, case.ac, case.mode, case.lora)
+    name = case.id + (f"-{meter}" if meter != "memtracker" else "")
+    return PeftCase(name, case.job, case.loop, case.ac, case.mode, case.lora, meter)
 
 
 C_ATTN = (("target_modules", ("c_attn",)),)
@@ -95,7 +108,7 @@ FUSED = (
     _peft_case(GPT2, "lora", "single", "fp32", b=2, s=1024, targets="qkv", lora=C_ATTN),
     _peft_case(GPT2, "lora", "single", "fp32", b=1, s=1024, rank=16, targets="all-linear", dropout=0.1),
 )
-DORA_CASES = (
+DORA_AS_FIRST_MEASURED = (
     _peft_case(LLAMA, "lora", "single", "fp32", lora=DORA),
     _peft_case(LLAMA, "lora", "single", "fp32", rank=16, targets="all-linear", lora=DORA),
     _peft_case(LLAMA, "lora", "single", "bf16", b=1, s=128, targets="all-linear", dropout=0.1, lora=DORA),
@@ -106,8 +119,30 @@ DORA_CASES = (
     _peft_case(PHI3_GQA, "lora", "single", "fp32", b=2, s=256, targets="qkv_proj,o_proj", lora=DORA),
     _peft_case(LLAMA, "lora", "single", "fp32", b=4, s=128, rank=32, targets="q,v,down", lora=DORA),
 )
-"""DoRA as written, stated to memplan as the LoRA it adds to (memplan has no DoRA input)."""
-CASES = FUSED + DORA_CASES
+"""DoRA as written, under MemTracker (the first table, validation/records/peft_dora_cpu.first.md):
+its ModTracker's multi-grad hooks on each module's inputs keep DoRA's per-forward weight graphs
+alive, so those peaks hold some of the meter's own keeping."""
+DORA_CASES = tuple(replace(case, id=f"{case.id}-storages", meter="storages") for case in DORA_AS_FIRST_MEASURED)
+"""The same runs measured by the live storages a dispatch mode sees alone (``meter``)."""
+DORA_LOOPS = (
+    _peft_case(LLAMA, "lora", "single", "fp32", targets="all-linear", ac="full", lora=DORA, meter="storages"),
+    _peft_case(
+        PHI3_GQA, "lora", "single", "fp32", b=2, s=256, targets="all-linear", ac="full", lora=DORA, meter="storages"
+    ),
+    _peft_case(QWEN, "lora", "ddp", "fp32", gpus=2, lora=DORA, meter="storages"),
+    _peft_case(LLAMA, "lora", "fsdp", "fp32", gpus=2, targets="all-linear", lora=DORA, meter="storages"),
+)
+"""Held out, measured after the model of the eight above and before memplan modelled DoRA under
+transformers' gradient checkpointing (each block's forward, DoRA's temporaries too, run again
+in the backward), DDP and FSDP2 (two gloo ranks)."""
+METER_CHECK = tuple(
+    _peft_case(LLAMA, "lora", "single", "fp32", meter=meter, **shape)
+    for shape in ({}, {"b": 4, "s": 128, "rank": 32, "targets": "q,v,down"})
+    for meter in ("memtracker", "storages")
+)
+"""Plain LoRA (no DoRA) under both meters: where MemTracker keeps nothing of its own, the
+storage meter's peak is MemTracker's."""
+CASES = FUSED + DORA_CASES + METER_CHECK + DORA_LOOPS
 BY_ID = {case.id: case for case in CASES}
 
 
@@ -115,22 +150,72 @@ def record_id(case: PeftCase) -> str:
     """The held-out matrix's id, and the peft keywords where the case gives some (a DoRA run
     states the same job as its LoRA twin)."""
     base = heldout.record_id(case)
-    if not case.lora:
+    if not case.lora and case.meter == "memtracker":
         return base
-    return hashlib.sha1(json.dumps([base, [[k, v] for k, v in case.lora]]).encode()).hexdigest()[:10]
+    key: list = [base, [[k, v] for k, v in case.lora]] + ([case.meter] if case.meter != "memtracker" else [])
+    return hashlib.sha1(json.dumps(key).encode()).hexdigest()[:10]
 
 
 def make_record(case: PeftCase, outcome: dict, wall_s: float) -> dict:
     return heldout.make_record(case, outcome, wall_s) | {"id": record_id(case)}
 
 
+PEFT_INPUTS = {"use_dora": "dora"}
+"""``LoraConfig`` keywords a record carries (``peft_config``) that are memplan inputs now: a
+DoRA run is stated with ``--dora`` (the records were made before it existed)."""
+
+
+def stated_job(record: dict):
+    """The record's job with its loop (``heldout.loop_job``) and the peft keywords memplan takes."""
+    given = record.get("peft_config") or {}
+    return heldout.loop_job(record).with_(**{PEFT_INPUTS[k]: v for k, v in given.items() if k in PEFT_INPUTS})
+
+
 def render_report(recs: list[dict]) -> str:
     """The table of the cases as stated today (the first table's records of the Phi-3 cases,
-    stated as unfused llama blocks, left out: validation/records/peft_matrix_cpu.first.md)."""
+    stated as unfused llama blocks, left out: validation/records/peft_matrix_cpu.first.md), then
+    the storage meter's cases beside MemTracker's measurement of the same run."""
     from calibrate.report import render_table
 
     current = {record_id(case) for case in CASES}
-    return render_table(heldout.table_rows([r for r in recs if r["id"] in current]))
+    table = render_table(heldout.table_rows([r for r in recs if r["id"] in current], job_of=stated_job))
+    return table + "\n\n" + render_meters(recs)
+
+
+def _mib(num_bytes: int | None) -> str:
+    return "" if num_bytes is None else f"{num_bytes / 2**20:.2f}"
+
+
+def _pct(estimated: int, measured: int | None) -> str:
+    return "" if not measured else f"{100 * (estimated - measured) / measured:+.2f}"
+
+
+def render_meters(recs: list[dict]) -> str:
+    """Each case measured by the storage meter beside MemTracker's measurement of the same run
+    (its twin), and today's estimate against each."""
+    from memplan.memory import estimate
+
+    by_id = {r["id"]: r for r in recs if r["status"] == "ok"}
+    lines = [
+        "| run | storages MiB | MemTracker MiB | MemTracker − storages MiB | estimated MiB | error % vs storages "
+        "| error % vs MemTracker | phase (storages, MemTracker) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for case in (c for c in CASES if c.meter == "storages"):
+        probe = by_id.get(record_id(case))
+        tracked = by_id.get(record_id(replace(case, meter="memtracker")))
+        if probe is None:
+            continue
+        measured = probe["measurement"]["peak_allocated_bytes"]
+        other = tracked["measurement"]["peak_allocated_bytes"] if tracked else None
+        estimated = estimate(stated_job(probe)).allocated_bytes
+        phases = f"{probe['measurement']['phase']}, {tracked['measurement']['phase'] if tracked else ''}"
+        difference = _mib(other - measured) if other is not None else ""
+        lines.append(
+            f"| {case.id.removesuffix('-storages')} | {_mib(measured)} | {_mib(other)} | {difference} "
+            f"| {_mib(estimated)} | {_pct(estimated, measured)} | {_pct(estimated, other)} | {phases} |"
+        )
+    return "\n".join(lines)
 
 
 TIMEOUT_S = 600
