@@ -240,15 +240,10 @@ the optimizer cases: lion's one fp32 state as SGD's momentum, torch's Adafactor 
 BY_ID = {case.id: case for case in CASES}
 
 
-def render_report(recs: list[dict]) -> str:
-    from calibrate.report import render_table
-
-    return render_table(heldout.table_rows(recs))
-
-
-# the held-out matrix's child, record and command line serve this one (heldout.main's matrix)
+# the held-out matrix's child, record, table and command line serve this one (heldout.main's matrix)
 TIMEOUT_S = heldout.TIMEOUT_S
 measure_case, make_record, record_id = heldout.measure_case, heldout.make_record, heldout.record_id
+render_report = heldout.render_cases
 
 if __name__ == "__main__":  # the cases as validation.finetune_matrix's, which the child processes import
     from validation import finetune_matrix

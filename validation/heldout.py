@@ -806,6 +806,13 @@ def _group_lines(before: list[dict], after: list[dict], recs: list[dict], key) -
     ]
 
 
+def render_cases(recs: list[dict]) -> str:
+    """The table of a matrix's records, each run named by its case (the matrices beside this one)."""
+    from calibrate.report import render_table
+
+    return render_table(table_rows(recs))
+
+
 def render_report(recs: list[dict]) -> str:
     from calibrate.report import render_table
 

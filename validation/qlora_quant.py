@@ -74,15 +74,9 @@ CASES = (
 )
 BY_ID = {case.id: case for case in CASES}
 
-record_id = heldout.record_id
-make_record = heldout.make_record
-measure_case = heldout.measure_case
-
-
-def render_report(recs: list[dict]) -> str:
-    from calibrate.report import render_table
-
-    return render_table(heldout.table_rows(recs))
+# the held-out matrix's child, record, table and command line serve this one (heldout.main's matrix)
+measure_case, make_record, record_id = heldout.measure_case, heldout.make_record, heldout.record_id
+render_report = heldout.render_cases
 
 
 if __name__ == "__main__":  # the cases as validation.qlora_quant's, which the child processes import
