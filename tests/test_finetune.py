@@ -234,3 +234,20 @@ def test_the_meter_keeps_no_earlier_step_s_leaf_module_inputs():
         gc.collect()
         alive = [ref() is not None for ref in outputs]
     assert alive == [False, False, True]  # the last step's own, until the next step starts
+
+
+@pytest.mark.parametrize("mode", ["lora", "qlora"])
+def test_the_fine_tune_modes_line_of_the_jobs_own_mode_says_the_recommendations_bytes(mode):
+    """One answer: the modes compared at the recommended option carry the total every command
+    reports (the replayed reserved in it), so the job's own mode repeats the pick's GiB."""
+    import re
+
+    from click.testing import CliRunner
+
+    from memplan.cli import main
+
+    args = ["recommend", "--model", "llama-3.1-8b", "--gpus", "1", "--gpu-mem", "80", "--finetune", mode]
+    out = CliRunner().invoke(main, args).stdout
+    picked = re.search(r"^  ([\d.]+) GiB per GPU", out, re.M)
+    own = re.search(rf"^  - {mode}: ([\d.]+) GiB of", out, re.M)
+    assert picked and own and picked.group(1) == own.group(1)

@@ -17,6 +17,7 @@ from ..replayed import expandable_excess
 from ..specs import Job
 from ..strategies import STRATEGIES
 from ..throughput import link_for, step_time
+from ..totals import final
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,9 +95,12 @@ def estimate_whatifs(estimates: list[Estimate] | tuple[Estimate, ...]) -> Estima
 
 
 def finetune_modes(job: Job) -> tuple[ModeOutcome, ...]:
-    """A LoRA or QLoRA job on one GPU: the same option under each fine-tune mode (none otherwise)."""
+    """A LoRA or QLoRA job on one GPU: the same option under each fine-tune mode (none otherwise),
+    each with the total every command reports (the replayed reserved in it: the job's own mode
+    says the recommendation's bytes)."""
     if job.train.tuning.mode not in ("lora", "qlora") or job.cluster.gpus != 1:
         return ()
+    finals = [(mode, final(est.job)) for mode, est in modes_compared(job)]
     return tuple(
         ModeOutcome(
             mode=mode,
@@ -106,5 +110,5 @@ def finetune_modes(job: Job) -> tuple[ModeOutcome, ...]:
             fits=est.fits,
             step_s=step_time(est.job, link_for(est.job)).step_s,
         )
-        for mode, est in modes_compared(job)
+        for mode, est in finals
     )
