@@ -18,7 +18,7 @@ from .finetune import adapter_block_saved
 from .loop import logits_upcast_in_model
 from .mla import mla_matrices, mla_saved
 from .moe import moe_backward_transient, moe_matrices, moe_saved, routed_rows
-from .saved import Saved, Shapes
+from .saved import GRADIENT_TEMPORARIES, Saved, Shapes
 from .shapes import shapes
 from .specs import ModelSpec, TrainSpec
 
@@ -180,9 +180,6 @@ def block_kept(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False)
         saved = [s for s in saved if s.name not in core]
         saved.append(Saved("q, k, v (checkpoint inputs)", "c·b·s·(q + 2·kv)", x.c * x.tokens * (x.q + 2 * x.kv)))
     return saved
-
-
-GRADIENT_TEMPORARIES = "block backward gradient temporaries"
 
 
 def block_backward_transient(model: ModelSpec, train: TrainSpec, *, inputs_cast: bool = False) -> list[Saved]:

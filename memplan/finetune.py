@@ -16,7 +16,7 @@ from .errors import InputError
 from .mla import attention_tensors
 from .moe import is_moe_layer
 from .precision import Policy
-from .saved import Saved
+from .saved import GRADIENT_TEMPORARIES, Saved
 from .shapes import shapes
 from .specs import ATTENTION, LINEARS, MODULES, Tuning
 
@@ -451,13 +451,24 @@ def kept_in_place(place: str, kept: list[Saved]) -> list[Saved]:
 
 def transient_in_place(step, place: str, transient: list[Saved]) -> list[Saved]:
     """A frozen block runs no backward; a qlora block's backward dequantizes one linear's
-    weight at a time (bitsandbytes MatMul4Bit.backward: dequantize_4bit(B) @ grad)."""
+    weight at a time (bitsandbytes MatMul4Bit.backward: dequantize_4bit(B) @ grad). Its largest
+    instant is the MLP output projection's, the block's first backward op: the dequantized weight
+    beside the one input gradient it makes; the two gradients of the gated product come after the
+    weight is freed (measured, validation/qlora_probe.py: a one-block h1536 QLoRA step peaks in
+    that mm at 49,314,840 B, memplan 49,289,776; with two gradients beside the weight 50,371,120,
+    +2.1 %; and the wide cases of validation/records/qlora_quant_cpu.md)."""
     if place == "frozen":
         return []
     if step.trained.quantized:
         x = shapes(step.job.model, step.job.train)
         largest = max(i * o for i, o in _linears(step.job.model).values())
-        return [*transient, Saved("dequantized NF4 weight (one linear)", "c·largest linear", x.c * largest)]
+        dequantized = Saved("dequantized NF4 weight (one linear)", "c·largest linear", x.c * largest)
+        one = Saved("MLP output projection's input gradient", "c·b·s·f", x.c * x.tokens * x.f)
+        rest = [s for s in transient if s.name != GRADIENT_TEMPORARIES]
+        temporaries = [s for s in transient if s.name == GRADIENT_TEMPORARIES]
+        if not temporaries or dequantized.bytes + one.bytes >= temporaries[0].bytes:
+            return [*rest, *(temporaries and [one]), dequantized]
+        return transient
     return transient
 
 

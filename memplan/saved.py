@@ -48,3 +48,8 @@ class Shapes:
     @property
     def tokens(self) -> int:
         return self.b * self.s
+
+
+GRADIENT_TEMPORARIES = "block backward gradient temporaries"
+"""The name of a block's backward gradient temporaries (``activations.block_backward_transient``),
+which the fine-tune and recompute moments look up."""

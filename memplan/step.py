@@ -17,7 +17,7 @@ from functools import cached_property
 from itertools import chain
 
 from . import loss, moe
-from .activations import GRADIENT_TEMPORARIES, model_saved
+from .activations import model_saved
 from .breakdown import Component, Moment, Term, term
 from .checkpointing import (
     block_kept_under,
@@ -40,7 +40,7 @@ from .finetune import (
 from .loss import CCE_AUTOCAST_DROPS, FUSED_DROPS
 from .moments import MomentSpec, insert
 from .quantities import Quantities
-from .saved import Saved
+from .saved import GRADIENT_TEMPORARIES, Saved
 from .shapes import shapes
 
 # one letter per component, as the paper's P/G/O notation (E741 dislikes the letter O)
