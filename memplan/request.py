@@ -172,7 +172,7 @@ class TrainingRequest(LoopSettings, _Step):
     feature rescaling each adapted linear (finetune lora only)."""
 
     def __post_init__(self):
-        given = [k for k in _LORA if getattr(self, k) is not None and k != "dora"]  # dora: lora alone (Tuning)
+        given = [k for k in _LORA if getattr(self, k) is not None]
         if given and self.finetune not in ("lora", "qlora"):
             raise InputError(
                 lambda n: (
@@ -217,9 +217,10 @@ class TrainingRequest(LoopSettings, _Step):
 
 _LOOP = tuple(f.name for f in fields(LoopSettings))
 """The TrainingRequest fields that are loop settings (``loop.Loop``), None where the recipe sets them."""
-_LORA = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "dora")
-"""The TrainingRequest fields of the adapters, None where not given (TrainSpec's defaults)."""
-_UNSET = ("seq_len", *_LORA, "qlora_double_quant")
+_LORA = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
+"""The TrainingRequest fields of the adapters, None where not given (TrainSpec's defaults); dora
+and qlora_double_quant are each one mode's (``specs.tuning`` and ``__post_init__`` check them)."""
+_UNSET = ("seq_len", *_LORA, "dora", "qlora_double_quant")
 """The TrainingRequest fields None where not given: TrainSpec's defaults (seq_len: see ``inputs``)."""
 
 
