@@ -6,6 +6,18 @@ strategy=..., precision=...)``, ``fit`` for a few steps; the peak of live tensor
 job. Multi-rank cases run under torchrun (Lightning's DDP takes torchelastic's environment), rank 0
 records.
 
+Lightning's ``FSDPStrategy`` (FSDP1, ``FullyShardedDataParallel``) is refused on CPU twice, once by
+Lightning and once by torch; the FSDP cases pass both without changing what runs: a subclass of the
+strategy (the connector refuses ``type(strategy) is FSDPStrategy`` and the registered names only:
+lightning 2.6 trainer/connectors/accelerator_connector.py ``_check_strategy_and_fallback``), and, while
+its ``_setup_model`` wraps the model, ``device_id=torch.device("cpu")`` where Lightning passes the CPU
+root device's index, None (torch 2.13 fsdp/_init_utils.py ``_init_device_handle`` refuses a CPU device
+only when it has to guess it). The wrapping (Lightning's ``auto_wrap_policy``, its sharding strategy,
+its ``MixedPrecision`` and its ``activation_checkpointing_policy``), the closure and the optimizer step
+are Lightning's own. Its ``bf16-mixed`` under FSDP is ``MixedPrecision(param_dtype=bf16, reduce_dtype=bf16,
+buffer_dtype=bf16)`` plus a CUDA autocast (lightning pytorch/plugins/precision/fsdp.py), which does
+nothing on CPU: memplan's mixed-bf16 (FSDP's mixed precision).
+
     python -m validation.lightning_loop            # measure every case not yet recorded, then the table
     python -m validation.lightning_loop --report   # measured, estimated today, error %
 """
@@ -31,16 +43,98 @@ CASES: dict[str, dict[str, Any]] = {
     "ddp-fp32": dict(strategy="ddp", devices=2, precision="32-true", micro_batch=2, seq_len=256, ac=False),
     "ddp-bf16-mixed": dict(strategy="ddp", devices=2, precision="bf16-mixed", micro_batch=2, seq_len=256, ac=False),
     "single-fp32-ac": dict(strategy="auto", devices=1, precision="32-true", micro_batch=4, seq_len=128, ac=True),
+    # FSDPStrategy: wrap "blocks" is auto_wrap_policy={LlamaDecoderLayer} (its users' usual policy),
+    # "none" Lightning's default (no policy: the whole model one unit); ac its
+    # activation_checkpointing_policy={LlamaDecoderLayer}. Shapes not used by any other matrix.
+    "fsdp-blocks-fp32": dict(
+        strategy="fsdp", wrap="blocks", devices=2, precision="32-true", micro_batch=2, seq_len=256, ac=False
+    ),
+    "fsdp-blocks-bf16-mixed": dict(
+        strategy="fsdp", wrap="blocks", devices=2, precision="bf16-mixed", micro_batch=2, seq_len=384, ac=False
+    ),
+    "fsdp-blocks-ac-bf16-mixed": dict(
+        strategy="fsdp", wrap="blocks", devices=2, precision="bf16-mixed", micro_batch=4, seq_len=256, ac=True
+    ),
+    "fsdp-blocks-fp32-long": dict(
+        strategy="fsdp", wrap="blocks", devices=2, precision="32-true", micro_batch=1, seq_len=1024, ac=False
+    ),
+    "fsdp-sgo-blocks-fp32": dict(
+        strategy="fsdp",
+        wrap="blocks",
+        sharding="SHARD_GRAD_OP",
+        devices=2,
+        precision="32-true",
+        micro_batch=2,
+        seq_len=256,
+        ac=False,
+    ),
+    "fsdp-none-fp32": dict(
+        strategy="fsdp", wrap="none", devices=2, precision="32-true", micro_batch=2, seq_len=256, ac=False
+    ),
 }
+UNMODELLED = ("fsdp-none-fp32",)
+"""Measured, not modelled: FSDPStrategy() without auto_wrap_policy wraps the whole model as one FSDP1
+unit, every parameter gathered from the forward to the end of backward and every unsharded gradient
+held until it; memplan's units are the blocks (tables/recipes.csv lightning reshard_after_forward).
+The first table: −12.36 %, its peak to 28 B the same as SHARD_GRAD_OP's over the blocks."""
 PRECISIONS = {"32-true": "fp32", "bf16-mixed": "amp-bf16"}
 """Lightning's precision plugins as memplan's precisions: ``bf16-mixed`` is autocast over fp32
-parameters (lightning/pytorch/plugins/precision/amp.py MixedPrecision)."""
+parameters (lightning/pytorch/plugins/precision/amp.py MixedPrecision), under FSDP FSDP's own mixed
+precision (``FSDP_PRECISIONS``)."""
+FSDP_PRECISIONS = {"32-true": "fp32", "bf16-mixed": "mixed-bf16"}
+FSDP_SHARDING = {"FULL_SHARD": "fsdp-full-shard", "SHARD_GRAD_OP": "fsdp-shard-grad-op"}
 
 
-def _model_spec():
+def _model_spec(case: dict | None = None):
+    """The DDP and single-device cases' llama-h256; the FSDP cases' own held-out shape."""
+    from memplan.specs import ModelSpec
     from validation.finetune_matrix import LLAMA
 
-    return LLAMA
+    if case is None or case["strategy"] != "fsdp":
+        return LLAMA
+    return ModelSpec(
+        name="llama-h384",
+        arch="llama",
+        num_layers=5,
+        hidden=384,
+        num_heads=6,
+        num_kv_heads=2,
+        ffn_hidden=1024,
+        vocab_size=6144,
+    )
+
+
+def _strategy(case: dict):
+    """The Trainer's strategy: its name, or Lightning's FSDPStrategy passed through on CPU."""
+    if case["strategy"] != "fsdp":
+        return case["strategy"]
+    import torch
+    import torch.distributed.fsdp as fsdp
+    from lightning.pytorch.strategies import FSDPStrategy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    class CpuFSDPStrategy(FSDPStrategy):
+        """Lightning's FSDPStrategy, its model wrapped with the CPU as FSDP's device (module docstring)."""
+
+        def _setup_model(self, model):
+            real = fsdp.FullyShardedDataParallel
+
+            class OnCpu(real):
+                def __init__(self, *args, device_id=None, **kwargs):
+                    super().__init__(*args, device_id=torch.device("cpu") if device_id is None else device_id, **kwargs)
+
+            fsdp.FullyShardedDataParallel = OnCpu
+            try:
+                return super()._setup_model(model)
+            finally:
+                fsdp.FullyShardedDataParallel = real
+
+    blocks = {LlamaDecoderLayer}
+    return CpuFSDPStrategy(
+        auto_wrap_policy=blocks if case["wrap"] == "blocks" else None,
+        activation_checkpointing_policy=blocks if case["ac"] else None,
+        sharding_strategy=case.get("sharding", "FULL_SHARD"),
+    )
 
 
 def measure(name: str) -> dict | None:
@@ -49,17 +143,19 @@ def measure(name: str) -> dict | None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from calibrate.measure import _CpuMeter
+    from calibrate.measure import _CpuMeter, _StorageMeter
     from calibrate.workloads import hf_config
 
-    case, spec = CASES[name], _model_spec()
-    meter, peaks = _CpuMeter(), {}
+    case = CASES[name]
+    spec = _model_spec(case)
+    # FSDP1's use_orig_params views are no leaves, which MemTracker's gradient hooks refuse: the storage meter
+    meter, peaks = (_StorageMeter() if case["strategy"] == "fsdp" else _CpuMeter()), {}
 
     class Module(L.LightningModule):
         def __init__(self):
             super().__init__()
             self.model = AutoModelForCausalLM.from_config(hf_config(spec, attention="sdpa"))
-            if case["ac"]:
+            if case["ac"] and case["strategy"] != "fsdp":  # FSDP: the strategy's activation_checkpointing_policy
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
         def training_step(self, batch, batch_idx):
@@ -85,7 +181,7 @@ def measure(name: str) -> dict | None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=case["devices"],
-        strategy=case["strategy"],
+        strategy=_strategy(case),
         precision=case["precision"],
         max_steps=STEPS,
         callbacks=[LastStep()],
@@ -115,14 +211,19 @@ def estimate(record: dict) -> int:
     """memplan's estimate of the case's job under the lightning recipe."""
     from memplan import api
 
-    ddp = record["strategy"] == "ddp"
+    fsdp = record["strategy"] == "fsdp"
+    if fsdp:
+        strategy, precision = FSDP_SHARDING[record.get("sharding", "FULL_SHARD")], FSDP_PRECISIONS[record["precision"]]
+    else:
+        strategy = "ddp" if record["strategy"] == "ddp" else "single"
+        precision = PRECISIONS[record["precision"]]
     result = api.estimate(
-        model=_model_spec(),
+        model=_model_spec(record),
         recipe="lightning",
-        strategy="ddp" if ddp else "single",
+        strategy=strategy,
         gpus=record["devices"],
         device="cpu",
-        precision=PRECISIONS[record["precision"]],
+        precision=precision,
         micro_batch=record["micro_batch"],
         seq_len=record["seq_len"],
         ac="full" if record["ac"] else "none",
