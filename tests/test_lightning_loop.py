@@ -52,3 +52,16 @@ def test_a_lightning_run_live():
     live = lightning_loop.measure("single-fp32-ac")
     assert live is not None
     assert live["measured_peak_bytes"] == pytest.approx(recorded["measured_peak_bytes"], rel=0.001)
+
+
+@pytest.mark.parametrize(("strategy", "said"), [("fsdp-full-shard", True), ("all", True), ("ddp", False)])
+def test_the_cli_says_which_fsdp_units_a_lightning_job_has(strategy, said):
+    from click.testing import CliRunner
+
+    from memplan.cli import main
+
+    args = ["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--gpu-mem", "80", "--recipe", "lightning"]
+    result = CliRunner().invoke(main, [*args, "--strategy", strategy])
+    assert result.exit_code == 0, result.output
+    assumed = [line for line in result.output.splitlines() if line.startswith("assumed  lightning's FSDP units")]
+    assert len(assumed) == int(said)
