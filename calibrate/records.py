@@ -78,6 +78,7 @@ _LATER_DEFAULTS: dict[str, dict[str, Any]] = {
         "bucket_cap_mb": None,
         "static_graph": False,
         "reshard_after_forward": None,
+        "fsdp_wrap": "blocks",
     },
     "cluster": {"alloc_conf": ""},
 }

@@ -251,6 +251,13 @@ def emit(job: Job, kind: str) -> str:
                 "(its config takes no reshard group): use --emit fsdp2"
             )
         )
+    if job.one_fsdp_unit and kind in ("fsdp2", "torchtitan"):
+        raise MemplanError(
+            lambda n: (
+                f"{n('emit')} {kind} cannot say {n('fsdp_wrap')} none: the whole model as one unit is measured "
+                "under FSDP1 (FullyShardedDataParallel): use --emit fsdp1 or accelerate"
+            )
+        )
     if kind in _OWN_KINDS:
         return _OWN_KINDS[kind](job, STRATEGIES[job.plan.strategy])
     if kind == "accelerate":

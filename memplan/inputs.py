@@ -10,7 +10,7 @@ from .hfconfig import bnb_4bit_double_quant, load_config, model_from_hf_config
 from .infer import model_for_params, parse_params
 from .moe import allows_ep
 from .request import SHAPES, ModelRequest, Request
-from .specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
+from .specs import ONE_UNIT_STRATEGIES, ClusterSpec, Job, ModelSpec, Plan, TrainSpec
 from .strategies import STRATEGIES, strategies_on
 from .units import parse_bytes
 
@@ -146,15 +146,15 @@ def _gpu_alias(name: str | None) -> tuple[str, ...]:
     return (f"gpu {name} read as {spec.name}{also}",)
 
 
-def _lightning_units(recipe: str, strategies: list[str]) -> tuple[str, ...]:
-    """The line saying which FSDP units a Lightning job is estimated with: its FSDPStrategy wraps
-    only what ``auto_wrap_policy`` names (validation.lightning_loop: the blocks as units within
-    2 %; no policy, one unit, measured 12.36 % above the estimate and not modelled)."""
-    if recipe != "lightning" or not any(STRATEGIES[s].framework == "fsdp" for s in strategies):
+def _lightning_units(recipe: str, strategies: list[str], wrap: str) -> tuple[str, ...]:
+    """The line saying which FSDP units a Lightning job is estimated with where the user did not say:
+    its FSDPStrategy wraps only what ``auto_wrap_policy`` names, nothing without one
+    (validation.lightning_loop)."""
+    if recipe != "lightning" or wrap != "blocks" or not any(s in ONE_UNIT_STRATEGIES for s in strategies):
         return ()
     return (
         "lightning's FSDP units are the blocks, FSDPStrategy(auto_wrap_policy={the decoder layer}); its default "
-        "FSDPStrategy() wraps the whole model as one unit, not modelled (measured 12 % above the estimate)",
+        "FSDPStrategy() wraps the whole model as one unit: --fsdp-wrap none",
     )
 
 
@@ -189,7 +189,7 @@ def build_jobs(request: Request | None = None, /, **inputs) -> tuple[ModelChoice
     ids = strategies_for(plan.strategy, plan.offload, layout.dp(cluster.gpus))
     if plan.strategy == "all":  # expert parallel composes with FSDP only
         ids = [s for s in ids if allows_ep(STRATEGIES[s], plan.ep)]
-    choice = replace(choice, assumptions=choice.assumptions + _lightning_units(train.recipe, ids))
+    choice = replace(choice, assumptions=choice.assumptions + _lightning_units(train.recipe, ids, plan.fsdp_wrap))
     if not ids:
         raise InputError(
             f"no strategy supports offload {plan.offload!r}",
@@ -210,6 +210,7 @@ def build_jobs(request: Request | None = None, /, **inputs) -> tuple[ModelChoice
                 ep=plan.ep,
                 zero=plan.zero if s in ZERO_STRATEGIES else None,
                 reshard_after_forward=plan.reshard_after_forward,
+                fsdp_wrap=plan.fsdp_wrap,
                 **plan.ddp_kwargs(),
             ),
             layout=layout,

@@ -25,7 +25,9 @@ from .specs import (
     ATTENTIONS,
     DDP_KEYWORDS,
     DEVICES,
+    FSDP_WRAPS,
     OFFLOADS,
+    ONE_UNIT_STRATEGIES,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
     PRECISIONS,
@@ -290,6 +292,10 @@ class StrategyRequest:
     """FSDP2 full shard: ``fully_shard(reshard_after_forward=N)``, each unit resharded after forward to
     a group of N ranks (a factor of the shard group, e.g. the GPUs of a node): its 1/N copy kept until
     its backward, which gathers from those N ranks."""
+    fsdp_wrap: str = setting(Plan.fsdp_wrap, choices=FSDP_WRAPS)
+    """FSDP's units: blocks (each decoder block a unit: fully_shard per block, auto_wrap_policy={the
+    decoder layer}); none (no wrapping policy: the whole model one FSDP1 unit, as Lightning's
+    FSDPStrategy() and accelerate's NO_WRAP wrap it), for the sharded FSDP strategies."""
 
     def __post_init__(self):
         if self.zero is not None and not isinstance(self.zero, ZeroConfig):
@@ -325,6 +331,16 @@ class StrategyRequest:
                 accepted="strategy ddp or all",
             )
 
+        if self.fsdp_wrap == "none" and self.strategy not in ("all", *ONE_UNIT_STRATEGIES):
+            raise InputError(
+                lambda n: (
+                    f"{n('fsdp_wrap')} none wraps a sharded FSDP strategy's model as one unit; strategy "
+                    f"{self.strategy} has no FSDP units (use {', '.join(ONE_UNIT_STRATEGIES)}, or all)"
+                ),
+                field="fsdp_wrap",
+                value=self.fsdp_wrap,
+                accepted=f"strategy {', '.join(ONE_UNIT_STRATEGIES)} or all",
+            )
         if self.reshard_after_forward is not None and self.strategy not in ("all", "fsdp-full-shard"):
             raise InputError(
                 lambda n: (

@@ -44,6 +44,14 @@ AC_MODES = ("none", "selective", "full")
 ATTENTIONS = ("sdpa", "eager")
 DEVICES = ("cuda", "cpu")
 OFFLOADS = ("none", "optimizer", "params", "all")
+FSDP_WRAPS = ("blocks", "none")
+"""FSDP's units: blocks, each decoder block its own unit and the root the rest (``fully_shard`` per
+block, FSDP1's ``auto_wrap_policy`` of the decoder layer: every recipe's); none, no wrapping policy,
+the whole model one unit (``FullyShardedDataParallel(model)`` alone, Lightning's ``FSDPStrategy()``
+default, accelerate's FSDP1 ``NO_WRAP``)."""
+ONE_UNIT_STRATEGIES = ("fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid-shard")
+"""The strategies whose one unit is measured (validation.lightning_loop): a root unit is never resharded
+after forward (torch fsdp/_runtime_utils.py _post_forward_reshard), so the three hold the same."""
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -795,6 +803,9 @@ class Plan:
     resharded after forward to a group of N ranks (its post-forward copy, 1/N of the unit, kept
     until its backward gathers from it); None: full shard's own (all the shard group's ranks).
     In every plan, as DDP's keywords; read by full shard's adapter alone."""
+    fsdp_wrap: str = "blocks"
+    """FSDP's units (``FSDP_WRAPS``): blocks, or none (the whole model one FSDP1 unit). In every plan,
+    as DDP's keywords; read by the sharded FSDP strategies' adapter alone (``ONE_UNIT_STRATEGIES``)."""
 
     def __post_init__(self):
         if isinstance(self.zero, dict):  # a record's spec (dataclasses.asdict)
@@ -822,6 +833,7 @@ class Plan:
             )
         _check_choice(self.strategy, tuple(STRATEGIES), "strategy")
         _check_choice(self.offload, OFFLOADS, "offload")
+        _check_choice(self.fsdp_wrap, FSDP_WRAPS, "fsdp_wrap")
         if self.offload != "none" and not STRATEGIES[self.strategy].supports_offload(self.offload):
             raise MemplanError(
                 f"offload {self.offload!r} is not available with {self.strategy}; "
@@ -914,6 +926,37 @@ def _check_reshard_group(job: Job) -> None:
         )
 
 
+def _check_one_unit(job: Job) -> None:
+    """The whole model as one FSDP unit where it was measured (validation.lightning_loop: Lightning's
+    FSDPStrategy() on a dense decoder, full training, one micro-batch, plain data parallel, states
+    on the GPU)."""
+    train, model = job.train, job.model
+    problem = (
+        "it is not measured beside tensor, context or pipeline parallel"
+        if not job.layout.is_data_parallel
+        else f"it is not measured with offload {job.plan.offload}"
+        if job.plan.offload != "none"
+        else "the root unit is not resharded after forward: no reshard-after-forward group"
+        if job.plan.reshard_after_forward is not None
+        else f"it is not measured with finetune {train.finetune}"
+        if train.finetune != "full"
+        else f"it is not measured with grad-accum {train.grad_accum}"
+        if train.grad_accum > 1
+        else "it is not measured with optimizer-in-backward"
+        if train.optimizer_in_backward
+        else f"it is not measured for {model.name} ({model.arch}{', MoE' if model.num_experts else ''})"
+        if model.num_experts or model.arch in ("bert", "vit")
+        else ""
+    )
+    if problem:
+        raise InputError(
+            lambda n: f"{n('fsdp_wrap')} none (the whole model one FSDP unit): {problem}",
+            field="fsdp_wrap",
+            value="none",
+            accepted="none on plain data parallel for a dense decoder's full training, one micro-batch, no offload",
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Job:
     """Everything one estimate needs."""
@@ -966,6 +1009,8 @@ class Job:
             check_mla_job(self)
         if self.plan.reshard_after_forward is not None and self.plan.strategy == "fsdp-full-shard":
             _check_reshard_group(self)
+        if self.plan.fsdp_wrap == "none" and self.plan.strategy in ONE_UNIT_STRATEGIES:
+            _check_one_unit(self)
         strategy = STRATEGIES[self.plan.strategy]
         if not strategy.allows_gpus(self.dp):
             raise MemplanError(
@@ -977,6 +1022,11 @@ class Job:
     def dp(self) -> int:
         """GPUs the plan's strategy shards or replicates over: all of them without a layout."""
         return self.layout.dp(self.cluster.gpus)
+
+    @property
+    def one_fsdp_unit(self) -> bool:
+        """Whether the whole model is one FSDP unit (``Plan.fsdp_wrap`` none under a sharded FSDP strategy)."""
+        return self.plan.fsdp_wrap == "none" and self.plan.strategy in ONE_UNIT_STRATEGIES
 
     @property
     def post_forward_group(self) -> int | None:

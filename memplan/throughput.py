@@ -221,7 +221,9 @@ def comm_seconds(job: Job, link: Link) -> float:
         backward = _ring(group) * weights * micro / (link.intra_node_bytes_s if group <= k else slow)
         forward = _ring(n) * (weights * micro + grads) / slow
         return forward + backward + ep_seconds(job, link)
-    return _dp_seconds(n, k, link, strategy, grads, weights, micro, slow) + ep_seconds(job, link)
+    # one FSDP unit (--fsdp-wrap none) gathers once: the root is never resharded after forward
+    gathers = 1 if job.one_fsdp_unit or not strategy.reshard_after_forward else 2
+    return _dp_seconds(n, k, link, strategy, grads, weights, micro, slow, gathers) + ep_seconds(job, link)
 
 
 def ep_seconds(job: Job, link: Link) -> float:
@@ -239,15 +241,17 @@ def ep_seconds(job: Job, link: Link) -> float:
     return volume * (ep - 1) / ep / bw
 
 
-def _dp_seconds(n: int, k: int, link: Link, strategy, grads: float, weights: float, micro: int, slow: float) -> float:
-    """Seconds of the data-parallel traffic over ``n`` ranks, ``k`` of them in a node."""
+def _dp_seconds(
+    n: int, k: int, link: Link, strategy, grads: float, weights: float, micro: int, slow: float, gathers: int
+) -> float:
+    """Seconds of the data-parallel traffic over ``n`` ranks, ``k`` of them in a node; ``gathers``:
+    the parameters' all-gathers per micro-batch under a sharded strategy."""
     if strategy.shard_group == "node":
         m = n // k
-        intra = _ring(k) * (2 * weights * micro + grads) / link.intra_node_bytes_s
+        intra = _ring(k) * (gathers * weights * micro + grads) / link.intra_node_bytes_s
         inter = 2 * _ring(m) * grads / k / link.inter_node_bytes_s if m > 1 else 0.0
         return intra + inter
     if strategy.shards_params:
-        gathers = 1 if not strategy.reshard_after_forward else 2
         return _ring(n) * (gathers * weights * micro + grads) / slow
     if strategy.shards_optimizer:
         return _ring(n) * (grads + weights) / slow
@@ -296,7 +300,8 @@ def step_time(
     comm = comm_seconds(job, link)
     if exposed_fraction is None:
         overlap = default("overlap_fraction") if overlap is None else overlap
-        exposed = max(0.0, comm - overlap * compute)
+        # one FSDP unit hides nothing: its all-gather precedes the forward, its reduce-scatter follows the backward
+        exposed = comm if job.one_fsdp_unit else max(0.0, comm - overlap * compute)
     else:
         exposed = exposed_fraction * comm
     return StepTime(

@@ -235,6 +235,8 @@ def jobs(draw, *, strategy=None, source=None, with_layout=True, fixed_ac=False) 
     flags += _maybe(draw, "--offload", offloads, 0.15)
     if strategy in ("fsdp-full-shard", "all") and not lay and gpus >= 4:  # FSDP2's post-forward reshard group
         flags += _maybe(draw, "--reshard-after-forward", [g for g in (2, 4, 8) if gpus % g == 0 and g < gpus], 0.2)
+    if strategy in (*specs.ONE_UNIT_STRATEGIES, "all") and not lay:  # the whole model one FSDP unit
+        flags += _maybe(draw, "--fsdp-wrap", ["none", "blocks"], 0.15)
     return flags
 
 
@@ -605,6 +607,7 @@ def test_recommendation_reasked_with_estimate_gives_the_same_bytes(args):
     assume(rec.get("strategy"))
     # the post-forward reshard group is full shard's keyword: the option's own, as its strategy
     own = () if rec["strategy"] == "fsdp-full-shard" else ("--reshard-after-forward",)
+    own += () if rec["strategy"] in specs.ONE_UNIT_STRATEGIES else ("--fsdp-wrap",)
     asked = _without(args, "--strategy", "--precision", "--ac", "--offload", "--micro-batch", *own) + _option_flags(rec)
     out = estimate_json(asked)
     assert out is not None, "estimate refuses the recommended option"

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from memplan.catalog import model_preset
 from memplan.errors import InputError
@@ -584,6 +585,33 @@ def test_an_emitted_accelerate_config_reads_back_to_the_same_estimate(tmp_path, 
         back = dataclasses.replace(back, plan=dataclasses.replace(back.plan, zero=job.plan.zero))
     assert back.plan == job.plan and back.train == job.train and back.cluster == job.cluster
     assert estimate(back).allocated_bytes == estimate(job).allocated_bytes
+
+
+@pytest.mark.parametrize("strategy", ["fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid-shard"])
+def test_one_fsdp_unit_round_trips_through_accelerate_s_no_wrap(tmp_path, strategy):
+    """``--fsdp-wrap none`` is written as FSDP1's NO_WRAP and read back as it, to the byte."""
+    from memplan.emit import emit
+    from memplan.inputs import build_jobs
+    from memplan.memory import estimate
+    from memplan.request import Request
+
+    job_inputs = dict(gpus=16, strategy=strategy, precision="mixed-bf16", ac="none", recipe="accelerate")
+    (job,) = build_jobs(Request.of(model="llama-2-7b", fsdp_wrap="none", **job_inputs))[1]
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(emit(job, "accelerate"))
+    section = yaml.safe_load(path.read_text().split("\n", 2)[2])["fsdp_config"]
+    assert (section["fsdp_version"], section["fsdp_auto_wrap_policy"]) == (1, "NO_WRAP")
+    inputs = read(path).inputs
+    (back,) = build_jobs(Request.of(model="llama-2-7b", **({"ac": "none"} | inputs)))[1]
+    assert back.plan == job.plan and back.one_fsdp_unit
+    assert estimate(back).allocated_bytes == estimate(job).allocated_bytes
+
+
+def test_no_wrap_under_fsdp2_is_refused(tmp_path):
+    config = BASE | dict(distributed_type="FSDP", fsdp_config={"fsdp_version": 2, "fsdp_auto_wrap_policy": "NO_WRAP"})
+    with pytest.raises(InputError) as err:
+        read(_accelerate_file(tmp_path, config))
+    assert err.value.field == "fsdp_config.fsdp_auto_wrap_policy"
 
 
 @needs_accelerate

@@ -184,11 +184,13 @@ def _settings() -> list[tuple[str, int]]:
 
 def _with(job: Job, layout: Layout, strategy: str, ac: str, micro: int) -> Job:
     # a post-forward reshard group is plain data parallel's (torch reshards DTensor parameters to
-    # the whole group only): a layout's alternative runs without it
-    group = job.plan.reshard_after_forward if layout.is_data_parallel else None
+    # the whole group only), as is the one-unit wrapping (measured there only): a layout's
+    # alternative runs without them
+    dp = layout.is_data_parallel
+    group, wrap = (job.plan.reshard_after_forward, job.plan.fsdp_wrap) if dp else (None, "blocks")
     return replace(
         job,
-        plan=replace(job.plan, strategy=strategy, reshard_after_forward=group),
+        plan=replace(job.plan, strategy=strategy, reshard_after_forward=group, fsdp_wrap=wrap),
         train=job.train.with_ac(ac, micro_batch=micro),
         layout=layout,
     )

@@ -301,7 +301,7 @@ def splits_blocks(step) -> bool:
     dimension holds the world: calibrate.wrappers): the same hooks, nothing gathered, so the
     same instants (measured: a 2-layer h256 llama, pure bf16, full AC, 2 gloo ranks, its peak at
     the end of a block's backward, inside the input norm's; one moment per block missed it)."""
-    return step.strategy.id in ("fsdp-full-shard", "fsdp-no-shard") and _blocks_measured(step)
+    return step.strategy.id in ("fsdp-full-shard", "fsdp-no-shard") and _blocks_measured(step) and not _one_unit(step)
 
 
 def sgo_like_full_shard(step) -> bool:
@@ -309,7 +309,7 @@ def sgo_like_full_shard(step) -> bool:
     gathered from forward to backward (one moment per block), but its units reduce as full
     shard's do, so the head's gradients beside the blocks are the same
     (``block_grad_groups``)."""
-    return step.strategy.id == "fsdp-shard-grad-op" and _blocks_measured(step)
+    return step.strategy.id == "fsdp-shard-grad-op" and _blocks_measured(step) and not _one_unit(step)
 
 
 def _blocks_measured(step) -> bool:
@@ -484,6 +484,59 @@ def retained_reduce_input(step) -> list[Term]:
     ]
 
 
+def _one_unit(step) -> bool:
+    return step.job.one_fsdp_unit
+
+
+def _whole_model(step) -> list[Term]:
+    """The whole model as one FSDP1 unit (``--fsdp-wrap none``): all-gathered into its flat parameter
+    in the root's pre-forward, not resharded after forward (the root's never is: torch 2.13
+    fsdp/_runtime_utils.py _post_forward_reshard), freed in its post-backward (measured:
+    validation.lightning_loop, Lightning's FSDPStrategy() without auto_wrap_policy)."""
+    return [_gathered(step, "fsdp.whole_model", step.params, "unsharded model (one FSDP unit, forward→backward)")]
+
+
+def _unsharded_grads(step, count: int, what: str) -> list[Term]:
+    g = step.gather_bytes
+    return [term(G, "fsdp.unit_grads", f"unsharded gradients of the {what}", f"{g}·{count:,}", g * count)]
+
+
+def one_unit_groups(step) -> dict[str, list[Term]]:
+    """The gradients of one FSDP unit: unsharded in the gathered dtype as the backward makes them, each
+    parameter's own (the views' gradients wait in autograd's input buffer of the flat parameter's
+    split), until the step's last gradient; then autograd's split backward concatenates them into the
+    flat parameter's gradient, the reduce-scatter's input, while they are still live (``ROOT_BACKWARD``:
+    the gathered model, its gradients twice, the sharded states; measured: the lightning_loop one-unit
+    cases at one micro-batch of 64 tokens, fp32 4.50 and bf16-mixed 3.00 units of 4·P, their peak
+    here). A tied embedding's two gradients are summed there too, as ``root_grad_groups`` counts them."""
+    model, L = step.job.model, step.job.model.num_layers
+    tied = step.vocab_params() if model.tied_embeddings else 0
+    groups = {
+        "grads.last_block": _unsharded_grads(step, step.root_params, "embedding/head params"),
+        "grads.first_block": _unsharded_grads(
+            step, step.params - step.pending_params(), "params but the input embedding"
+        ),
+        "grads.blocks": [],
+        "gathered.root": _whole_model(step),
+        "grads.root_unsharded": _unsharded_grads(step, step.params + tied, "model (each parameter's)")
+        + [
+            term(
+                G,
+                "fsdp.unit_grads",
+                "the unit's flat gradient (their concatenation, the reduce-scatter input)",
+                f"{step.gather_bytes}·{step.params:,}",
+                step.gather_bytes * step.params,
+            )
+        ],
+    }
+    j = step.last_checkpointed()
+    if j is not None:
+        after = step.root_params + (L - 1 - j) * step.block_params
+        what = f"embedding/head params and {L - 1 - j} blocks"
+        groups["grads.last_checkpointed"] = _unsharded_grads(step, after, what)
+    return groups
+
+
 class FSDP(Framework):
     id = "fsdp"
     label = "FSDP"
@@ -503,6 +556,8 @@ class FSDP(Framework):
 
     def gathered(self, step, instant: str) -> list:
         s, L, bp = step.strategy, step.job.model.num_layers, step.block_params
+        if _one_unit(step):
+            return _whole_model(step)
         if instant == "start":
             return _forward_start(step)
         if instant.split("_")[0] in _BLOCK_INDEX:
@@ -568,6 +623,8 @@ class FSDP(Framework):
         )
 
     def moment_groups(self, step, groups: dict[str, list[Term]]) -> dict[str, list[Term]]:
+        if _one_unit(step):
+            return one_unit_groups(step)
         split, sgo = splits_blocks(step), sgo_like_full_shard(step)
         out: dict[str, list[Term]] = {}
         if sgo:
@@ -636,7 +693,7 @@ class FSDP(Framework):
         backward); a tied one is the head unit's, gathered already. Not for a ViT: its FSDP2 full-AC
         case in validation/records/accuracy_matrix_cpu.jsonl (3272cd9f97) measures a block's worth more there
         (−3.68 % without the block, +2.44 % with it; cause not found), so it keeps the block."""
-        if step.gather_group == 1 or step.job.model.arch == "vit":
+        if step.gather_group == 1 or step.job.model.arch == "vit" or _one_unit(step):
             return block
         model, bp = step.job.model, step.block_params
         prefetched = []
@@ -648,12 +705,13 @@ class FSDP(Framework):
         return [t for t in terms if t.key != "fsdp.post_forward"] + _post_forward_copies(step, "first_copy")
 
     def accelerate(self, job, strategy) -> dict:
-        v2 = strategy.id != "fsdp-no-shard"
+        # no-shard is FSDP1's alone; one unit (NO_WRAP) is measured under FSDP1
+        v2 = strategy.id != "fsdp-no-shard" and not job.one_fsdp_unit
         return {
             "distributed_type": "FSDP",
             "fsdp_config": {
                 "fsdp_version": 2 if v2 else 1,
-                "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                "fsdp_auto_wrap_policy": "NO_WRAP" if job.one_fsdp_unit else "TRANSFORMER_BASED_WRAP",
                 "fsdp_reshard_after_forward": strategy.reshard_after_forward if v2 else "NO_SHARD",
                 "fsdp_sharding_strategy": FSDP1_SHARDING[strategy.id],
                 "fsdp_offload_params": job.plan.offload in ("params", "all"),

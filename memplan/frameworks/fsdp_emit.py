@@ -115,22 +115,30 @@ def fsdp2_snippet(job, strategy) -> str:
 
 
 def fsdp1_snippet(job, strategy) -> str:
-    """``FullyShardedDataParallel`` with a transformer auto-wrap policy per block."""
+    """``FullyShardedDataParallel`` with a transformer auto-wrap policy per block; with
+    ``--fsdp-wrap none`` without one (the whole model one unit), with the original parameters as
+    Lightning's FSDPStrategy passes them, as it was measured."""
     needs(job, "fsdp1", tuple(FSDP1_SHARDING))
     compute, _ = _dtypes(job)
     mp, offload = _mp_args(job), job.plan.offload in ("params", "all")
     if mp and not POLICIES[job.train.precision].autocast:
         mp += f", buffer_dtype={TORCH_DTYPE[compute]}"
+    one_unit = job.one_fsdp_unit
+    wrap_policy = "functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block_cls})"
+    policy = (
+        "        use_orig_params=True,  # no auto_wrap_policy: the whole model one unit (--fsdp-wrap none)"
+        if one_unit
+        else f"        auto_wrap_policy={wrap_policy},"
+    )
     lines = [
         f"# {header(job)}",
-        "import functools",
-        "",
+        *([] if one_unit else ["import functools", ""]),
         "import torch",
         (
             "from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as FSDP, "
             f"{'MixedPrecision, ' if mp else ''}ShardingStrategy"
         ),
-        "from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy",
+        *([] if one_unit else ["from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy"]),
         *_ac_imports(job),
         "",
         "",
@@ -138,7 +146,7 @@ def fsdp1_snippet(job, strategy) -> str:
         "    model = FSDP(",
         "        model,",
         f"        sharding_strategy=ShardingStrategy.{FSDP1_SHARDING[strategy.id]},",
-        "        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block_cls}),",
+        policy,
         *([f"        mixed_precision=MixedPrecision({mp}),"] if mp else []),
         f"        cpu_offload=CPUOffload(offload_params={offload}),",
         "        device_id=torch.cuda.current_device(),",

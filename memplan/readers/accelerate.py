@@ -47,8 +47,15 @@ def _fsdp(where: str, section: dict) -> dict[str, Any]:
     if version not in (1, 2):
         raise refuse(where, "fsdp_config.fsdp_version", version, "1 or 2")
     policy = section.get("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP")
-    if policy != "TRANSFORMER_BASED_WRAP":
-        raise refuse(where, "fsdp_config.fsdp_auto_wrap_policy", policy, "TRANSFORMER_BASED_WRAP (one unit per block)")
+    # NO_WRAP: FSDP1 over the whole model, one unit (fsdp_wrap none, measured under FSDP1 alone)
+    wraps = ("TRANSFORMER_BASED_WRAP", "NO_WRAP") if version == 1 else ("TRANSFORMER_BASED_WRAP",)
+    if policy not in wraps:
+        raise refuse(
+            where,
+            "fsdp_config.fsdp_auto_wrap_policy",
+            policy,
+            "TRANSFORMER_BASED_WRAP (one unit per block)" + (", NO_WRAP (one unit)" if version == 1 else ""),
+        )
     prefetch = section.get("fsdp_backward_prefetch")
     if prefetch not in (None, "BACKWARD_PRE"):
         raise refuse(where, "fsdp_config.fsdp_backward_prefetch", prefetch, "BACKWARD_PRE (FSDP's default)")
@@ -68,6 +75,7 @@ def _fsdp(where: str, section: dict) -> dict[str, Any]:
         "strategy": strategy,
         "offload": "all" if offload else "none",
         "ac": "full" if section.get("fsdp_activation_checkpointing", False) else "none",
+        **({"fsdp_wrap": "none"} if policy == "NO_WRAP" else {}),
     }
 
 
