@@ -2,6 +2,8 @@
 ``python -m validation.lightning_loop``): its closure clears the gradients between the forward and
 the backward, so the step before's live through the forward (``Loop.zero_grad`` after-forward)."""
 
+import json
+
 import pytest
 
 from memplan import api
@@ -54,3 +56,21 @@ def test_the_cli_says_which_fsdp_units_a_lightning_job_has(strategy, said):
     assert result.exit_code == 0, result.output
     assumed = [line for line in result.output.splitlines() if line.startswith("assumed  lightning's FSDP units")]
     assert len(assumed) == int(said)
+
+
+@pytest.mark.slow
+def test_lightning_s_one_fsdp_unit_live(tmp_path):
+    """Lightning's FSDPStrategy() without a wrapping policy, two gloo ranks under torchrun, again."""
+    pytest.importorskip("lightning")
+    import os
+    import subprocess
+    import sys
+
+    name, out = "fsdp-none-bf16-mixed-short", tmp_path / "live.jsonl"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "validation.lightning_loop"]
+    env = os.environ | {"PYTHONPATH": str(lightning_loop.ROOT)}
+    subprocess.run([*command, "--case", name, "--out", str(out)], cwd=lightning_loop.ROOT, env=env, check=True)
+    (live,) = [json.loads(line) for line in out.read_text().splitlines()]
+    (recorded,) = [r for r in RECORDS if r["case"] == name]
+    assert live["measured_peak_bytes"] == pytest.approx(recorded["measured_peak_bytes"], rel=0.001)
+    assert lightning_loop.estimate(live) == pytest.approx(live["measured_peak_bytes"], rel=0.02)

@@ -261,18 +261,18 @@ def load() -> list[dict]:
     return measured.load(OUT)
 
 
-def _run(name: str) -> None:
-    """One case in this process (a torchrun rank for DDP): rank 0 appends its record."""
+def _run(name: str, path: Path = OUT) -> None:
+    """One case in this process (a torchrun rank for DDP): rank 0 appends its record to ``path``."""
     record = measure(name)
     if record is not None:
-        with OUT.open("a") as out:
+        with path.open("a") as out:
             out.write(json.dumps(record, sort_keys=True) + "\n")
 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--case"]:
-        _run(argv[1])
+    if argv[:1] == ["--case"]:  # --case NAME [--out FILE]
+        _run(argv[1], Path(argv[3]) if argv[2:3] == ["--out"] else OUT)
         return
     if "--report" not in argv:
         done = {r["case"] for r in load()}
