@@ -320,7 +320,11 @@ def model_from_hf_config(source: str | Path | dict, *, name: str | None = None) 
     ``ViTForImageClassification`` for vit, ``*ForMaskedLM`` or ``*ForSequenceClassification``
     for bert and roberta, as ``architectures`` names it) built from the same config.
     """
-    cfg, path = load_config(source)
+    return model_from_config(*load_config(source), name=name)
+
+
+def model_from_config(cfg: dict, path: Path | None, *, name: str | None = None) -> ModelSpec:
+    """``model_from_hf_config`` of a config already read (``load_config``) from ``path``."""
     model_type = read(cfg, ("model_type",), str)
     family = FAMILIES.get(model_type)
     # trace mode builds any model transformers knows (calibrate/trace.py): the way to a number

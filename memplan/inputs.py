@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from . import catalog
 from .errors import InputError
-from .hfconfig import bnb_4bit_double_quant, load_config, model_from_hf_config
+from .hfconfig import bnb_4bit_double_quant, load_config, model_from_config
 from .infer import model_for_params, parse_params
 from .moe import allows_ep
 from .request import SHAPES, ModelRequest, Request
@@ -27,6 +28,11 @@ class ModelChoice:
     assumptions: tuple[str, ...] = ()
     """What memplan read the request as where it did not say (a default changed for this model, a
     GPU's short name): stated under the header, one line each."""
+    config_path: Path | None = None
+    """The config.json the architecture was read from (source config, a file)."""
+    double_quant: bool | None = None
+    """Its bitsandbytes 4-bit ``bnb_4bit_use_double_quant`` (``hfconfig.bnb_4bit_double_quant``);
+    None: the checkpoint is not 4-bit."""
 
 
 def resolve_model(request: ModelRequest) -> ModelChoice:
@@ -38,7 +44,9 @@ def resolve_model(request: ModelRequest) -> ModelChoice:
     if request.model is not None:
         return ModelChoice(catalog.model_preset(request.model), "model")
     if request.config is not None:
-        return ModelChoice(model_from_hf_config(request.config), "config")
+        cfg, path = load_config(request.config)  # read once: the architecture and its quantization
+        quant = bnb_4bit_double_quant(cfg, path)
+        return ModelChoice(model_from_config(cfg, path), "config", config_path=path, double_quant=quant)
     return ModelChoice(_explicit_model(request), "arch")
 
 
@@ -106,14 +114,13 @@ def _default_seq_len(model: ModelSpec, train: TrainSpec, *, given: bool) -> tupl
     return replace(train, seq_len=positions), (note,)
 
 
-def _checkpoint_quantization(request: Request, train: TrainSpec) -> tuple[TrainSpec, tuple[str, ...]]:
+def _checkpoint_quantization(
+    request: Request, choice: ModelChoice, train: TrainSpec
+) -> tuple[TrainSpec, tuple[str, ...]]:
     """A config.json holding a bitsandbytes 4-bit ``quantization_config``: its weights train as
     qlora's (refused otherwise: 4-bit weights take no gradient), its double quantization where
     ``--qlora-double-quant`` is not given, and the line saying so."""
-    if request.model.config is None:
-        return train, ()
-    cfg, path = load_config(request.model.config)
-    double_quant = bnb_4bit_double_quant(cfg, path)
+    double_quant, path = choice.double_quant, choice.config_path
     if double_quant is None:
         return train, ()
     if train.finetune != "qlora":
@@ -183,7 +190,7 @@ def build_jobs(request: Request | None = None, /, **inputs) -> tuple[ModelChoice
         alloc_conf=c.alloc_conf,
     )
     train, context = _default_seq_len(choice.spec, train, given=request.training.seq_len is not None)
-    train, quantized = _checkpoint_quantization(request, train)
+    train, quantized = _checkpoint_quantization(request, choice, train)
     choice = replace(choice, assumptions=context + quantized + _gpu_alias(c.gpu))
     layout = request.layout.spec()
     ids = strategies_for(plan.strategy, plan.offload, layout.dp(cluster.gpus))
