@@ -14,7 +14,9 @@ first step's outputs alive through its forward); one process, 2 gloo ranks under
 rank of a larger DDP job on the fake process group (``validation.heldout``'s machinery).
 
 The shapes are new; the first table, estimated before memplan had the convention (``--logits
-kept``, the closest job it could state), is validation/records/outputs_kept_cpu.first.md.
+kept``, the closest job it could state), is validation/records/outputs_kept_cpu.first.md; with it
+(``--logits held``, ``--use-cache`` where the case passed ``use_cache=True``):
+validation/records/outputs_kept_cpu.md.
 
     python -m validation.outputs_kept            # measure every case not yet recorded
     python -m validation.outputs_kept --report   # measured, estimated before and today, error %
@@ -115,7 +117,7 @@ def _pct(estimated: int, measured: int) -> str:
     return f"{100 * (estimated - measured) / measured:+.2f}"
 
 
-def render_report(recs: list[dict], *, after: bool = False) -> str:
+def render_report(recs: list[dict], *, after: bool = True) -> str:
     """Each case's peak measured and estimated before (``before_job``) and, with ``after``, today
     (``heldout.loop_job``: logits held, the record's use_cache), error in %; then the same for the
     forward phase alone (the second step's forward, the first step's outputs alive through it)."""
