@@ -58,8 +58,14 @@ def test_the_first_table_was_further_off_where_the_optimizer_step_peaks():
         assert abs(after - measured) < abs(before - measured), record["case"]
 
 
-def _job(precision: str = "fp32", *, logits: str = "held", use_cache: bool = False, ac: str = "none") -> Job:
-    model = outputs_kept.LLAMA
+def _job(
+    precision: str = "fp32",
+    *,
+    logits: str = "held",
+    use_cache: bool = False,
+    ac: str = "none",
+    model=outputs_kept.LLAMA,
+) -> Job:
     train = TrainSpec(
         seq_len=256,
         micro_batch=4,
@@ -161,16 +167,28 @@ def test_cli_flags_match_the_api_and_add_the_logits_and_the_cache():
             "--use-cache is modelled for decoders with one key and value per layer (llama, gpt2, neox), "
             "not for deepseek-v3 (mla)",
         ),
-        (
-            ["--params", "7e9", "--use-cache", "--logits", "held", "--strategy", "fsdp-full-shard", "--tp", "2"],
-            "--use-cache is measured on data-parallel jobs, not under TP 2 + SP: drop it or the layout",
-        ),
     ],
 )
 def test_use_cache_where_it_means_nothing_is_refused_in_one_line(flags, message):
     result = CliRunner().invoke(main, ["estimate", "--gpus", "8", "--gpu-mem", "80", *flags])
     assert result.exit_code == 2
     assert result.stderr == f"Error: {message}\n"
+
+
+def test_under_tensor_parallel_each_rank_holds_its_own_heads_cache():
+    """Modelled, not measured (the held loops above are data-parallel): a TP rank's cache is its
+    local k and v heads', as its blocks' saved k and v are."""
+
+    def cache(tp: int) -> int:
+        cached, plain = (
+            _job(use_cache=flag, model=outputs_kept.QWEN).with_(strategy="fsdp-full-shard", gpus=4, tp=tp)
+            for flag in (True, False)
+        )
+        return _by_label(cached)["optimizer step"] - _by_label(plain)["optimizer step"]
+
+    m, tokens = outputs_kept.QWEN, 4 * 256
+    assert cache(1) == 2 * 4 * m.num_layers * tokens * m.kv_hidden
+    assert cache(2) == cache(1) // 2
 
 
 @pytest.mark.slow

@@ -11,7 +11,6 @@ from functools import lru_cache
 from ..activations import model_saved
 from ..breakdown import Component, Estimate, Term, term
 from ..checkpointing import checkpointed
-from ..errors import MemplanError
 from ..layout import MULTI_STAGE
 from ..moments import MomentSpec, insert
 from ..notes import loop_notes
@@ -259,15 +258,14 @@ class RankStep(Step):
         groups = super().activation_groups()
         pre, _post = model_saved(self.job.model, self.job.train)
         before = {s.name for s in pre}
-        if any(t.name.startswith("KV cache") for t in groups["outputs.held"]):
-            layout = self.layout.describe()
-            raise MemplanError(
-                lambda n: (
-                    f"{n('use_cache')} is measured on data-parallel jobs, not under {layout}: drop it or the layout"
-                )
-            )
+        # held outputs: the logits on the last stage; the KV cache of the stage's own blocks (its
+        # job's layers), each rank's local heads and 1/cp of the sequence (modelled as the blocks'
+        # saved k and v are; measured on data-parallel jobs only: validation.outputs_kept)
+        cache = [t for t in groups["outputs.held"] if t.name.startswith("KV cache")]
+        logits = [t for t in groups["outputs.held"] if t not in cache] if self.stage.last else []
+        groups["outputs.held"] = tensor.shard_saved(logits + cache, self.layout)
         for key in groups:
-            if key in _OUTSIDE or key.startswith("logits.") or key == "outputs.held":
+            if key in _OUTSIDE or key.startswith("logits."):
                 kept = [t for t in groups[key] if (self.stage.first if t.name in before else self.stage.last)]
                 groups[key] = tensor.shard_saved(kept, self.layout)
         groups["loss.backward"] = tensor.loss_parallel_backward(groups["loss.backward"], self.layout)
