@@ -11,6 +11,12 @@ does it, calling the framework's own function where it runs here:
     plain-freed    ``model(input_ids=x, labels=x).loss.backward()``
     accelerate     ``outputs = model(**batch); loss = outputs.loss; accelerator.backward(loss)``
                    (accelerate's README loop: the outputs are kept)
+    plain-held     the plain loop written as tutorials write it, ``for batch in data: outputs =
+                   model(**batch); outputs.loss.backward(); optimizer.step(); optimizer.zero_grad()``:
+                   the caller's ``outputs`` live through the optimizer step and the next step's
+                   forward (the name is rebound when that forward returns); ``use_cache=False``
+    plain-held-cache  the same with ``use_cache=True`` (transformers' configs' default): the outputs
+                   also hold the DynamicCache, every layer's keys and values
     torchtune      ``logits = model(x)`` as torchtune's chunked output (the LM head applied
                    per chunk of the hidden states); ``CEWithChunkedOutputLoss``; ``del logits``
     torchtune-model  torchtune's own model (models/llama3_2's TransformerDecoder, whose forward
@@ -54,8 +60,9 @@ from .measure import METERS, Measurement, _optimizer
 from .workloads import hf_config
 from .wrappers import DTYPES, wrap
 
-LOOP_KEYS = (*(f.name for f in fields(memplan_loop.Loop)), "loss_impl")
-"""A record's ``loop`` keys: memplan's ``loop.Loop`` settings, and which library's fused loss ran."""
+LOOP_KEYS = (*(f.name for f in fields(memplan_loop.Loop)), "loss_impl", "use_cache")
+"""A record's ``loop`` keys: memplan's ``loop.Loop`` settings, which library's fused loss ran, and
+whether the held loops' model kept its KV cache."""
 HF_TYPES = ("llama", "qwen2", "mistral", "gpt2", "gpt_neox")
 TORCHTUNE_CHUNKS = 8
 """torchtune recipes' ``num_output_chunks`` (CEWithChunkedOutputLoss's default)."""
@@ -78,6 +85,8 @@ class Loop:
     loss_chunks: int = 1
     loss_impl: str = ""
     """Which library's fused loss ran (``cce-torch-compile``); empty for the others."""
+    use_cache: bool = False
+    """The model called with ``use_cache=True`` (the held loops; the others leave the config's)."""
 
     def conventions(self, ac: str, train=None) -> dict:
         """The record's ``loop`` object for this loop under activation checkpointing ``ac``,
@@ -89,6 +98,7 @@ class Loop:
             | mine
             | {"ac": ac, "ac_every": flags.ac_every if ac != "none" else 0}
             | ({"loss_impl": self.loss_impl} if self.loss_impl else {})
+            | ({"use_cache": self.use_cache} if self.logits == "held" else {})
         )
 
     def loop_source(self) -> str:
@@ -118,6 +128,19 @@ LOOPS = {
             logits="freed",
             package="transformers",
             source="PreTrainedModel forward: model(input_ids, labels).loss.backward()",
+        ),
+        *(
+            Loop(
+                name=f"plain-held{'-cache' * cache}",
+                recipe="plain",
+                logits="held",
+                use_cache=cache,
+                package="transformers",
+                source=f"PreTrainedModel forward: for step: outputs = model(input_ids, labels, use_cache={cache}); "
+                "outputs.loss.backward(); optimizer.step(); optimizer.zero_grad() (outputs held until the next "
+                "forward returns)",
+            )
+            for cache in (False, True)
         ),
         Loop(
             name="accelerate",
@@ -352,13 +375,13 @@ class LoopLM(nn.Module):
             return base.encoder.layer
         return base.h if hasattr(base, "h") else base.layers
 
-    def forward(self, input_ids, labels=None, chunks: int = 0):
+    def forward(self, input_ids, labels=None, chunks: int = 0, use_cache: bool | None = None):
         if self.autocast_dtype is None:
-            return self._forward(input_ids, labels, chunks)
+            return self._forward(input_ids, labels, chunks, use_cache)
         with torch.autocast("cpu", dtype=self.autocast_dtype):
-            return self._forward(input_ids, labels, chunks)
+            return self._forward(input_ids, labels, chunks, use_cache)
 
-    def _forward(self, input_ids, labels, chunks):
+    def _forward(self, input_ids, labels, chunks, use_cache=None):
         if chunks:  # torchtune TransformerDecoder.chunked_output: the output projection per chunk
             hidden = self.hf.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
             return [self.hf.lm_head(chunk) for chunk in hidden.chunk(chunks, dim=1)]
@@ -374,6 +397,8 @@ class LoopLM(nn.Module):
             return self.hf(input_ids=input_ids, use_cache=False).logits
         if self.num_labels:
             labels = labels[:, 0] % self.num_labels
+        if use_cache is not None:  # the held loops say it; the others leave the config's default
+            return self.hf(input_ids=input_ids, labels=labels, use_cache=use_cache)
         return self.hf(input_ids=input_ids, labels=labels)
 
 
@@ -451,6 +476,16 @@ def make_step(
             loss.backward()
 
         return kept
+    if loop.logits == "held":
+        held: dict = {}
+
+        def held_step(ids):
+            # the previous step's outputs are released only when this forward returns and the
+            # name is rebound: they live through this forward, and these through the optimizer step
+            held["outputs"] = model(input_ids=ids, labels=ids, use_cache=loop.use_cache)
+            held["outputs"].loss.backward()
+
+        return held_step
     if loop.name in ("plain-freed", "cce-compile"):
         return lambda ids: model(input_ids=ids, labels=ids).loss.backward()
     if loop.name == "accelerate":

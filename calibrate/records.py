@@ -64,7 +64,7 @@ _LOOP_DEFAULTS = {
     if f.name in ("recipe", "ac_every", *_FINETUNE, *(g.name for g in fields(Loop)))
 }
 _LATER_DEFAULTS: dict[str, dict[str, Any]] = {
-    "train": _LOOP_DEFAULTS | {"kv_copies": None},
+    "train": _LOOP_DEFAULTS | {"kv_copies": None, "use_cache": False},
     "model": {
         f.name: f.default
         for f in fields(ModelSpec)

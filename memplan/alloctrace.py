@@ -105,6 +105,11 @@ class TraceShape(NamedTuple):
     """The optimizer step's temporaries (foreach ones one tensor per parameter, as the gradients)."""
     grads_after_forward: bool = False
     """The gradients cleared after the next step's forward (``Loop.zero_grad`` after-forward)."""
+    logits_held: bool = False
+    """The logits held by the caller's outputs until the next step's forward returns (``Loop.logits``
+    held; ``loss.outputs_held``)."""
+    cache: tuple[int, ...] = ()
+    """The held outputs' KV cache (``loss.kv_cache``): the blocks' keys and values, kept beyond their backward."""
 
 
 def trace_shape(step) -> TraceShape:
@@ -144,6 +149,8 @@ def trace_shape(step) -> TraceShape:
         else tuple(_pieces(step.grad_terms()[0].bytes, params, per_parameter)),
         per_block=len(counts),
         grads_after_forward=step.job.train.zero_grad == "after-forward",
+        logits_held=any(x.name.startswith("logits") for x in groups.get("outputs.held", [])),
+        cache=_sizes([x for x in groups.get("outputs.held", []) if x.name.startswith("KV cache")]),
         optimizer_step=tuple(
             n
             for x in groups["optimizer.step"]
@@ -196,6 +203,7 @@ def shape_trace(shape: TraceShape, *, steps: int = 2) -> list[Event]:
     for sizes in shape.states:
         allocs(sizes)
     stale: list[int] = []  # the step before's gradients, under Lightning's zero_grad order
+    outputs: list[int] = []  # the step before's held outputs, until this forward returns
     for _ in range(steps):
         held = allocs(shape.forward)
         kept = []
@@ -212,11 +220,11 @@ def shape_trace(shape: TraceShape, *, steps: int = 2) -> list[Event]:
         outside = allocs(shape.outside)
         logits = allocs(shape.logits)
         free(allocs(shape.loss_forward))
-        free(stale)  # zero_grad after the forward (Lightning's closure)
-        stale = []
+        free(stale + outputs)  # zero_grad after the forward (Lightning's closure); the step before's outputs
+        stale, outputs = [], (logits if shape.logits_held else [])
         if not shape.logits_to_loss:
             free(logits)
-        free(allocs(shape.loss_backward) + (logits if shape.logits_to_loss else []) + outside)
+        free(allocs(shape.loss_backward) + (logits if shape.logits_to_loss and not outputs else []) + outside)
         grads: list[int] = []
         previous = []
         reducing: list[int] = []
@@ -236,6 +244,7 @@ def shape_trace(shape: TraceShape, *, steps: int = 2) -> list[Event]:
         free(previous, on_compute)
         free(reducing, on_reduce)
         free(block_buffers + held)
+        outputs += allocs(shape.cache)  # the keys and values the blocks' backward would have freed
         grads += allocs(grad_pieces[L * per_block :])
         append(sync_compute)
         append(sync_reduce)

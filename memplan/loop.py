@@ -17,7 +17,7 @@ from .csvtables import read_table
 from .errors import InputError, MemplanError
 from .settings import check_choice, check_choices, check_positive, setting, show
 
-LOGITS = ("kept", "freed")
+LOGITS = ("kept", "freed", "held")
 LOSSES = ("ce", "chunked-ce", "fused-linear-ce", "cce-compile")
 AC_POLICIES = ("none", "selective", "op", "full")
 ZERO_GRADS = ("none", "zeros", "after-forward")
@@ -31,7 +31,10 @@ class Loop:
     logits: str = setting("kept", choices=LOGITS)
     """kept: the caller still holds the model output when backward starts
     (``out = model(x); out.loss.backward()``); freed: it was dropped before backward
-    (HF Trainer's compute_loss, torchtitan's ``del pred``, torchtune's ``del logits``)."""
+    (HF Trainer's compute_loss, torchtitan's ``del pred``, torchtune's ``del logits``); held:
+    kept, and still held through the optimizer step and the next step's forward (``for batch in
+    data: outputs = model(**batch); ...; optimizer.step()``: the name is rebound when the next
+    forward returns; accelerate's README loop, most tutorials)."""
     loss: str = setting("ce", choices=LOSSES)
     """ce: cross-entropy on logits upcast to fp32; chunked-ce: torchtune's
     CEWithChunkedOutputLoss (logits in chunks, each upcast inside the loss);

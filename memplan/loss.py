@@ -20,6 +20,7 @@ import math
 
 from .activations import Saved, fp32_logits, head_outputs, shapes
 from .activations import loss_saved as ce_saved
+from .errors import MemplanError
 from .loop import Loop
 from .specs import ModelSpec, TrainSpec
 
@@ -40,7 +41,7 @@ def logits_live(model: ModelSpec, train: TrainSpec, loop: Loop, *, instant: str)
     own backward has run (measured); cut-cross-entropy's compiled graph likewise (cce-compile)."""
     assert instant in INSTANTS, instant
     x = shapes(model, train)
-    held = instant == "forward" or loop.logits == "kept" or (instant == "loss" and loop.compile)
+    held = instant == "forward" or loop.logits != "freed" or (instant == "loss" and loop.compile)
     if loop.loss == "cce-compile":  # inside its compiled graph, which saves them; no caller sees them
         held = instant != "block"
     if loop.loss == "fused-linear-ce" or not held:
@@ -49,6 +50,49 @@ def logits_live(model: ModelSpec, train: TrainSpec, loop: Loop, *, instant: str)
     rows, cols, formula = head_outputs(model, x)  # an encoder's classifier: b·N
     size = 4 if fp32_logits(model, train, x) else x.c  # activations.model_saved's logits term
     return [Saved(f"logits (at {instant}{chunks})", f"{size}·{formula}", size * rows * cols)]
+
+
+def outputs_held(model: ModelSpec, train: TrainSpec, loop: Loop) -> list[Saved]:
+    """What the caller's outputs hold from the end of backward until the next step's forward
+    returns where the loop holds them (logits held: ``outputs = model(**batch)`` rebinds the name
+    only when that forward returns): the logits (``logits_live``), and with ``use_cache`` the
+    DynamicCache. Measured: validation.outputs_kept (the optimizer step and the next forward
+    each carry them)."""
+    if loop.logits != "held":
+        return []
+    logits = [
+        Saved(f"{s.name.replace('at block', 'held by the outputs')}", s.formula, s.bytes)
+        for s in logits_live(model, train, loop, instant="block")
+    ]
+    return logits + kv_cache(model, train)
+
+
+def kv_cache(model: ModelSpec, train: TrainSpec) -> list[Saved]:
+    """transformers' DynamicCache of a forward with ``use_cache=True`` (cache_utils.py
+    DynamicLayer.update: ``torch.cat([self.keys, key_states], dim=-2)``, a copy of each layer's
+    keys and values, b·s·kv each). Under gradient checkpointing transformers turns the cache off
+    (utils/generic.py merge_with_config_defaults, modeling_layers.py GradientCheckpointingLayer:
+    "use_cache=True is incompatible with gradient checkpointing"): none under full AC. Under
+    autocast the keys are fp32: the rotary embedding's cos and sin come in the hidden states'
+    dtype (fp32 parameters) and ``q·cos`` promotes (models/llama/modeling_llama.py
+    apply_rotary_pos_emb), the values stay in the compute dtype."""
+    if not train.use_cache or train.activation_checkpointing == "full":
+        return []
+    if model.arch not in ("llama", "gpt2", "neox") or model.mla:
+        what = f"{model.name} ({'mla' if model.mla else model.arch})"
+        raise MemplanError(
+            lambda n: (
+                f"{n('use_cache')} is modelled for decoders with one key and value per layer (llama, gpt2, "
+                f"neox), not for {what}"
+            )
+        )
+    x = shapes(model, train)
+    keys = 4 if x.autocast and model.arch in ("llama", "neox") else x.c
+    L, tokens = model.num_layers, x.b * x.s
+    return [
+        Saved("KV cache keys (held by the outputs)", f"{keys}·L·b·s·kv", keys * L * tokens * x.kv),
+        Saved("KV cache values (held by the outputs)", f"{x.c}·L·b·s·kv", x.c * L * tokens * x.kv),
+    ]
 
 
 def _chunk_rows(seq: int, chunks: int) -> list[int]:

@@ -172,6 +172,10 @@ class TrainingRequest(LoopSettings, _Step):
     dora: bool | None = setting(None, default_help="off")
     """peft's DoRA (``LoraConfig(use_dora=True)``) on the adapters: a trained magnitude per output
     feature rescaling each adapted linear (finetune lora only)."""
+    use_cache: bool | None = setting(None, default_help="off")
+    """Hugging Face's ``use_cache=True`` (its configs' default; off under full AC, which transformers
+    turns it off for) in a loop that holds its outputs (logits held): the outputs also hold every
+    layer's keys and values until the next forward returns."""
 
     def __post_init__(self):
         given = [k for k in _LORA if getattr(self, k) is not None]
@@ -222,7 +226,7 @@ _LOOP = tuple(f.name for f in fields(LoopSettings))
 _LORA = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
 """The TrainingRequest fields of the adapters, None where not given (TrainSpec's defaults); dora
 and qlora_double_quant are each one mode's (``specs.tuning`` and ``__post_init__`` check them)."""
-_UNSET = ("seq_len", *_LORA, "dora", "qlora_double_quant")
+_UNSET = ("seq_len", *_LORA, "dora", "qlora_double_quant", "use_cache")
 """The TrainingRequest fields None where not given: TrainSpec's defaults (seq_len: see ``inputs``)."""
 
 

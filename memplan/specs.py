@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from .errors import InputError, MemplanError
 from .layout import Layout, check_layout
-from .loop import AC_POLICIES, Loop
+from .loop import AC_POLICIES, Loop, loss_in_model
 from .settings import check_choice as _check_choice
 from .settings import check_positive as _check_positive
 from .strategies import STRATEGIES
@@ -634,6 +634,9 @@ class TrainSpec:
     kv_copies: bool | None = None
     """Whether the model's attention copies k and v to every query head before attention;
     None: as the recipe's model does (``loop.kv_copies``: torchtune's)."""
+    use_cache: bool = False
+    """Hugging Face's ``use_cache=True`` (its configs' default) in a loop whose outputs are held
+    (logits held): the outputs also hold the DynamicCache, every layer's keys and values."""
     # what is trained (``Tuning``, whose docstrings say what each does)
     finetune: str = "full"
     lora_rank: int = 8
@@ -650,6 +653,7 @@ class TrainSpec:
         _check_choice(self.activation_checkpointing, AC_POLICIES, "activation checkpointing")
         self.loop  # noqa: B018 -- the loop's conventions checked
         self.tuning  # noqa: B018 -- the fine-tuning mode checked
+        _check_use_cache(self)
         _check_choice(self.attention, ATTENTIONS, "attention")
         if self.kv_copies not in (None, True, False):
             raise MemplanError(f"kv_copies must be true, false or unset, got {self.kv_copies!r}")
@@ -697,6 +701,35 @@ class TrainSpec:
     @property
     def tokens_per_micro_batch(self) -> int:
         return self.seq_len * self.micro_batch
+
+
+def _check_use_cache(train: TrainSpec) -> None:
+    """use_cache means something where a Hugging Face model's outputs outlive the step: logits held
+    under a recipe whose model is a transformers one (recipes.csv loss_in_model)."""
+    if not isinstance(train.use_cache, bool):
+        raise InputError(
+            lambda n: f"{n.word('use_cache')} must be true or false, got {train.use_cache!r}",
+            field="use_cache",
+            value=train.use_cache,
+            accepted="true or false",
+        )
+    if not train.use_cache:
+        return
+    if train.logits != "held":
+        field, value = "logits", train.logits
+    elif not loss_in_model(train.recipe):
+        field, value = "recipe", train.recipe
+    else:
+        return
+    raise InputError(
+        lambda n: (
+            f"{n('use_cache')} applies to {n('logits')} held under a Hugging Face recipe (plain, hf-trainer, "
+            f"accelerate: the held outputs keep the KV cache), got {n(field)} {value}"
+        ),
+        field="use_cache",
+        value=True,
+        accepted="logits held, recipe plain, hf-trainer or accelerate",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

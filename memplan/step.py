@@ -488,6 +488,7 @@ class Step(Quantities):
                 t for t in outside if t.key != "logits" and t.name != "autocast head weight copy"
             ],
             **{f"logits.{i}": held[i] for i in loss.INSTANTS},
+            "outputs.held": _terms(A, loss.outputs_held(model, train, loop), "outputs.held"),
             "loss.forward": _terms(A, loss_fwd, "loss.forward"),
             "loss.backward": _terms(A, loss_bwd, "loss.backward"),
             "block.backward.last": self.transient_terms(last),
@@ -743,9 +744,14 @@ class Step(Quantities):
         ]
 
     def _groups_of(self, moment: MomentSpec) -> tuple[str, ...]:
+        groups = moment.groups
+        if self.job.train.logits == "held" and moment.phase in ("forward", "optimizer"):
+            # the caller's outputs live through the optimizer step and the next step's forward
+            # (measured: validation.outputs_kept)
+            groups = (*groups, "outputs.held")
         if moment.phase != "forward" or self.job.train.zero_grad != "after-forward":
-            return moment.groups
-        return tuple("grads.previous" if g == "grads.carried" else g for g in moment.groups)
+            return groups
+        return tuple("grads.previous" if g == "grads.carried" else g for g in groups)
 
     def host_terms(self) -> list[Term]:
         """Host RAM per GPU for what is offloaded."""

@@ -163,7 +163,12 @@ def train_flags(draw, info: dict, *, fixed_ac: bool = False) -> list[str]:
     flags += ac
     if ac and ac[1] != "none":
         flags += _maybe(draw, "--ac-every", st.integers(1, 3), 0.2)
-    flags += _maybe(draw, "--logits", loop.LOGITS, 0.2)
+    logits = _maybe(draw, "--logits", loop.LOGITS, 0.2)
+    flags += logits
+    if logits and logits[1] == "held":  # drawn beside held mostly, where it means something
+        flags += _toggle(draw, "use-cache", 0.5)
+    else:
+        flags += _toggle(draw, "use-cache", 0.03)
     flags += _maybe(draw, "--loss", loop.LOSSES, 0.3)
     flags += _maybe(draw, "--loss-chunks", st.sampled_from([4, 8, 16]), 0.1)
     for flag in ("compile", "float8", "offload-activations", "optimizer-in-backward"):

@@ -771,6 +771,7 @@ def loop_job(record: dict) -> Job:
         offload_activations=loop["offload_activations"],
         optimizer_in_backward=loop["optimizer_in_backward"],
         zero_grad=loop.get("zero_grad", "none"),
+        use_cache=loop.get("use_cache", False),
         recipe=loop["recipe"],
         # Hugging Face blocks under a framework's loop: sdpa's own grouped-query path, no k/v copies
         kv_copies=None if record["hf_model_type"].startswith("torchtune") else False,

@@ -258,6 +258,12 @@ class RankStep(Step):
         groups = super().activation_groups()
         pre, _post = model_saved(self.job.model, self.job.train)
         before = {s.name for s in pre}
+        # held outputs: the logits on the last stage; the KV cache of the stage's own blocks (its
+        # job's layers), each rank's local heads and 1/cp of the sequence (modelled as the blocks'
+        # saved k and v are; measured on data-parallel jobs only: validation.outputs_kept)
+        cache = [t for t in groups["outputs.held"] if t.name.startswith("KV cache")]
+        logits = [t for t in groups["outputs.held"] if t not in cache] if self.stage.last else []
+        groups["outputs.held"] = tensor.shard_saved(logits + cache, self.layout)
         for key in groups:
             if key in _OUTSIDE or key.startswith("logits."):
                 kept = [t for t in groups[key] if (self.stage.first if t.name in before else self.stage.last)]

@@ -48,6 +48,8 @@ HEADS = (
     "fused qkv projection output",
     "gate projection output",
     "up projection output",
+    # a held output's KV cache (loss.kv_cache): the column-parallel k and v's local heads
+    "KV cache",
 )
 """Saved by or after a column-parallel linear: local heads, a 1/tp slice of the MLP width, and the
 weight copies autocast makes of sharded weights."""

@@ -25,14 +25,16 @@ def inputs_dict(choice: ModelChoice, est: Estimate) -> dict:
     if not job.model.fused_projections:  # added later: a JSON report states it where it is set
         del model["fused_projections"]
     model["num_params"] = job.model.num_params
+    train = {k: getattr(job.train, k) for k in job.train.__dataclass_fields__ if k not in FINETUNE_FIELDS}
+    if not job.train.use_cache:  # added later: a JSON report states it where it is set
+        del train["use_cache"]
     loop = in_force(job.train)
     return {
         "model": model,
         "model_source": choice.source,
         "assumed_architecture": choice.assumed,
         "assumptions": list(choice.assumptions),
-        "train": {k: getattr(job.train, k) for k in job.train.__dataclass_fields__ if k not in FINETUNE_FIELDS}
-        | finetune_inputs(job),
+        "train": train | finetune_inputs(job),
         "cluster": {k: getattr(job.cluster, k) for k in job.cluster.__dataclass_fields__},
         "loop": [asdict(c) for c in loop.conventions + loop.elsewhere],
         **({} if job.layout.is_data_parallel else {"layout": {**job.layout.as_dict(), "dp": job.dp}}),
