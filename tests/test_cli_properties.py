@@ -499,12 +499,18 @@ def _monotone(args: list[str], flag: str, larger) -> None:
     assume(small is not None and big is not None)
     assert small and big
     assume(_stash_blocks(small) <= _stash_blocks(big))
-    a, b = small["estimates"][0]["bytes"], big["estimates"][0]["bytes"]
+    a, b = _most_allocated(small), _most_allocated(big)
     # allocated, the tensors: the caching allocator's replayed reserved may hold a few MiB less for
     # more (a different split of its segments), so it is not held to this
-    assert b["allocated"] >= a["allocated"], (
-        f"{flag} {value} -> {larger(value)}: allocated {a['allocated']:,} -> {b['allocated']:,}"
-    )
+    assert b >= a, f"{flag} {value} -> {larger(value)}: allocated {a:,} -> {b:,}"
+
+
+def _most_allocated(out: dict) -> int:
+    """The tensors of the rank holding most: under pipeline stages the estimate reports the worst stage
+    by total (reserved included), so a larger job's report may be another stage's, holding fewer
+    tensors (found: --cp 2 --pp 4 zero2, seq 512 → 1024, stage 0 then stage 3); no stage holds less."""
+    est = out["estimates"][0]
+    return max((stage["allocated"] for stage in est.get("stages") or ()), default=est["bytes"]["allocated"])
 
 
 @examples(150)
