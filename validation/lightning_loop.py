@@ -148,7 +148,7 @@ def _strategy(case: dict):
             finally:
                 fsdp.FullyShardedDataParallel = real
 
-    blocks = {LlamaDecoderLayer}
+    blocks: set[type[torch.nn.Module]] = {LlamaDecoderLayer}
     return CpuFSDPStrategy(
         auto_wrap_policy=blocks if case["wrap"] == "blocks" else None,
         activation_checkpointing_policy=blocks if case["ac"] else None,
