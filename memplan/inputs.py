@@ -191,12 +191,12 @@ def build_jobs(request: Request | None = None, /, **inputs) -> tuple[ModelChoice
     )
     train, context = _default_seq_len(choice.spec, train, given=request.training.seq_len is not None)
     train, quantized = _checkpoint_quantization(request, choice, train)
-    choice = replace(choice, assumptions=context + quantized + _gpu_alias(c.gpu))
     layout = request.layout.spec()
     ids = strategies_for(plan.strategy, plan.offload, layout.dp(cluster.gpus))
     if plan.strategy == "all":  # expert parallel composes with FSDP only
         ids = [s for s in ids if allows_ep(STRATEGIES[s], plan.ep)]
-    choice = replace(choice, assumptions=choice.assumptions + _lightning_units(train.recipe, ids, plan.fsdp_wrap))
+    lightning = _lightning_units(train.recipe, ids, plan.fsdp_wrap)
+    choice = replace(choice, assumptions=context + quantized + _gpu_alias(c.gpu) + lightning)
     if not ids:
         raise InputError(
             f"no strategy supports offload {plan.offload!r}",

@@ -508,7 +508,8 @@ def one_unit_groups(step) -> dict[str, list[Term]]:
     flat parameter's gradient, the reduce-scatter's input, while they are still live (``ROOT_BACKWARD``:
     the gathered model, its gradients twice, the sharded states; measured: the lightning_loop one-unit
     cases at one micro-batch of 64 tokens, fp32 4.50 and bf16-mixed 3.00 units of 4·P, their peak
-    here). A tied embedding's two gradients are summed there too, as ``root_grad_groups`` counts them."""
+    here). A tied embedding's weight gets two gradients, the head's and its own, summed in that buffer:
+    one more V·h counted beside its gradient (not measured: the one-unit cases are untied)."""
     model, L = step.job.model, step.job.model.num_layers
     tied = step.vocab_params() if model.tied_embeddings else 0
     groups = {
