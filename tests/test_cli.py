@@ -132,6 +132,17 @@ def test_console_script_exits_2_without_traceback():
     assert proc.stderr.strip().startswith("Error:") and "Traceback" not in proc.stderr
 
 
+def test_console_script_flushes_its_whole_output_before_it_ends():
+    """``cli.run`` ends the process without tearing its heap down: what it printed must all arrive,
+    with main's exit code, and a reader that leaves early gets no traceback."""
+    args = [sys.executable, "-m", "memplan.cli", "estimate", "--model", "gpt2", "--gpus", "2", "--format", "json"]
+    proc = subprocess.run(args, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert json.loads(proc.stdout)["estimates"]
+    head = subprocess.run(f"{' '.join(args)} | head -c 10", shell=True, capture_output=True, text=True)
+    assert len(head.stdout) == 10 and "Traceback" not in head.stderr
+
+
 def test_the_table_names_rows_whose_framework_has_no_built_in_form_of_the_precision():
     mixed = run("estimate", "--params", "1e9", "--gpus", "1", "--gpu-mem", "80")
     assert "single and ddp have no built-in mixed-bf16: the row is what it would take" in mixed.output

@@ -166,6 +166,47 @@ def test_405b_on_512_h100_gets_a_layout_that_fits():
     assert not pick.best.job.layout.is_data_parallel
 
 
+def _every_setting_tried(job, link):
+    """The layout search's pick by its definition: every layout and strategy's settings tried in
+    order, each confirmed (replayed), the first that fits its option, the least by rank the pick."""
+    from memplan.decide import layouts
+
+    fitting = []
+    for layout in layouts._layouts(job):
+        for strategy in layouts.DP_STRATEGIES:
+            if strategy == "fsdp-hybrid-shard" and job.cluster.num_nodes == 1:
+                continue
+            for i, (ac, micro) in enumerate(layouts._settings()):
+                option = layouts._option(layouts._with(job, layout, strategy, ac, micro), link)
+                if option.fits and i > 0:
+                    fitting.append(option)
+                if option.fits == (i > 0):
+                    break
+    return min(fitting, key=layouts._rank, default=None)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"model": "llama-3.1-8b", "gpus": 16, "seq_len": 4096, "gpu": "a100-40gb"},
+        {"model": "qwen2.5-14b", "gpus": 8, "seq_len": 8192, "gpu": "l40s"},
+        {"model": "llama-3.1-70b", "gpus": 16, "seq_len": 32768, "gpu": "a100-80gb"},
+    ],
+)
+def test_the_layout_search_bounds_then_confirms_to_the_pick_every_setting_gives(flags):
+    """``search_layouts`` replays only the groups that could beat its pick: the same pick as
+    trying (replaying) every setting."""
+    from memplan.decide.layouts import search_layouts
+    from memplan.inputs import build_jobs
+    from memplan.throughput import link_for
+
+    _, jobs = build_jobs(strategy="fsdp-full-shard", **flags)
+    link = link_for(jobs[0])
+    reference = _every_setting_tried(jobs[0], link)
+    pick = search_layouts(jobs[0], link).best
+    assert (pick and pick.job) == (reference and reference.job)
+
+
 def _installed_source(module: str):
     """A module's source parsed, without importing it (torch and torchtitan take seconds to import)."""
     import ast

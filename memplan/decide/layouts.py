@@ -56,13 +56,12 @@ class LayoutOption:
 @dataclass(frozen=True, kw_only=True)
 class LayoutPick:
     """The search's result: the pick (None: nothing fits), the data-parallel baseline it beat
-    and how many layouts were searched and fit."""
+    and how many settings were weighed."""
 
     best: LayoutOption | None
     data_parallel: LayoutOption
     """The least memory data parallel alone needs (FSDP over every GPU, full AC, micro-batch 1)."""
     searched: int
-    fitting: int
 
     def reasons(self) -> list[str]:
         """Why the pick, in numbers."""
@@ -97,7 +96,7 @@ class LayoutPick:
                 f"{getattr(best.estimate, 'worst_stage', 0)} at {best.estimate.total_bytes / gib:.1f} GiB"
             )
         lines.append(
-            f"fastest of {self.fitting} fitting layouts among {self.searched} searched that keep "
+            f"the fastest of {self.searched} layouts searched that keeps "
             f"{default('safe_headroom_fraction'):.0%} of the memory free: "
             f"{best.step.tokens_per_s:,.0f} tokens/s per GPU predicted"
         )
@@ -196,37 +195,74 @@ def _with(job: Job, layout: Layout, strategy: str, ac: str, micro: int) -> Job:
     )
 
 
+@dataclass(frozen=True)
+class _Group:
+    """One layout and data-parallel strategy of the search: its settings in the order tried,
+    from the first whose bound fits (none fits before it; none at all where even the least
+    memory's bound does not fit)."""
+
+    order: int
+    least: LayoutOption
+    """AC full at micro-batch 1: where it does not fit, the group has no option."""
+    candidates: tuple[LayoutOption, ...]
+    weighed: int
+    """How many settings the bound weighed."""
+
+    @cached_property
+    def most_tokens_per_s(self) -> float:
+        """No option of the group is faster (its pick is one of the candidates)."""
+        return max(o.step.tokens_per_s for o in self.candidates)
+
+    def pick(self) -> LayoutOption | None:
+        """The first setting that fits, where the least-memory one does."""
+        if not self.candidates or not self.least.fits:
+            return None
+        return next(o for o in self.candidates if o.fits)
+
+
+def _group(job: Job, layout: Layout, strategy: str, link: Link, order: int = 0) -> _Group:
+    """A layout and strategy's settings walked by the bound (no replay)."""
+    jobs = [_with(job, layout, strategy, ac, micro) for ac, micro in _settings()]
+    least = _option(jobs[0], link)
+    if not _bound_fits(least.job):
+        return _Group(order, least, (), 1)
+    # the last setting is the least-memory one again: its bound fits
+    first = next(i for i in range(1, len(jobs)) if _bound_fits(jobs[i]))
+    return _Group(order, least, tuple(_option(j, link) for j in jobs[first:]), 1 + first)
+
+
 def best_of_layout(job: Job, layout: Layout, link: Link) -> tuple[LayoutOption | None, LayoutOption]:
     """One layout under ``job``'s strategy, its AC and micro-batch searched as ``search_layouts``
     does: the fastest setting that fits (None: none does) and the least-memory one."""
-    smallest = _option(_with(job, layout, job.plan.strategy, "full", 1), link)
-    if not smallest.fits:
-        return None, smallest
-    for ac, micro in _settings()[1:]:
-        option = _option(_with(job, layout, job.plan.strategy, ac, micro), link)
-        if option.fits:
-            return option, smallest
-    return smallest, smallest
+    group = _group(job, layout, job.plan.strategy, link)
+    return group.pick(), group.least
 
 
 @lru_cache(maxsize=64)
 def search_layouts(job: Job, link: Link) -> LayoutPick:
     """Every layout of ``_layouts`` × ``DP_STRATEGIES`` × ``AC_SEARCHED`` × ``MICRO_BATCHES``; for
-    each layout and strategy the AC and micro-batch are searched from the cheapest recompute
-    and the largest batch down, stopping at the first that fits (the fastest of that layout).
-    Cached: ``recommend`` asks whether the pick wins, then prints it."""
-    fitting, searched = [], 0
+    each layout and strategy the AC and micro-batch are tried from the cheapest recompute and
+    the largest batch down, and the first that fits is that layout's option; the pick is the
+    least of them by ``_rank``. Bound, then confirm: the settings are walked by the bound (no
+    replay), and the groups are confirmed (replayed) from the fastest any of their settings
+    could be, until none left could beat a pick with the safe margin free. Cached:
+    ``recommend`` asks whether the pick wins, then prints it."""
+    groups: list[_Group] = []
+    searched = 0
     for layout in _layouts(job):
         for strategy in DP_STRATEGIES:
             if strategy == "fsdp-hybrid-shard" and job.cluster.num_nodes == 1:
                 continue
-            for i, (ac, micro) in enumerate(_settings()):
-                searched += 1
-                option = _option(_with(job, layout, strategy, ac, micro), link)
-                if option.fits and i > 0:
-                    fitting.append(option)
-                if option.fits == (i > 0):
-                    break
-    best = min(fitting, key=_rank, default=None)
+            group = _group(job, layout, strategy, link, len(groups))
+            searched += group.weighed
+            if group.candidates:
+                groups.append(group)
+    best, best_key = None, None
+    for group in sorted(groups, key=lambda g: -g.most_tokens_per_s):
+        if best_key is not None and not best_key[0] and group.most_tokens_per_s < -best_key[1]:
+            break  # neither it nor any after it is as fast as a pick with the margin free
+        option = group.pick()
+        if option is not None and (best_key is None or (*_rank(option), group.order) < best_key):
+            best, best_key = option, (*_rank(option), group.order)
     baseline = _option(_with(job, Layout(), "fsdp-full-shard", "full", 1), link)
-    return LayoutPick(best=best, data_parallel=baseline, searched=searched, fitting=len(fitting))
+    return LayoutPick(best=best, data_parallel=baseline, searched=searched)

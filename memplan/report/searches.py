@@ -48,7 +48,6 @@ def render_layout_pick(choice: ModelChoice, pick, launch: str | None, fmt: str) 
             "tokens_per_s_per_gpu": None if best is None else best.step.tokens_per_s,
             "step_s": None if best is None else best.step.step_s,
             "searched": pick.searched,
-            "fitting": pick.fitting,
             "reasons": pick.reasons(),
             "launch": launch,
         }
