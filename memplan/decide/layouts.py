@@ -11,7 +11,7 @@ from functools import cached_property, lru_cache
 from ..breakdown import Estimate
 from ..layout import Layout
 from ..overheads import fixed_terms
-from ..parallel.step import worst_estimate
+from ..parallel.step import worst_candidates
 from ..specs import Job
 from ..throughput import Link, StepTime, bubble_fraction, default, step_time
 from ..totals import final, fits
@@ -137,9 +137,9 @@ def _layouts(job: Job) -> list[Layout]:
 
 def _bound_fits(job: Job) -> bool:
     """The worst rank's allocated peak and the overheads outside the allocator fit: without it,
-    nothing does (``totals.bound``, from the three ranks ``worst_estimate`` weighs)."""
-    est = worst_estimate(job)
-    return est.allocated_bytes + sum(t.bytes for t in fixed_terms(job)) <= est.usable_bytes
+    nothing does (``totals.bound``, on the ranks ``worst_candidates`` weighs)."""
+    room = job.cluster.usable_bytes - sum(t.bytes for t in fixed_terms(job))
+    return all(est.allocated_bytes <= room for est in worst_candidates(job))
 
 
 def _option(job: Job, link: Link) -> LayoutOption:

@@ -72,21 +72,63 @@ class Reason:
 
 @dataclass(frozen=True, kw_only=True)
 class Recommendation:
-    """What ``recommend_job`` found: the pick (or none), and every why as data."""
+    """What ``recommend_job`` found: the pick (or none), and every why as data. The reasons, the
+    rules' verdicts and the fixes are found when first read (a caller that needs only the pick,
+    such as ``estimate``'s summary or a layout that beats it, replays none of their options)."""
 
+    job: Job
+    """The job asked about."""
     priority: str
     basis: Basis
     best: Option | None
     """None: nothing fits; see ``fixes``."""
-    reasons: tuple[Reason, ...]
-    rules: tuple[RuleVerdict, ...]
-    fixes: tuple[Fix, ...]
     options: tuple[Option, ...]
     """Every option evaluated (the best micro-batch of each combination)."""
+    fitting: Sequence[Option]
+    """The options that fit, best first (``options.Ranked``: confirmed as read)."""
+    fixed: tuple[tuple[str, object], ...] = ()
+    """The axes given explicitly (options.AXES) and their values; the others were searched."""
     searched: tuple[str, ...] | None = None
     """The strategies the search was restricted to (None: all that run on the GPUs)."""
-    fixed_axes: tuple[str, ...] = ()
-    """The axes given explicitly (options.AXES); the others were searched."""
+
+    @property
+    def fixed_axes(self) -> tuple[str, ...]:
+        return tuple(axis for axis, _ in self.fixed)
+
+    @cached_property
+    def rules(self) -> tuple[RuleVerdict, ...]:
+        """The verdicts of the documented rules that match the job."""
+        job, fixed = self.job, dict(self.fixed)
+        size, ddp_fits = size_class(job.model.num_params), _ddp_fits(job, fixed, list(self.options), self.basis)
+        judged = (
+            judge(r, list(self.options), self.best, job, self.basis, self.priority, fixed)
+            for r in rules()
+            if r.matches(
+                params=size,
+                gpu_mem_gib=job.cluster.gpu_mem_bytes / GIB,
+                gpus=job.cluster.gpus,
+                nodes=job.cluster.num_nodes,
+                priority=self.priority,
+                ddp_fits=ddp_fits,
+            )
+        )
+        return tuple(v for v in judged if v is not None)
+
+    @cached_property
+    def reasons(self) -> tuple[Reason, ...]:
+        fixed = dict(self.fixed)
+        reasons = _reasons(self.best, self.fitting, list(self.options), self.priority, self.basis, fixed, self.searched)
+        skipped = skipped_jobs(self.job, fixed, self.searched)
+        if skipped:
+            reasons += (Reason(code="skipped", num_options=len(skipped), why=skipped[0]),)
+        return reasons
+
+    @cached_property
+    def fixes(self) -> tuple[Fix, ...]:
+        """Where nothing fits, the single changes that would make it fit."""
+        if self.best is not None:
+            return ()
+        return tuple(fixes(self.job, dict(self.fixed), self.priority, self.basis, self.searched))
 
     @cached_property
     def rejected(self) -> tuple[Rejected, ...]:
@@ -187,36 +229,15 @@ def recommend_job(
         skipped = skipped_jobs(job, fixed, allowed)
         raise MemplanError(f"nothing to search: {skipped[0] if skipped else 'no strategy runs these settings'}")
     fitting = ranked(options, priority)
-    best = fitting[0] if fitting else None
-    size, ddp_fits = size_class(job.model.num_params), _ddp_fits(job, fixed, options, basis)
-    judged = (
-        judge(r, options, best, job, basis, priority, fixed)
-        for r in rules()
-        if r.matches(
-            params=size,
-            gpu_mem_gib=job.cluster.gpu_mem_bytes / GIB,
-            gpus=job.cluster.gpus,
-            nodes=job.cluster.num_nodes,
-            priority=priority,
-            ddp_fits=ddp_fits,
-        )
-    )
-    verdicts = tuple(v for v in judged if v is not None)
-    reasons = _reasons(best, fitting, options, priority, basis, fixed, allowed)
-    skipped = skipped_jobs(job, fixed, allowed)
-    if skipped:
-        reasons += (Reason(code="skipped", num_options=len(skipped), why=skipped[0]),)
-    found = tuple(fixes(job, fixed, priority, basis, allowed)) if best is None else ()
     return Recommendation(
+        job=job,
         priority=priority,
         basis=basis,
-        best=best,
-        reasons=reasons,
-        rules=verdicts,
-        fixes=found,
+        best=fitting[0] if fitting else None,
         options=tuple(options),
+        fitting=fitting,
+        fixed=tuple(fixed.items()),
         searched=allowed,
-        fixed_axes=tuple(fixed),
     )
 
 

@@ -5,7 +5,7 @@ arithmetic disagree, the arithmetic decides and the verdict says so."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import cache
+from functools import cache, cached_property
 
 from .. import catalog
 from ..errors import MemplanError
@@ -138,12 +138,16 @@ class RuleVerdict:
     metric: str
     """relative_to_ddp | ac_relative_throughput | total_bytes | extra_memory_fraction | slower_fraction
     | tp_exposed_fraction (TP's exposed seconds over compute) | bubble_fraction"""
-    value: float
+    measured: float | None = None
+    """``value`` where the judging found it; None: does_not_fit, whose least total is found
+    (replayed) only when read (``estimate``'s summary counts verdicts and reads none)."""
     unit: str
     """x (a ratio), bytes or fraction"""
     tolerance: float | None = None
-    option: Option | None = None
-    """recommend: the rule's own best option that fits (its smallest, when none does)."""
+    chosen: Option | None = None
+    """recommend: the rule's own best option that fits (``option``)."""
+    none_fit: tuple[Option, ...] = ()
+    """does_not_fit: the rule's options, none of which fits (``option``: their smallest)."""
     versus: Option | None = None
     """more_memory, slower: the pick it is compared with."""
     strategy: str | None = None
@@ -153,6 +157,20 @@ class RuleVerdict:
     interconnect: str | None = None
     layout: LayoutOption | None = None
     """recommend-layout, tp-cost, pp-bubble: the layout the verdict is about, estimated and timed."""
+
+    @cached_property
+    def option(self) -> Option | None:
+        """recommend: the rule's own best option that fits (its smallest, when none does)."""
+        return smallest(list(self.none_fit)) if self.none_fit else self.chosen
+
+    @cached_property
+    def value(self) -> float:
+        if self.measured is not None:
+            return self.measured
+        if self.layout is not None:  # recommend-layout, does_not_fit: the least-memory setting's total
+            return self.layout.estimate.total_bytes
+        assert self.option is not None, "a does_not_fit verdict has its options"
+        return self.option.total_bytes
 
     @property
     def claimed_low(self) -> float | None:
@@ -172,7 +190,7 @@ def _claim_verdict(rule: Rule, measured: float, **fields) -> RuleVerdict:
         rule=rule,
         agrees=ok,
         code="within_claim" if ok else "outside_claim",
-        value=measured,
+        measured=measured,
         unit="x",
         tolerance=close,
         **fields,
@@ -224,15 +242,13 @@ def _judge_recommend(
         return None  # no option of the rule's under the user's choices (e.g. DDP with --offload all)
     fitting = ranked(candidates, priority)
     if not fitting:
-        least = smallest(candidates)
         return RuleVerdict(
             rule=rule,
             agrees=False,
             code="does_not_fit",
             metric="total_bytes",
-            value=least.total_bytes,
             unit="bytes",
-            option=least,
+            none_fit=tuple(candidates),
         )
     mine = fitting[0]
     if best is None or mine.key == best.key:
@@ -241,9 +257,9 @@ def _judge_recommend(
             agrees=True,
             code="best",
             metric="relative_to_ddp",
-            value=mine.relative_throughput,
+            measured=mine.relative_throughput,
             unit="x",
-            option=mine,
+            chosen=mine,
         )
     if priority == "memory":
         code, metric, value = "more_memory", "extra_memory_fraction", mine.total_bytes / best.total_bytes - 1
@@ -254,10 +270,10 @@ def _judge_recommend(
         agrees=value <= close,
         code=code,
         metric=metric,
-        value=value,
+        measured=value,
         unit="fraction",
         tolerance=close,
-        option=mine,
+        chosen=mine,
         versus=best,
     )
 
@@ -317,7 +333,6 @@ def _judge_layout(rule: Rule, best: Option | None, job: Job, basis: Basis) -> Ru
             agrees=False,
             code="does_not_fit",
             metric="total_bytes",
-            value=smallest.estimate.total_bytes,
             unit="bytes",
             layout=smallest,
         )
@@ -327,7 +342,7 @@ def _judge_layout(rule: Rule, best: Option | None, job: Job, basis: Basis) -> Ru
             agrees=True,
             code="best",
             metric="tokens_per_s",
-            value=mine.step.tokens_per_s,
+            measured=mine.step.tokens_per_s,
             unit="tokens/s",
             layout=mine,
             versus=best,
@@ -339,7 +354,7 @@ def _judge_layout(rule: Rule, best: Option | None, job: Job, basis: Basis) -> Ru
         agrees=value <= close,
         code="slower",
         metric="slower_fraction",
-        value=value,
+        measured=value,
         unit="fraction",
         tolerance=close,
         layout=mine,
@@ -370,7 +385,7 @@ def _judge_overhead(rule: Rule, ref: Job, basis: Basis) -> RuleVerdict | None:
         agrees=value > close,
         code="overhead_high" if value > close else "overhead_low",
         metric=metric,
-        value=value,
+        measured=value,
         unit="fraction",
         tolerance=close,
         layout=LayoutOption(job=job, step=basis.step(job)),

@@ -5,6 +5,7 @@ micro-batches its pipeline schedule keeps in flight and the pipeline's receive b
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -481,15 +482,15 @@ def estimate_layout(job: Job) -> LayoutEstimate:
     return _worst_of(job, ranks, range(len(ranks)))
 
 
-@lru_cache(maxsize=4096)
-def worst_estimate(job: Job) -> LayoutEstimate:
-    """The worst rank alone, for the layout search: among ranks 1 … pp−2 (no embedding, no head)
-    rank 1 holds the most, as it has the most micro-batches in flight under every schedule and
-    the earliest stages take the layers left over (``pipeline.split_layers``); so the worst is
-    rank 0, rank 1 or the last (tests/test_parallel.py checks it against ``estimate_layout``)."""
+def worst_candidates(job: Job) -> Iterator[Estimate]:
+    """The ranks one of which is the worst, estimated as they are read (the layout search stops
+    at the first that does not fit): among ranks 1 … pp−2 (no embedding, no head) rank 1 holds
+    the most, as it has the most micro-batches in flight under every schedule and the earliest
+    stages take the layers left over (``pipeline.split_layers``); so the worst is rank 0, rank 1
+    or the last (tests/test_parallel.py checks it against ``estimate_layout``)."""
     stages = pipeline.stages(job.layout, job.model.num_layers)
-    indices = sorted({0, min(1, len(stages) - 1), len(stages) - 1})
-    return _worst_of(job, tuple(_rank_estimate(job, stages[i]) for i in indices), indices)
+    for i in sorted({0, min(1, len(stages) - 1), len(stages) - 1}):
+        yield _rank_estimate(job, stages[i])
 
 
 def _worst_of(job: Job, ranks: tuple[Estimate, ...], indices) -> LayoutEstimate:
