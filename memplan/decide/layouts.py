@@ -222,13 +222,14 @@ class _Group:
 
 def _group(job: Job, layout: Layout, strategy: str, link: Link, order: int = 0) -> _Group:
     """A layout and strategy's settings walked by the bound (no replay)."""
-    jobs = [_with(job, layout, strategy, ac, micro) for ac, micro in _settings()]
-    least = _option(jobs[0], link)
+    settings = _settings()
+    least = _option(_with(job, layout, strategy, *settings[0]), link)
     if not _bound_fits(least.job):
         return _Group(order, least, (), 1)
     # the last setting is the least-memory one again: its bound fits
-    first = next(i for i in range(1, len(jobs)) if _bound_fits(jobs[i]))
-    return _Group(order, least, tuple(_option(j, link) for j in jobs[first:]), 1 + first)
+    first = next(i for i in range(1, len(settings)) if _bound_fits(_with(job, layout, strategy, *settings[i])))
+    rest = (_option(_with(job, layout, strategy, *s), link) for s in settings[first:])
+    return _Group(order, least, tuple(rest), 1 + first)
 
 
 def best_of_layout(job: Job, layout: Layout, link: Link) -> tuple[LayoutOption | None, LayoutOption]:
