@@ -9,35 +9,14 @@ more, measured here).
 """
 
 import compileall
-import resource
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from fresh import quote, reference_line
 
 MAIN_JOB = ["estimate", "--params", "13e9", "--gpus", "8", "--gpu-mem", "80"]
 CLI = [sys.executable, "-m", "memplan.cli"]
-
-
-def _children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def times_s(args) -> tuple[float, float]:
-    """Wall and CPU seconds of one fresh process running ``args``."""
-    cpu, start = _children_cpu_s(), time.perf_counter()
-    subprocess.run(CLI + args, check=True, capture_output=True)
-    return time.perf_counter() - start, _children_cpu_s() - cpu
-
-
-def _quote(args, runs: int) -> str:
-    wall, cpu = zip(*(times_s(args) for _ in range(runs)))
-    return (
-        f"median {statistics.median(wall):.3f} s wall (min {min(wall):.3f}, max {max(wall):.3f}), "
-        f"median {statistics.median(cpu):.3f} s CPU"
-    )
 
 
 def imported_modules(args) -> set[str]:
@@ -52,8 +31,10 @@ def imported_modules(args) -> set[str]:
 
 def main(runs: int = 10) -> None:
     compileall.compile_dir(str(Path(__file__).resolve().parent.parent / "memplan"), quiet=1)
-    print(f"memplan {' '.join(MAIN_JOB)}: {_quote(MAIN_JOB, runs)} over {runs} fresh processes")
-    print(f"memplan --version (interpreter + click start-up alone): {_quote(['--version'], runs)}")
+    print(reference_line())
+    print(f"memplan {' '.join(MAIN_JOB)}: {quote(CLI + MAIN_JOB, runs)[0]} over {runs} fresh processes")
+    print(f"memplan --version (interpreter + click start-up alone): {quote(CLI + ['--version'], runs)[0]}")
+    print(reference_line())
     heavy = {"torch", "pandas", "matplotlib", "transformers"} & imported_modules(MAIN_JOB)
     print(f"heavy modules imported by the main job: {sorted(heavy) or 'none'}")
 
