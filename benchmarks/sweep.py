@@ -1,13 +1,15 @@
 """Configurations per second of ``memplan.sweep`` on the grid of issue 11: 8 model sizes × 10 GPU
 counts × 5 micro-batches × 4 sequence lengths, every strategy; cold (the estimate and replay
 caches empty, as in a fresh process, the sweep's own per-group caches too) and warm (the same
-grid again), and the scalar estimate for comparison. Every row's total includes the replayed
+grid again), in one process and spread over the CPUs (``memplan.grid.default_processes``), and
+the scalar estimate for comparison. Every row's total includes the replayed
 reserved (one replay per configuration), as ``memplan.estimate``'s; ``sizes`` takes the first few
 model sizes only (a shorter run).
 
     python benchmarks/sweep.py [repeats] [sizes]
 """
 
+import resource
 import sys
 import time
 
@@ -25,37 +27,49 @@ GRID = dict(
 )
 
 
-def rate(repeats: int, clear: bool) -> tuple[int, float, float]:
-    """Rows and the best configurations per wall second and per CPU second of ``repeats`` sweeps
-    of GRID (the CPU rate is the one a loaded machine leaves nearly alone)."""
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its finished workers (the sweep's replay processes)."""
+    own, workers = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + workers.ru_utime + workers.ru_stime
+
+
+def _clear() -> None:
+    """Every cache a fresh process starts without."""
+    for cached in (
+        estimate,
+        totals.final,
+        totals.bound,
+        alloctrace.reserved,
+        alloctrace._excess,
+        grid._moments,
+        grid._cached_jobs,
+    ):
+        cached.cache_clear()
+    grid._REPLAYED.clear()
+
+
+def rate(repeats: int, clear: bool, processes: int) -> tuple[int, float, float]:
+    """Rows and the best configurations per wall second and per CPU second (the sweep's workers'
+    included) of ``repeats`` sweeps of GRID."""
     wall = cpu = 0.0
     for _ in range(repeats):
         if clear:
-            for cached in (
-                estimate,
-                totals.final,
-                totals.bound,
-                alloctrace.reserved,
-                alloctrace._excess,
-                grid._group_excess,
-                grid._moments,
-                grid._cached_jobs,
-            ):
-                cached.cache_clear()
-        start_wall, start_cpu = time.perf_counter(), time.process_time()
-        frame = sweep(**GRID)
+            _clear()
+        start_wall, start_cpu = time.perf_counter(), _cpu_s()
+        frame = sweep(**GRID, processes=processes)
         wall = max(wall, len(frame) / (time.perf_counter() - start_wall))
-        cpu = max(cpu, len(frame) / (time.process_time() - start_cpu))
+        cpu = max(cpu, len(frame) / (_cpu_s() - start_cpu))
     return len(frame), wall, cpu
 
 
 def main(repeats: int = 3) -> None:
-    rows, cold, cold_cpu = rate(repeats, clear=True)
-    _, warm, warm_cpu = rate(repeats, clear=False)
-    print(
-        f"sweep of {rows:,} configurations: {cold:,.0f} per second cold, {warm:,.0f} warm "
-        f"(per CPU second: {cold_cpu:,.0f} cold, {warm_cpu:,.0f} warm; best of {repeats})"
-    )
+    for processes in sorted({1, grid.default_processes()}):
+        rows, cold, cold_cpu = rate(repeats, clear=True, processes=processes)
+        _, warm, warm_cpu = rate(repeats, clear=False, processes=processes)
+        print(
+            f"sweep of {rows:,} configurations, {processes} process(es): {cold:,.0f} per second cold, "
+            f"{warm:,.0f} warm (per CPU second: {cold_cpu:,.0f} cold, {warm_cpu:,.0f} warm; best of {repeats})"
+        )
     _, jobs = build_jobs(params=7e9, gpus=8, gpu="h100-sxm")
     estimate.cache_clear()
     start = time.perf_counter()

@@ -15,6 +15,9 @@ compares random grids with the scalar path byte for byte.
 from __future__ import annotations
 
 import itertools
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from functools import lru_cache
 
 import numpy as np
@@ -89,11 +92,49 @@ def _excess(job: Job, b: np.ndarray, s: np.ndarray) -> np.ndarray:
     return np.array(_group_excess(job, tuple(zip(b.tolist(), s.tolist()))), dtype=np.int64)
 
 
-@lru_cache(maxsize=1024)
+_REPLAYED: dict[tuple[Job, tuple[tuple[int, int], ...]], tuple[int, ...]] = {}
+"""Each group's excess at its points, as ``_group_excess`` found it: a sweep asked again costs
+one look-up per group, not a job copy per configuration."""
+
+PARALLEL_FROM = 64
+"""Replays a sweep needs before it spreads them over worker processes (fewer: starting the
+workers costs more than it saves)."""
+
+
 def _group_excess(job: Job, points: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
-    """``_excess`` of one group's (micro-batch, sequence) points, cached per group: a sweep asked
-    again costs one look-up per group, not a job copy per configuration."""
+    """``_excess`` of one group's (micro-batch, sequence) points."""
+    found = _REPLAYED.get((job, points))
+    if found is None:
+        found = _REPLAYED[(job, points)] = _replay_group(job, points)
+    return found
+
+
+def _replay_group(job: Job, points: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
     return tuple(allocator_bytes(final(job.with_(micro_batch=b, seq_len=s))) for b, s in points)
+
+
+def default_processes() -> int:
+    """The CPUs this process may run on where workers can be forked (Linux), else 1: a spawned
+    worker re-runs the caller's script, which a notebook or an unguarded script cannot take."""
+    if "fork" not in multiprocessing.get_all_start_methods() or not hasattr(os, "sched_getaffinity"):
+        return 1
+    return len(os.sched_getaffinity(0))
+
+
+def _replay_ahead(jobs: list[Job], points: tuple[tuple[int, int], ...], processes: int) -> None:
+    """The groups' replays, one per configuration and independent of one another, spread over
+    ``processes`` forked workers where at least ``PARALLEL_FROM`` are needed; each group's
+    result lands in ``_REPLAYED``. The first group runs here first, so that every module the
+    replays use is imported before the fork (a worker then imports nothing)."""
+    todo = [job for job in dict.fromkeys(jobs) if job.train.device != "cpu" and (job, points) not in _REPLAYED]
+    if processes <= 1 or len(todo) * len(points) < PARALLEL_FROM:
+        return
+    _group_excess(todo[0], points)
+    rest = todo[1:]
+    chunk = max(1, len(rest) // (4 * processes))
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork")) as pool:
+        for job, found in zip(rest, pool.map(_replay_group, rest, [points] * len(rest), chunksize=chunk)):
+            _REPLAYED[(job, points)] = found
 
 
 def _group_rows(job: Job, coef: np.ndarray, phases: np.ndarray, basis: np.ndarray) -> dict[str, np.ndarray]:
@@ -149,17 +190,22 @@ def sweep(
     ac="none",
     micro_batch=1,
     seq_len=2048,
+    processes: int | None = None,
     **fixed,
 ):
     """One row per configuration of the grid (pandas DataFrame).
 
     Lists are swept, scalars held: ``sweep(params=[7e9, 70e9], gpus=[8, 64], micro_batch=[1, 4],
     seq_len=[2048], gpu_mem=80)``. Any other keyword of ``memplan.estimate`` (gpu, optimizer,
-    attention, device, headroom, ...) is held fixed.
+    attention, device, headroom, ...) is held fixed. Each configuration's caching allocator is
+    replayed, the replays spread over ``processes`` workers (None: ``default_processes()``; 1:
+    none) where a sweep needs many.
     """
     import pandas as pd
 
     check_keywords(fixed)
+    if processes is not None and (type(processes) is not int or processes < 1):
+        raise MemplanError(f"processes must be a positive integer (or None: the CPUs), got {processes!r}")
     if (params is None) == (model is None):
         raise MemplanError("sweep needs params=[...] or model=[...] (one of them)")
     sources = (
@@ -206,6 +252,8 @@ def sweep(
             [],
         ).append(job)
     solved = {id(job): c for family in families.values() for job, c in zip(family, _family_coefficients(family))}
+    points = tuple(zip(b.tolist(), s.tolist()))
+    _replay_ahead([job for _, job in groups], points, default_processes() if processes is None else processes)
     basis = _basis(b, s).astype(np.int64)
     parts = [_group_rows(job, *solved[id(job)], basis) for _, job in groups]
     columns = {name: np.repeat([labels[name] for labels, _ in groups], len(b)) for name in groups[0][0]}

@@ -131,6 +131,27 @@ def test_bad_grids_are_one_line_errors():
         sweep(gpus=[8])
     with pytest.raises(MemplanError, match="positive"):
         sweep(params=7e9, micro_batch=[0, 1])
+    with pytest.raises(MemplanError, match=r"processes must be a positive integer .* got 0"):
+        sweep(params=7e9, processes=0)
+
+
+def test_replays_spread_over_workers_give_the_rows_one_process_gives(monkeypatch):
+    """The replays a sweep spreads over forked workers come back to the same rows, byte for byte
+    (``PARALLEL_FROM`` lowered: this small grid replays in workers too)."""
+    import multiprocessing
+
+    from memplan import grid
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork on this platform: a sweep replays in its own process")
+    kwargs = dict(params=[1.3e9, 3e9], gpus=[2, 8], micro_batch=[1, 2], seq_len=[256, 512], gpu="a100-80gb")
+    grid._REPLAYED.clear()
+    monkeypatch.setattr(grid, "PARALLEL_FROM", 1)
+    spread = sweep(**kwargs, processes=2)
+    assert len(grid._REPLAYED) == len(spread) // 4  # every group's four points, from the workers
+    grid._REPLAYED.clear()
+    alone = sweep(**kwargs, processes=1)
+    assert spread.equals(alone)
 
 
 def test_a_one_gpu_strategy_appears_only_on_one_gpu():
