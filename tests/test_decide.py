@@ -3,6 +3,7 @@ the arithmetic contradicts and why, asserted on the verdicts' codes and numbers;
 recomputed from the estimate, the throughput model or tables/rules.csv."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -543,3 +544,24 @@ def test_a_rule_with_no_option_under_the_users_choices_is_not_judged():
     assert rec.best is not None and rec.best.job.plan.offload == "all"
     for verdict in rec.rules:
         assert verdict.option is None or verdict.option.job.plan.offload == "all"
+
+
+def test_a_rule_s_layout_the_job_cannot_take_is_not_judged():
+    """Found by the property suite: frozen:2 on 3 layers fits every data-parallel option, but the
+    pp-bubble rule's 2-stage pipeline puts 2 layers on a stage, all of them frozen; the verdict's
+    layout was estimated only when the JSON report read it, and the command failed there."""
+    from click.testing import CliRunner
+
+    from memplan.cli import main
+
+    args = [
+        "estimate", "--arch", "llama", "--layers", "3", "--hidden", "512", "--heads", "8", "--ffn", "1024",
+        "--vocab", "32000", "--kv-heads", "1", "--seq-len", "128", "--precision", "fp32", "--finetune", "frozen:2",
+        "--optimizer-in-backward", "--cp", "2", "--gpus", "2", "--gpu-mem", "24", "--gpus-per-node", "2",
+        "--strategy", "ddp",
+    ]  # fmt: skip
+    for fmt in ("table", "json"):
+        result = CliRunner().invoke(main, [*args, "--format", fmt])
+        assert result.exit_code == 0, result.output
+    rec = json.loads(CliRunner().invoke(main, ["recommend", *args[1:], "--format", "json"]).output)
+    assert "s001-pp-bubble" not in {r["id"] for r in rec["rules"]}

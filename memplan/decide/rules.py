@@ -11,6 +11,7 @@ from .. import catalog
 from ..errors import MemplanError
 from ..frameworks import runs_natively
 from ..layout import Layout
+from ..memory import estimate
 from ..specs import Job
 from ..strategies import STRATEGIES
 from ..throughput import StepTime, bubble_fraction, default, model_parallel_seconds, relative_to_ddp
@@ -379,6 +380,9 @@ def _judge_overhead(rule: Rule, ref: Job, basis: Basis) -> RuleVerdict | None:
             return None
         job = replace(ref, layout=Layout(pp=2, pp_microbatches=2 * MICROBATCHES_PER_STAGE))
         value, metric = bubble_fraction(job), "bubble_fraction"
+    # the verdict's layout is estimated when the report reads it: a layout whose ranks this job
+    # cannot take (finetune frozen:2 on a 2-layer stage) raises here, and is not judged
+    estimate(job)
     close = default("close_fraction")
     return RuleVerdict(
         rule=rule,

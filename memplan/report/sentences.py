@@ -77,7 +77,7 @@ def verdict_detail(v: RuleVerdict) -> str:
 def _layout_verdict(v: RuleVerdict) -> str:
     """The seeds' tensor / pipeline parallel rules in numbers: the layout judged, on its worst rank."""
     lay = given(v.layout)
-    est, job = lay.estimate, lay.job
+    job = lay.job
     if v.rule.kind == "tp-cost":
         mp = v.value * lay.step.compute_s
         return (
@@ -92,7 +92,7 @@ def _layout_verdict(v: RuleVerdict) -> str:
             f"{v.value:.1%} of its compute time, (pp − 1)/M; one batch through it, as drawn, idles "
             f"{layout.pp - 1:.0%} ('high' here: above {given(v.tolerance):.0%})"
         )
-    what = lay.describe()
+    what, est = lay.describe(), lay.estimate
     if v.code == "does_not_fit":
         return (
             f"tensor parallel ({what}) does not fit: it needs {gib_text(est.total_bytes)} > "
