@@ -263,7 +263,8 @@ def search_layouts(job: Job, link: Link) -> LayoutPick:
         if best_key is not None and not best_key[0] and group.most_tokens_per_s < -best_key[1]:
             break  # neither it nor any after it is as fast as a pick with the margin free
         option = group.pick()
-        if option is not None and (best_key is None or (*_rank(option), group.order) < best_key):
-            best, best_key = option, (*_rank(option), group.order)
+        key = None if option is None else (*_rank(option), group.order)
+        if key is not None and (best_key is None or key < best_key):
+            best, best_key = option, key
     baseline = _option(_with(job, Layout(), "fsdp-full-shard", "full", 1), link)
     return LayoutPick(best=best, data_parallel=baseline, searched=searched)

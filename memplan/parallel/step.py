@@ -479,7 +479,7 @@ def _rank_estimate(job: Job, stage: Stage) -> Estimate:
 def estimate_layout(job: Job) -> LayoutEstimate:
     """Every pipeline rank's estimate; the result is the worst (the peak across the mesh)."""
     ranks = tuple(_rank_estimate(job, s) for s in pipeline.stages(job.layout, job.model.num_layers))
-    return _worst_of(job, ranks, range(len(ranks)))
+    return _worst_of(job, ranks)
 
 
 def worst_candidates(job: Job) -> Iterator[Estimate]:
@@ -493,7 +493,7 @@ def worst_candidates(job: Job) -> Iterator[Estimate]:
         yield _rank_estimate(job, stages[i])
 
 
-def _worst_of(job: Job, ranks: tuple[Estimate, ...], indices) -> LayoutEstimate:
+def _worst_of(job: Job, ranks: tuple[Estimate, ...]) -> LayoutEstimate:
     worst = max(range(len(ranks)), key=lambda i: ranks[i].allocated_bytes)
     w = ranks[worst]
     return LayoutEstimate(
@@ -504,5 +504,5 @@ def _worst_of(job: Job, ranks: tuple[Estimate, ...], indices) -> LayoutEstimate:
         host_bytes=w.host_bytes,
         notes=w.notes,
         stages=ranks,
-        worst_stage=list(indices)[worst],
+        worst_stage=worst,
     )
