@@ -68,6 +68,12 @@ class Option(Fit):
     limit: int = 0
     """0: the micro-batch is the settings'; else searched up to this (``search.max_micro_batch``)."""
 
+    @property
+    def modelled(self) -> bool:
+        """Whether the model can estimate the settings (``unmodelled``: one estimate, when first
+        asked): a search builds every combination, and ``ranked`` drops these as it reaches them."""
+        return unmodelled(self.settings) is None
+
     @cached_property
     def job(self) -> Job:
         if not self.limit:
@@ -262,11 +268,10 @@ BOUNDED_MICRO_BATCHES = 256
 
 
 def rank_floor(option: Option, priority: str) -> tuple:
-    """A key no later than ``rank_bound(option, priority)``, from what a search already holds
-    (the bound at the option's least micro-batch) and one step time: the most tokens/s the
-    option could reach at any micro-batch up to its limit (``fastest_tokens_per_s``); ``()``
-    where ``rank_bound``'s may be ``()``: by memory, or where the bound does not fit."""
-    if priority == "memory" or not option.basis.bound(option.settings).fits:
+    """A key no later than ``rank_bound(option, priority)`` where the option fits at all, from one
+    step time and no estimate: the most tokens/s the option could reach at any micro-batch up
+    to its limit (``fastest_tokens_per_s``); ``()`` by memory (every option is then bounded)."""
+    if priority == "memory":
         return ()
     return _speed_key(option.settings, priority, -fastest_tokens_per_s(option))
 
@@ -322,10 +327,13 @@ _FLOOR, _BOUND, _CONFIRMED = range(3)
 class Ranked(Sequence):
     """The options that fit, best first (``rank``; ties in the order given), confirmed only as far
     as they are read. Each option climbs three keys, each no later than the next: ``rank_floor``
-    (no search), ``rank_bound`` (its micro-batches by the bound, no replay), then its ``rank``
-    once confirmed (its micro-batch searched, replayed; where it fits). The least key of all is
-    taken next: a floor is raised to the bound, a bound confirmed, a rank is the next best, as
-    no option left can rank before it. Reading the length confirms them all."""
+    (one step time, no estimate), ``rank_bound`` (its micro-batches by the bound, no replay),
+    then its ``rank`` once confirmed (its micro-batch searched, replayed; where it fits). The
+    least key of all is taken next: a floor is raised to the bound (an option the model cannot
+    estimate is dropped there), a bound confirmed (one that allows no micro-batch, its key
+    ``()``, is dropped next: it does not fit), a rank is the next best, as no option left that
+    fits can rank before it. An option below the pick is never estimated. Reading the length
+    confirms them all."""
 
     def __init__(self, options: list[Option], priority: str):
         self.priority = priority
@@ -341,7 +349,8 @@ class Ranked(Sequence):
                 self._out.append(option)
                 return True
             if stage == _FLOOR:
-                heapq.heappush(keys, (rank_bound(option, priority), i, _BOUND, option))
+                if option.modelled:
+                    heapq.heappush(keys, (rank_bound(option, priority), i, _BOUND, option))
             elif option.fits:
                 heapq.heappush(keys, (rank(option, priority), i, _CONFIRMED, option))
         return False
@@ -406,6 +415,7 @@ def _precisions(job: Job) -> tuple[str, ...]:
     return ("mixed-bf16", "amp-bf16", "fp32", *(("bf16",) if adapters else ()))
 
 
+@lru_cache(maxsize=4096)
 def unmodelled(job: Job) -> str | None:
     """Why ``job`` cannot be estimated (what its model does not cover), None where it can."""
     try:
@@ -416,21 +426,28 @@ def unmodelled(job: Job) -> str | None:
 
 
 def skipped_jobs(job: Job, fixed: dict, allowed: tuple[str, ...] | None = None) -> list[str]:
-    """Why each searched combination of ``_combinations`` the model cannot estimate: a search
-    skips them and says so; only what the user chose explicitly is refused."""
-    return [why for j, why in _combinations(job, fixed, allowed) if why is not None]
+    """Why each searched combination of ``_combinations`` the model cannot build or estimate:
+    a search skips them and says so; only what the user chose explicitly is refused."""
+    whys = (why or unmodelled(j) for j, why in _combinations(job, fixed, allowed))
+    return [why for why in whys if why is not None]
 
 
-def candidate_jobs(job: Job, fixed: dict, allowed: tuple[str, ...] | None = None) -> list[Job]:
+def searched_jobs(job: Job, fixed: dict, allowed: tuple[str, ...] | None = None) -> list[Job]:
     """Every strategy × precision × AC × offload allowed by ``fixed`` (axis -> value) and among
     the strategies ``allowed`` (None: all), at micro-batch 1 (the micro-batch is searched
-    afterwards), but those the model cannot estimate (``skipped_jobs``)."""
+    afterwards), that could be built; whether the model can estimate each is asked when it is
+    reached (``unmodelled``: one estimate each)."""
     return [j for j, why in _combinations(job, fixed, allowed) if why is None]
 
 
+def candidate_jobs(job: Job, fixed: dict, allowed: tuple[str, ...] | None = None) -> list[Job]:
+    """``searched_jobs`` but those the model cannot estimate (``skipped_jobs``)."""
+    return [j for j in searched_jobs(job, fixed, allowed) if unmodelled(j) is None]
+
+
 def _combinations(job: Job, fixed: dict, allowed: tuple[str, ...] | None) -> tuple[tuple[Job, str | None], ...]:
-    """Each combination searched, with why the model cannot estimate it (None: it can); built
-    once per job and choices (a recommendation asks for the candidates and the skipped ones)."""
+    """Each combination searched, with why it cannot be built (None: it can); built once per job
+    and choices (a recommendation asks for the candidates and the skipped ones)."""
     return _combinations_of(job, tuple(fixed.items()), allowed)
 
 
@@ -457,7 +474,7 @@ def _combinations_of(
         except MemplanError as error:
             jobs.append((job, str(error)))
             continue
-        jobs.append((candidate, unmodelled(candidate)))
+        jobs.append((candidate, None))
     return tuple(jobs)
 
 
@@ -470,9 +487,9 @@ def search_options(
     micro_batch_max: bool = False,
     allowed: tuple[str, ...] | None = None,
 ) -> list[Option]:
-    """Each candidate of ``candidate_jobs`` at its micro-batch: the one fixed, else the largest
-    that fits up to the cap (``--micro-batch max``: without it; searched when first read), 1
-    when ranked by memory."""
+    """Each of ``searched_jobs`` at its micro-batch: the one fixed, else the largest that fits up
+    to the cap (``--micro-batch max``: without it; searched when first read), 1 when ranked by
+    memory. The ones the model cannot estimate are among them (``Option.modelled``)."""
     if micro_batch_max:
         limit = search.MICRO_BATCH_LIMIT
     elif "micro_batch" in fixed or priority == "memory":
@@ -480,7 +497,7 @@ def search_options(
     else:
         limit = int(default("micro_batch_cap"))
     mb = fixed.get("micro_batch", 1) if not micro_batch_max else 1
-    return [basis.evaluate(c.with_(micro_batch=mb), limit=limit) for c in candidate_jobs(job, fixed, allowed)]
+    return [basis.evaluate(c.with_(micro_batch=mb), limit=limit) for c in searched_jobs(job, fixed, allowed)]
 
 
 def slower_fraction(option: Option, than: Option) -> float:

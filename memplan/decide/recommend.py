@@ -28,8 +28,10 @@ from .options import (
     ranked,
     reject,
     search_options,
+    searched_jobs,
     skipped_jobs,
     smallest,
+    unmodelled,
 )
 from .rules import Rule, RuleVerdict, judge, rules, size_class
 from .whatifs import ModeOutcome, finetune_modes
@@ -82,14 +84,20 @@ class Recommendation:
     basis: Basis
     best: Option | None
     """None: nothing fits; see ``fixes``."""
-    options: tuple[Option, ...]
-    """Every option evaluated (the best micro-batch of each combination)."""
+    candidates: tuple[Option, ...]
+    """Every combination searched, at its micro-batch; the model cannot estimate some
+    (``Option.modelled``: asked as each is reached)."""
     fitting: Sequence[Option]
     """The options that fit, best first (``options.Ranked``: confirmed as read)."""
     fixed: tuple[tuple[str, object], ...] = ()
     """The axes given explicitly (options.AXES) and their values; the others were searched."""
     searched: tuple[str, ...] | None = None
     """The strategies the search was restricted to (None: all that run on the GPUs)."""
+
+    @cached_property
+    def options(self) -> tuple[Option, ...]:
+        """Every option evaluated (the best micro-batch of each combination the model estimates)."""
+        return tuple(o for o in self.candidates if o.modelled)
 
     @property
     def fixed_axes(self) -> tuple[str, ...]:
@@ -99,9 +107,9 @@ class Recommendation:
     def rules(self) -> tuple[RuleVerdict, ...]:
         """The verdicts of the documented rules that match the job."""
         job, fixed = self.job, dict(self.fixed)
-        size, ddp_fits = size_class(job.model.num_params), _ddp_fits(job, fixed, list(self.options), self.basis)
+        size, ddp_fits = size_class(job.model.num_params), _ddp_fits(job, fixed, list(self.candidates), self.basis)
         judged = (
-            judge(r, list(self.options), self.best, job, self.basis, self.priority, fixed)
+            judge(r, list(self.candidates), self.best, job, self.basis, self.priority, fixed)
             for r in rules()
             if r.matches(
                 params=size,
@@ -176,7 +184,7 @@ def _check(job: Job, fixed: dict, priority: str, allowed: tuple[str, ...] | None
         return
     if fixed.get("strategy", allowed[0]) not in allowed:
         raise MemplanError(f"strategy {fixed['strategy']} is not among the strategies searched: {', '.join(allowed)}")
-    if not candidate_jobs(job, fixed, allowed):
+    if not any(unmodelled(j) is None for j in searched_jobs(job, fixed, allowed)):
         skipped = skipped_jobs(job, fixed, allowed)
         if skipped:  # nothing else to search: the user's own choices are what cannot be modelled
             raise MemplanError(skipped[0])
@@ -189,8 +197,8 @@ def _ddp_fits(job: Job, fixed: dict, options: list[Option], basis: Basis) -> boo
     """Whether DDP fits at the user's settings: from the options searched, or — DDP not among
     them (another strategy fixed, another framework) — on its own."""
     ddp = [o for o in options if o.settings.plan.strategy == "ddp"]
-    if ddp:
-        return any(o.fits for o in ddp)
+    if any(o.modelled for o in ddp):
+        return any(o.modelled and o.fits for o in ddp)
     return any(basis.fits(j) for j in candidate_jobs(job, {**fixed, "strategy": "ddp", "offload": "none"}))
 
 
@@ -225,7 +233,7 @@ def recommend_job(
     _check(job, fixed, priority, allowed)
     basis = basis_for(job, interconnect=interconnect, bw_gbs=bw_gbs, calibration=calibration)
     options = search_options(job, fixed, priority, basis, micro_batch_max=micro_batch_max, allowed=allowed)
-    if not options:
+    if not any(o.modelled for o in options):
         skipped = skipped_jobs(job, fixed, allowed)
         raise MemplanError(f"nothing to search: {skipped[0] if skipped else 'no strategy runs these settings'}")
     fitting = ranked(options, priority)
@@ -234,7 +242,7 @@ def recommend_job(
         priority=priority,
         basis=basis,
         best=fitting[0] if fitting else None,
-        options=tuple(options),
+        candidates=tuple(options),
         fitting=fitting,
         fixed=tuple(fixed.items()),
         searched=allowed,

@@ -216,7 +216,8 @@ def _rule_options(
     rule: Rule, options: list[Option], job: Job, basis: Basis, priority: str, fixed: dict
 ) -> list[Option]:
     """The searched options the rule speaks about; where the user's fixed choices (or the
-    framework searched) exclude them, the rule's options on its own terms."""
+    framework searched) exclude them, the rule's options on its own terms. The ones the model
+    cannot estimate are among them (``Option.modelled``; ``ranked`` drops them)."""
     mine = [
         o
         for o in options
@@ -224,7 +225,7 @@ def _rule_options(
         and all(v is None or v == _axis_value(o, k) for k, v in rule.claims.items())
     ]
     overridden = any(v is not None and k in fixed and fixed[k] != v for k, v in rule.claims.items())
-    if mine and not overridden:
+    if any(o.modelled for o in mine) and not overridden:
         return mine
     return [
         o
@@ -239,7 +240,7 @@ def _judge_recommend(
 ) -> RuleVerdict | None:
     close = default("close_fraction")
     candidates = _rule_options(rule, options, job, basis, priority, fixed)
-    if not candidates:
+    if not any(o.modelled for o in candidates):
         return None  # no option of the rule's under the user's choices (e.g. DDP with --offload all)
     fitting = ranked(candidates, priority)
     if not fitting:
@@ -249,7 +250,7 @@ def _judge_recommend(
             code="does_not_fit",
             metric="total_bytes",
             unit="bytes",
-            none_fit=tuple(candidates),
+            none_fit=tuple(o for o in candidates if o.modelled),
         )
     mine = fitting[0]
     if best is None or mine.key == best.key:
