@@ -11,11 +11,21 @@
 Each takes a ``Request`` and/or its inputs as keywords (see memplan.request).
 """
 
-from .api import Result, estimate, from_module, min_gpus, recommend
-from .errors import InputError, MemplanError, UnknownKeywordError
-from .request import ClusterRequest, ModelRequest, Request, StrategyRequest, TrainingRequest
-from .specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
-from .strategies import STRATEGIES
+import gc
+
+# The cyclic collector waits while the package loads: its classes and tables are no garbage,
+# and its passes over them took 15–20 ms of the main job's 0.45 s (benchmarks/cli_startup.py).
+_collecting = gc.isenabled()
+gc.disable()
+try:
+    from .api import Result, estimate, from_module, min_gpus, recommend
+    from .errors import InputError, MemplanError, UnknownKeywordError
+    from .request import ClusterRequest, ModelRequest, Request, StrategyRequest, TrainingRequest
+    from .specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
+    from .strategies import STRATEGIES
+finally:
+    if _collecting:
+        gc.enable()
 
 # numpy, pandas and matplotlib load only when these are used
 _LAZY = {
