@@ -105,10 +105,23 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _run_at_import(tree: ast.Module) -> set[int]:
+    """The ids of the statements a module runs when imported: its body and, within it, the bodies
+    of its try, if and with blocks (``memplan/__init__.py`` imports inside a try), not a
+    function's or a class's."""
+    found, todo = set(), list(tree.body)
+    while todo:
+        node = todo.pop()
+        found.add(id(node))
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            todo += [c for c in ast.iter_child_nodes(node) if isinstance(c, (ast.stmt, ast.excepthandler))]
+    return found
+
+
 def _imports(path: Path, name: str, modules: set[str]) -> list[tuple[str, bool]]:
     """(imported module of the package, written at module level) for each import in ``path``."""
     tree = ast.parse(path.read_text())
-    top = {id(node) for node in tree.body}
+    top = _run_at_import(tree)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = []
     for node in ast.walk(tree):
