@@ -119,3 +119,14 @@ def test_a_layout_without_a_pipeline_reports_its_one_stage_as_the_estimate(qwen3
     est = as_json("estimate", *qwen3)["estimates"][0]
     (stage,) = est["stages"]
     assert (stage["allocated"], stage["total"]) == (est["bytes"]["allocated"], est["bytes"]["total"])
+
+
+def test_the_layout_search_skips_the_layouts_and_settings_it_cannot_model():
+    # MLA is modelled on data-parallel strategies only, without AC or with full AC: over 32 nodes
+    # the layout search runs by default, and what it cannot model is skipped, not refused (exit 2
+    # before: its first AC selective setting)
+    args = ("recommend", "--model", "deepseek-v3", "--gpus", "256", "--gpu", "h100-sxm")
+    assert as_json(*args) == as_json(*args, "--no-search-layout")  # no layout beyond data parallel to pick
+    reasons = as_json(*args, "--search-layout")["reasons"]
+    skipped = [r for r in reasons if "the model cannot estimate were skipped" in r]
+    assert skipped and "not modelled" in skipped[0]

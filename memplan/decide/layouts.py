@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 
 from ..breakdown import Estimate
+from ..errors import MemplanError
 from ..layout import Layout
 from ..overheads import fixed_terms
 from ..parallel.step import worst_candidates
@@ -43,7 +44,11 @@ class LayoutOption:
 
     @cached_property
     def fits(self) -> bool:
-        return _bound_fits(self.job) and fits(self.job)
+        """False where the model cannot estimate it: the search skips it."""
+        try:
+            return _bound_fits(self.job) and fits(self.job)
+        except MemplanError:
+            return False
 
     def describe(self) -> str:
         job = self.job
@@ -55,13 +60,15 @@ class LayoutOption:
 
 @dataclass(frozen=True, kw_only=True)
 class LayoutPick:
-    """The search's result: the pick (None: nothing fits), the data-parallel baseline it beat
-    and how many settings were weighed."""
+    """The search's result: the pick (None: nothing fits), the data-parallel baseline it beat,
+    how many settings were weighed and why the layouts the model cannot estimate were skipped."""
 
     best: LayoutOption | None
     data_parallel: LayoutOption
     """The least memory data parallel alone needs (FSDP over every GPU, full AC, micro-batch 1)."""
     searched: int
+    skipped: tuple[str, ...] = ()
+    """Per layout and strategy skipped, why (MLA under TP, say): a search skips what it cannot model."""
 
     def reasons(self) -> list[str]:
         """Why the pick, in numbers."""
@@ -73,6 +80,10 @@ class LayoutPick:
             f"{dp.estimate.usable_bytes / gib:.1f} GiB usable"
             + ("" if not dp.fits else " (it fits, and is the baseline the layouts beat)")
         ]
+        if self.skipped:
+            lines.append(
+                f"{len(self.skipped)} layouts × strategies the model cannot estimate were skipped: {self.skipped[0]}"
+            )
         best = self.best
         if best is None:
             return [*lines, f"none of {self.searched} layouts searched fits"]
@@ -221,15 +232,34 @@ class _Group:
 
 
 def _group(job: Job, layout: Layout, strategy: str, link: Link, order: int = 0) -> _Group:
-    """A layout and strategy's settings walked by the bound (no replay)."""
+    """A layout and strategy's settings walked by the bound (no replay). A setting the model
+    cannot take (MLA under selective AC, say) is skipped; where it cannot take the least-memory
+    one, this raises (``search_layouts`` skips the layout and strategy)."""
     settings = _settings()
     least = _option(_with(job, layout, strategy, *settings[0]), link)
     if not _bound_fits(least.job):
         return _Group(order, least, (), 1)
+    built = [_built(job, layout, strategy, s) for s in settings]
     # the last setting is the least-memory one again: its bound fits
-    first = next(i for i in range(1, len(settings)) if _bound_fits(_with(job, layout, strategy, *settings[i])))
-    rest = (_option(_with(job, layout, strategy, *s), link) for s in settings[first:])
+    first = next(i for i in range(1, len(settings)) if _fits_by_bound(built[i]))
+    rest = (_option(j, link) for j in built[first:] if j is not None)
     return _Group(order, least, tuple(rest), 1 + first)
+
+
+def _built(job: Job, layout: Layout, strategy: str, setting: tuple[str, int]) -> Job | None:
+    """``_with`` at ``setting`` (AC, micro-batch); None where the model cannot take it."""
+    try:
+        return _with(job, layout, strategy, *setting)
+    except MemplanError:
+        return None
+
+
+def _fits_by_bound(job: Job | None) -> bool:
+    """``_bound_fits``; False where the model cannot build (None) or estimate ``job``."""
+    try:
+        return job is not None and _bound_fits(job)
+    except MemplanError:
+        return False
 
 
 def best_of_layout(job: Job, layout: Layout, link: Link) -> tuple[LayoutOption | None, LayoutOption]:
@@ -249,12 +279,16 @@ def search_layouts(job: Job, link: Link) -> LayoutPick:
     could be, until none left could beat a pick with the safe margin free. Cached:
     ``recommend`` asks whether the pick wins, then prints it."""
     groups: list[_Group] = []
-    searched = 0
+    searched, skipped = 0, []
     for layout in _layouts(job):
         for strategy in DP_STRATEGIES:
             if strategy == "fsdp-hybrid-shard" and job.cluster.num_nodes == 1:
                 continue
-            group = _group(job, layout, strategy, link, len(groups))
+            try:
+                group = _group(job, layout, strategy, link, len(groups))
+            except MemplanError as error:
+                skipped.append(str(error))
+                continue
             searched += group.weighed
             if group.candidates:
                 groups.append(group)
@@ -267,4 +301,4 @@ def search_layouts(job: Job, link: Link) -> LayoutPick:
         if key is not None and (best_key is None or key < best_key):
             best, best_key = option, key
     baseline = _option(_with(job, Layout(), "fsdp-full-shard", "full", 1), link)
-    return LayoutPick(best=best, data_parallel=baseline, searched=searched)
+    return LayoutPick(best=best, data_parallel=baseline, searched=searched, skipped=tuple(skipped))
