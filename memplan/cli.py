@@ -411,16 +411,21 @@ def _deliver(text: str, launch: str | None, emit: str | None, output: str | None
 
 
 def _layout_wins(flags: dict, rec, interconnect, bw) -> bool:
-    """Where a layout can matter and none was given: whether the layout search's pick beats ``rec``'s."""
+    """Where a layout can matter and none was given: whether the layout search's pick beats
+    ``rec``'s. A search the model cannot run on the user's choices (an offload FSDP does not run,
+    say) is skipped: only the choices themselves are refused, and ``rec`` answered them."""
     from .decide.layouts import layout_matters, prefer_layout, search_layouts, tight
     from .inputs import build_jobs
     from .throughput import link_for
 
-    _, jobs = build_jobs(_request({**flags, "strategy": "fsdp-full-shard"}))
-    job = jobs[0]
-    if not job.layout.is_data_parallel or job.plan.ep > 1 or not layout_matters(job):
+    try:
+        _, jobs = build_jobs(_request({**flags, "strategy": "fsdp-full-shard"}))
+        job = jobs[0]
+        if not job.layout.is_data_parallel or job.plan.ep > 1 or not layout_matters(job):
+            return False
+        pick = search_layouts(job, link_for(job, interconnect=interconnect, bw_gbs=bw))
+    except MemplanError:
         return False
-    pick = search_layouts(job, link_for(job, interconnect=interconnect, bw_gbs=bw))
     best = rec.best
     return prefer_layout(pick, best and best.step.tokens_per_s, best is not None and tight(best.final))
 

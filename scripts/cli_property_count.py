@@ -36,6 +36,7 @@ PROPERTIES = [
     "test_micro_batch_max_fits_and_one_more_does_not",
     "test_recommendation_reasked_with_estimate_gives_the_same_bytes",
     "test_estimate_table_and_its_recommendation_give_the_same_bytes",
+    "test_the_layout_search_refuses_nothing_data_parallel_answers",
 ]
 
 

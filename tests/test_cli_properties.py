@@ -644,6 +644,19 @@ def test_estimate_table_and_its_recommendation_give_the_same_bytes(args):
         assert total == rec["total_bytes"], f"the row says {total:,} B, the recommendation {rec['total_bytes']:,} B"
 
 
+@examples(40)
+@given(args=jobs(strategy="all", with_layout=False))
+def test_the_layout_search_refuses_nothing_data_parallel_answers(args):
+    """A search skips what it cannot model: ``recommend`` with its layout search (the default,
+    which runs it over more than one node or where data parallel is tight) answers wherever
+    ``--no-search-layout`` does; only the user's own choices are refused."""
+    plain = Run(["recommend", *args, "--no-search-layout", "--format", "json"])
+    if not plain.ok:
+        return
+    searched = Run(["recommend", *args, "--format", "json"])
+    assert searched.ok, f"the layout search refuses what data parallel answers: {searched.err.strip()}"
+
+
 # ----------------------------------------------------------------------------- the installed script
 
 
