@@ -239,7 +239,7 @@ def _group(job: Job, layout: Layout, strategy: str, link: Link, order: int = 0) 
     least = _option(_with(job, layout, strategy, *settings[0]), link)
     if not _bound_fits(least.job):
         return _Group(order, least, (), 1)
-    built = [_built(job, layout, strategy, s) for s in settings]
+    built = [least.job, *(_built(job, layout, strategy, s) for s in settings[1:])]
     # the last setting is the least-memory one again: its bound fits
     first = next(i for i in range(1, len(settings)) if _fits_by_bound(built[i]))
     rest = (_option(j, link) for j in built[first:] if j is not None)
