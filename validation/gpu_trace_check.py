@@ -69,6 +69,13 @@ CASES: tuple[tuple[str, dict], ...] = (
         _BY_NAME["qwen2.5-72b fsdp16 x tp8 sp, 2x8k full-ac (vocab 152k)"],
     ),
     ("llama-3.1-405b fsdp64 x tp8 sp, 8k full-ac", _BY_NAME["llama-3.1-405b fsdp64 x tp8 sp, 8k full-ac"]),
+    # issue 28's own full-size example (its table said 102 GiB, its recommendation 44), and the
+    # 8B without AC: never run on a GPU before the H200 call (traced and committed first)
+    (
+        "published: qwen3-32b fsdp4 x tp8 sp, 16x4096 full-ac",
+        _BY_NAME["published: qwen3-32b fsdp4 x tp8 sp, 16x4096 full-ac"],
+    ),
+    ("llama-3.1-8b fsdp8 8k no-ac", _BY_NAME["llama-3.1-8b fsdp8 8k no-ac"]),
     # near the H100's 79.6 GiB: the published 32k job last
     ("llama-3.1-8b fsdp8 2x8k op-sac", _BY_NAME["llama-3.1-8b fsdp8 2x8k op-sac"]),
     ("published: llama-3.1-8b fsdp8 32k full-ac", _BY_NAME["published: llama-3.1-8b fsdp8 32k full-ac"]),
@@ -121,9 +128,36 @@ def stem(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-." else "_" for c in name)
 
 
-def snapshot(name: str, directory: Path) -> None:
+def _save_raw(snap: dict, device: int, path: Path) -> None:
+    """The allocator's own record, stack frames left out: every trace entry (``action``,
+    ``addr``, ``size``, ``stream``; the ``segment_alloc`` / ``segment_free`` entries are the
+    cudaMalloc and cudaFree calls the replay's segments are compared with) and the segments
+    held at the end, one JSON document, gzipped."""
+    import gzip
+    import json
+
+    keep = ("action", "addr", "size", "stream")
+    raw = {
+        "device_traces": [[e.get(k) for k in keep] for e in snap["device_traces"][device]],
+        "segments": [
+            {
+                "address": s["address"],
+                "total_size": s["total_size"],
+                "stream": s["stream"],
+                "blocks": [[b["size"], b["state"]] for b in s["blocks"]],
+            }
+            for s in snap["segments"]
+            if s["device"] == device
+        ],
+    }
+    with gzip.open(path, "wt") as f:
+        json.dump(raw, f)
+
+
+def snapshot(name: str, directory: Path, raw: bool = False) -> None:
     """One case on this GPU with the allocator's history recorded: its outcome, and its events
-    from setup on saved to DIR/NAME.trace.jsonl.gz (``calibrate.alloctrace`` form)."""
+    from setup on saved to DIR/NAME.trace.jsonl.gz (``calibrate.alloctrace`` form); with
+    ``raw``, the allocator's whole record too (DIR/NAME.raw.json.gz, ``_save_raw``)."""
     import torch
 
     from calibrate import alloctrace, runner
@@ -137,6 +171,8 @@ def snapshot(name: str, directory: Path) -> None:
     events = _events_from_setup(snap, torch.cuda.current_device())
     directory.mkdir(parents=True, exist_ok=True)
     alloctrace.save(events, directory / f"{stem(name)}.trace.jsonl.gz")
+    if raw:
+        _save_raw(snap, torch.cuda.current_device(), directory / f"{stem(name)}.raw.json.gz")
     measured = (outcome["measurement"] or {}).get("peak_reserved_bytes")
     print(f"{name}: {outcome['status']}, reserved {measured}, replayed {replay(events).peak_reserved_bytes}")
 
@@ -203,9 +239,10 @@ def main(argv=None) -> None:
     parser.add_argument("--report", type=Path, nargs="+", help="The table from these files of GPU records.")
     parser.add_argument("--snapshot", help="Run this case with the allocator's history (the events to --snapshot-dir).")
     parser.add_argument("--snapshot-dir", type=Path, default=Path("."))
+    parser.add_argument("--raw", action="store_true", help="With --snapshot: the allocator's whole record too.")
     args = parser.parse_args(argv)
     if args.snapshot:
-        snapshot(args.snapshot, args.snapshot_dir)
+        snapshot(args.snapshot, args.snapshot_dir, args.raw)
     if args.gpu:
         run_gpu(args.gpu, args.budget_s, args.only)
     if args.trace:
