@@ -34,6 +34,10 @@ GPU_RECORDS = [GPU_DIR / f"{name}.jsonl" for name in ("gpu_trace_check", "rerun"
 """The H100 records: the first call's; the rerun of TP alone once the harness wrapped it as
 torchtitan does (FSDP2 over a dp mesh of one); per-op SAC under TP 2; the 70B-405B ranks. The
 later record of a case wins."""
+H200_DIR = GPU_DIR.parent / "h200-torch2.11.0-cu130"
+H200_RECORDS = [H200_DIR / "gpu_trace_check.jsonl"]
+"""The H200 records (one call): the Qwen3-32B rank, the 8B without AC, and the two 8B jobs the
+H100 could not hold whole (2 x 8k op SAC ran out of memory, 32k hit its limit)."""
 GIB = 2**30
 TIMEOUT_S = 180.0
 _COMMON = trace_matrix._COMMON | {"device": "cuda"}
@@ -196,7 +200,8 @@ def _pct(value: float, truth: float) -> str:
 
 
 def report(gpu_records: list[Path]) -> str:
-    """The table: per case, the latest GPU record of it (files in order, later lines winning)."""
+    """The table: per case run on the device, the latest GPU record of it (files in order, later
+    lines winning)."""
     traces = {records.record_key(r): r for path in TRACES if path.exists() for r in records.read([path])}
     measured = {records.record_key(r): r for r in records.read(gpu_records)}
     lines = [
@@ -208,8 +213,10 @@ def report(gpu_records: list[Path]) -> str:
     for name, flags in CASES:
         gpu = measured.get(_run(flags, "emulate").key)
         traced = traces.get(_run(flags, "trace").key)
-        if gpu is None or gpu["status"] != "ok":
-            status = gpu["status"] + ": " + (gpu["error"] or "").splitlines()[0][:90] if gpu else "not run"
+        if gpu is None:  # not run on this device
+            continue
+        if gpu["status"] != "ok":
+            status = gpu["status"] + ": " + (gpu["error"] or "").splitlines()[0][:90]
             lines.append(f"| {name} | {status} |" + " |" * 10)
             continue
         m = gpu["measurement"]
