@@ -17,6 +17,15 @@ later (``Sync``), as the streams catch up.
 excess is not linear in the number of blocks (the peak moves between forward, loss and
 backward as blocks are added): with an earlier version of this trace, four blocks scaled up
 to 32 missed the 7B FSDP case by 0.3 GiB and to 28 the 3B single-GPU case by 6 GiB, so none.
+
+Two things it does unlike the real step, measured on GPUs and left: it makes a torch optimizer's
+states before the first forward (torch makes them at the first ``step()``), and it frees
+torchtitan's gradients after each step (torchtitan fills them with zeros and keeps them). Made as
+the real step makes them, with its coarse tensors (one per term and block, where the real step
+makes ten times as many, and CUDA's kernel workspaces besides), the replay moved issue 28's
+Qwen3-32B job further over its GPU's reserved and the full-size jobs under theirs
+(validation/records/gpu_trace_check_h200.md item 6): they wait for the step's tensors to be the
+real ones.
 """
 
 from __future__ import annotations
