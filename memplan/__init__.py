@@ -23,6 +23,7 @@ try:
     from .request import ClusterRequest, ModelRequest, Request, StrategyRequest, TrainingRequest
     from .specs import ClusterSpec, Job, ModelSpec, Plan, TrainSpec
     from .strategies import STRATEGIES
+    from .version import __version__
 finally:
     if _collecting:
         gc.enable()
@@ -61,6 +62,7 @@ __all__ = [
     "TrainSpec",
     "TrainingRequest",
     "UnknownKeywordError",
+    "__version__",
     "estimate",
     "from_module",
     "min_gpus",

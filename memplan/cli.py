@@ -21,6 +21,7 @@ from .errors import FLAGS, MemplanError
 from .request import FIELDS, PARTS, Request
 from .settings import DEFAULT_HELP, choices, field_docs
 from .strategies import STRATEGIES
+from .version import __version__
 
 
 class OneLineError(click.ClickException):
@@ -255,7 +256,7 @@ class _OneLineErrors(click.Group):
 
 
 @click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="memplan")
+@click.version_option(version=__version__, prog_name="memplan")
 def main():
     """Per-GPU memory planner for PyTorch training: will it fit, under which strategy?"""
 

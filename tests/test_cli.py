@@ -173,3 +173,22 @@ def test_the_command_prints_what_memplan_estimate_returns():
         )
         + "\n"
     )
+
+
+def test_the_version_needs_no_installed_metadata(monkeypatch):
+    """``memplan --version`` from a checkout that was never installed printed a traceback (click
+    asked importlib.metadata for the distribution): it prints memplan.version's, which setup.cfg
+    also reads, so the installed metadata says the same."""
+    import importlib.metadata
+
+    import memplan
+
+    installed = importlib.metadata.version("memplan")
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    result = CliRunner().invoke(main, ["--version"])
+    assert (result.exit_code, result.output) == (0, f"memplan, version {memplan.__version__}\n")
+    assert installed == memplan.__version__

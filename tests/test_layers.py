@@ -14,6 +14,7 @@ LAYERS: list[list[str]] = [
     # data and specs: what a job is, the tables, the records the producers below return
     [
         "errors",
+        "version",
         "units",
         "precision",
         "layout",
