@@ -50,12 +50,16 @@ def test_allocated_on_the_h200_within_a_third_of_a_percent():
 
 def test_the_allocator_replays_the_gpus_own_events_and_the_trace_is_those_events():
     """memplan's allocator replaying each run's recorded events (from setup on) is within 2.5 %
-    of the measured reserved, and to the byte where the run built its model on the meta device
-    (its events are the run's own from its start; the others' setup is re-laid by
-    ``after_setup``). On the 16k run, the trace (FSDP2's side streams told apart) replays
+    of the measured reserved, and to the byte on the three ranks built on the meta device (their
+    events are the run's own from its start) and on the H200's 8B per-op SAC run, whose setup
+    ``after_setup`` re-lays. On the 16k run, the trace (FSDP2's side streams told apart) replays
     to those events' reserved to the byte, and the first trace (one stream) to the same events
     put on one stream to the byte: the trace's events are the GPU's."""
     on_meta = ("llama-3.1-70b fsdp32 8k full-ac", "llama-3.1-405b fsdp64 x tp8 sp, 8k full-ac")
+    to_the_byte = {(check.GPU_DIR, name) for name in on_meta} | {
+        (check.H200_DIR, "published: qwen3-32b fsdp4 x tp8 sp, 16x4096 full-ac"),
+        (check.H200_DIR, "llama-3.1-8b fsdp8 2x8k op-sac"),
+    }
     for directory, latest, names in (
         (
             check.GPU_DIR,
@@ -69,7 +73,15 @@ def test_the_allocator_replays_the_gpus_own_events_and_the_trace_is_those_events
                 *on_meta,
             ),
         ),
-        (check.H200_DIR, _latest(check.H200_RECORDS), ("published: qwen3-32b fsdp4 x tp8 sp, 16x4096 full-ac",)),
+        (
+            check.H200_DIR,
+            _latest(check.H200_RECORDS),
+            (
+                "published: qwen3-32b fsdp4 x tp8 sp, 16x4096 full-ac",
+                "llama-3.1-8b fsdp8 8k no-ac",
+                "llama-3.1-8b fsdp8 2x8k op-sac",
+            ),
+        ),
     ):
         for name in names:
             events = alloctrace.load(directory / (check.stem(name) + ".trace.jsonl.gz"))
@@ -78,7 +90,7 @@ def test_the_allocator_replays_the_gpus_own_events_and_the_trace_is_those_events
             assert replayed.peak_allocated_bytes == pytest.approx(measured["peak_allocated_bytes"], rel=0.001)
             error = replayed.peak_reserved_bytes / measured["peak_reserved_bytes"] - 1
             assert abs(error) <= 0.025, name
-            if name in on_meta or directory == check.H200_DIR:
+            if (directory, name) in to_the_byte:
                 assert replayed.peak_reserved_bytes == measured["peak_reserved_bytes"], name
             assert len({e.stream for e in events if isinstance(e, Alloc)}) == 3
     name = "llama-3.1-8b fsdp8 16k full-ac"
