@@ -43,7 +43,8 @@ With ascending addresses the ties went the other way and that rank's own events 
 under its measured reserved (the second step's 3.9 GiB request found the first step's 3.9 GiB
 block whole, where on the GPU a 256 MiB block sat in it); descending, to the byte, and the
 Qwen3-32B rank's (was −1.4 %), the 70B's (−0.3 %) and a DDP run's (−0.2 %) to the byte too
-(tests/test_gpu_trace_check.py). Expandable segments reserve their address space upwards from 0."""
+(tests/test_gpu_trace_check.py; the DDP run's, tests/test_gpu_records.py). Expandable segments
+reserve their address space upwards from 0."""
 
 
 class Alloc(NamedTuple):

@@ -172,11 +172,12 @@ def snapshot(name: str, directory: Path, raw: bool = False) -> None:
     outcome = runner.execute(run)
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    events = _events_from_setup(snap, torch.cuda.current_device())
+    device = torch.cuda.current_device()
+    events = _events_from_setup(snap, device)
     directory.mkdir(parents=True, exist_ok=True)
     alloctrace.save(events, directory / f"{stem(name)}.trace.jsonl.gz")
     if raw:
-        _save_raw(snap, torch.cuda.current_device(), directory / f"{stem(name)}.raw.json.gz")
+        _save_raw(snap, device, directory / f"{stem(name)}.raw.json.gz")
     measured = (outcome["measurement"] or {}).get("peak_reserved_bytes")
     print(f"{name}: {outcome['status']}, reserved {measured}, replayed {replay(events).peak_reserved_bytes}")
 
