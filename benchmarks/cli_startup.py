@@ -1,5 +1,7 @@
 """Wall time of the main job, `memplan estimate --params 13e9 --gpus 8 --gpu-mem 80`, as a
-user sees it (a fresh process each time), and proof that it never imports torch. The CPU
+user sees it (a fresh process each time), and proof that it never imports torch. Cold: its
+first run, every allocator replay made; warm: a later run, which reads the replays' answers an
+earlier one kept (memplan.replaycache). The CPU
 time (user + system) of each process is quoted too: on a loaded machine it moves far less
 than the wall time. The package's bytecode is compiled first, as an install leaves it
 (`PYTHONDONTWRITEBYTECODE` would otherwise make every process compile every module: 0.06 s
@@ -32,7 +34,9 @@ def imported_modules(args) -> set[str]:
 def main(runs: int = 10) -> None:
     compileall.compile_dir(str(Path(__file__).resolve().parent.parent / "memplan"), quiet=1)
     print(reference_line())
-    print(f"memplan {' '.join(MAIN_JOB)}: {quote(CLI + MAIN_JOB, runs)[0]} over {runs} fresh processes")
+    job = f"memplan {' '.join(MAIN_JOB)}"
+    print(f"{job}, cold (every replay made): {quote(CLI + MAIN_JOB, runs)[0]} over {runs} fresh processes")
+    print(f"{job}, warm (replays read back): {quote(CLI + MAIN_JOB, runs, warm=True)[0]}")
     print(f"memplan --version (interpreter + click start-up alone): {quote(CLI + ['--version'], runs)[0]}")
     print(reference_line())
     heavy = {"torch", "pandas", "matplotlib", "transformers"} & imported_modules(MAIN_JOB)

@@ -4,10 +4,12 @@ measured in the same minutes, so that figures taken on different days can be rea
 (this project's shared 2-core machine ran the same pure-Python loop in 0.96–1.61 s within one
 hour of 2026-11-27)."""
 
+import os
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 REFERENCE_ADDITIONS = 10**7
@@ -18,16 +20,25 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run(argv: list[str]) -> tuple[float, float, str]:
-    """Wall and CPU seconds of one fresh process running ``argv``, and what it printed."""
+def run(argv: list[str], cache_dir: str = "none") -> tuple[float, float, str]:
+    """Wall and CPU seconds of one fresh process running ``argv`` with ``cache_dir`` as its
+    replay answers' folder (memplan.replaycache; "none": none kept), and what it printed."""
+    env = {**os.environ, "MEMPLAN_CACHE_DIR": cache_dir}
     cpu, start = _children_cpu_s(), time.perf_counter()
-    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env).stdout
     return time.perf_counter() - start, _children_cpu_s() - cpu, out
 
 
-def quote(argv: list[str], runs: int) -> tuple[str, str]:
-    """``runs`` fresh processes of ``argv``: their times as one line, and the last one's output."""
-    results = [run(argv) for _ in range(runs)]
+def quote(argv: list[str], runs: int, *, warm: bool = False) -> tuple[str, str]:
+    """``runs`` fresh processes of ``argv``: their times as one line, and the last one's output.
+    Cold (the default), each as a first run: every replay made; ``warm``, each as a later run:
+    the replays' answers read from a folder an untimed first run filled."""
+    if not warm:
+        results = [run(argv) for _ in range(runs)]
+    else:
+        with tempfile.TemporaryDirectory() as folder:
+            run(argv, folder)
+            results = [run(argv, folder) for _ in range(runs)]
     wall, cpu = [r[0] for r in results], [r[1] for r in results]
     line = (
         f"median {statistics.median(wall):.3f} s wall (min {min(wall):.3f}, max {max(wall):.3f}), "

@@ -18,7 +18,8 @@ def main(runs: int = 5) -> None:
     print(reference_line())
     line, out = quote(CLI, runs)
     print(f"$ memplan {' '.join(ARGS)}   ({runs} fresh processes)")
-    print(line)
+    print(f"cold (every replay made): {line}")
+    print(f"warm (replays read back): {quote(CLI, runs, warm=True)[0]}")
     print(reference_line())
     print(out.rstrip())
 

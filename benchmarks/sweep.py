@@ -4,11 +4,13 @@ caches empty, as in a fresh process, the sweep's own per-group caches too) and w
 grid again), in one process and spread over the CPUs (``memplan.grid.default_processes``), and
 the scalar estimate for comparison. Every row's total includes the replayed
 reserved (one replay per configuration), as ``memplan.estimate``'s; ``sizes`` takes the first few
-model sizes only (a shorter run).
+model sizes only (a shorter run). No replay's answer is read from or kept on disk
+(``MEMPLAN_CACHE_DIR=none``, memplan.replaycache): cold is every replay made.
 
     python benchmarks/sweep.py [repeats] [sizes]
 """
 
+import os
 import resource
 import sys
 import time
@@ -17,6 +19,8 @@ from memplan import alloctrace, grid, totals
 from memplan.grid import sweep
 from memplan.inputs import build_jobs
 from memplan.memory import estimate
+
+os.environ["MEMPLAN_CACHE_DIR"] = "none"  # read at each replay, the sweep's workers' too
 
 GRID = dict(
     params=[1e9, 3e9, 7e9, 13e9, 30e9, 70e9, 175e9, 405e9],

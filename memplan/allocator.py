@@ -148,6 +148,7 @@ class _Block:
         "next",
         "pending",
         "prev",
+        "request",
         "size",
         "small",
         "stream",
@@ -156,6 +157,7 @@ class _Block:
 
     def __init__(self, addr: int, size: int, stream: int, small: bool, *, expandable: bool = False):
         self.addr, self.size, self.stream, self.small = addr, size, stream, small
+        self.request = 0  # the bytes asked for, while allocated
         self.allocated, self.expandable, self.mapped = False, expandable, True
         self.waiting = False
         self.prev: _Block | None = None
@@ -240,7 +242,7 @@ class CachingAllocator:
     def __init__(self, conf: AllocConf = DEFAULT_CONF, *, limit_bytes: int | None = None, fraction_set: bool = False):
         self.conf, self.limit, self.fraction_set = conf, limit_bytes, fraction_set
         self.pools = {True: _Pool(True), False: _Pool(False)}
-        self.live: dict[int, tuple[_Block, int]] = {}
+        self.live: dict[int, _Block] = {}
         self.waiting: list[_Block] = []  # freed, recorded on other streams (cuda_events)
         self.next_addr = _FIXED_TOP
         self.next_span = 0  # expandable segments' address space, upward from 0
@@ -281,7 +283,8 @@ class CachingAllocator:
         if block is None:
             return False
         block = self._alloc_found_block(pool, block, size)
-        self.live[id_] = (block, request)
+        block.request = request
+        self.live[id_] = block
         self.allocated += block.size
         self.active += block.size
         self.requested += request
@@ -460,10 +463,10 @@ class CachingAllocator:
     def free(self, id_: int, used_on: Iterable[int] = ()) -> None:
         """``free``: back to the pool, or, if recorded on other streams, once their events
         complete (``insert_events``); ``recordStream`` ignores the allocation's own stream."""
-        block, request = self.live.pop(id_)
+        block = self.live.pop(id_)
         block.allocated = False
         self.allocated -= block.size
-        self.requested -= request
+        self.requested -= block.request
         if used_on:
             block.pending = {s for s in used_on if s != block.stream} or _NO_STREAMS
         if block.pending:
@@ -708,7 +711,8 @@ class CachingAllocator:
                     blocks[key] = block
                     block = front
                 block.allocated = True
-                live[id_] = (block, request)
+                block.request = request
+                live[id_] = block
                 nbytes = block.size
                 allocated += nbytes
                 active += nbytes
@@ -721,11 +725,11 @@ class CachingAllocator:
                     peak_requested = requested
             elif type(event) is Free:
                 id_, used_on = event
-                block, request = live.pop(id_)
+                block = live.pop(id_)
                 block.allocated = False
                 nbytes = block.size
                 allocated -= nbytes
-                requested -= request
+                requested -= block.request
                 if used_on:
                     block.pending = {s for s in used_on if s != block.stream} or _NO_STREAMS
                 if block.pending:

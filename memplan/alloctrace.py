@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import NamedTuple
 
+from . import replaycache
 from .allocator import DEFAULT_CONF, Alloc, AllocConf, Event, Free, Sync, replay
 from .breakdown import Term
 from .memory import estimate, step_of
@@ -286,7 +287,11 @@ def _excess(shape: TraceShape, conf: AllocConf) -> int:
     """One replay per distinct trace shape (hybrid-shard on one node replays full-shard's, the
     pipeline's middle stages one another's). The cyclic garbage collector is paused for it: the
     trace's thousands of events and blocks would start its passes over every object the process
-    holds, and none of them is garbage before the replay ends."""
+    holds, and none of them is garbage before the replay ends. An answer another process found
+    is read from ``replaycache``, and a new one kept there."""
+    kept = replaycache.load((shape, conf))
+    if kept is not None:
+        return kept
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -294,7 +299,9 @@ def _excess(shape: TraceShape, conf: AllocConf) -> int:
     finally:
         if enabled:
             gc.enable()
-    return max(0, result.peak_reserved_bytes - result.peak_allocated_bytes)
+    excess = max(0, result.peak_reserved_bytes - result.peak_allocated_bytes)
+    replaycache.store((shape, conf), excess)
+    return excess
 
 
 def replayed_step(job, stage: int | None = None):

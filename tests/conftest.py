@@ -1,8 +1,14 @@
+import os
+
 import pytest
 from hypothesis import settings
 
 from memplan.calibration import SHIPPED_DIR
 from memplan.catalog import TABLES_DIR
+
+# Every test replays for itself, its subprocesses too: none reads the answers of another run
+# (memplan.replaycache); tests/test_replay_cache.py points it at a folder of its own.
+os.environ["MEMPLAN_CACHE_DIR"] = "none"
 
 SHIPPED_CPU_RECORDS = TABLES_DIR / SHIPPED_DIR / "cpu-torch2.13.0.jsonl"
 """Real emulated DDP / FSDP2 steps on this project's CPU, as `memplan calibrate run` wrote them."""

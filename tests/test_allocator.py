@@ -343,9 +343,7 @@ def _state(allocator: CachingAllocator) -> tuple:
         + tuple((where(b.prev), where(b.next), b.stream) for b in pool.in_order())
         for small, pool in sorted(allocator.pools.items())
     )
-    live = tuple(
-        sorted((i, b.addr, b.size, b.stream, where(b.prev), where(b.next)) for i, (b, _) in allocator.live.items())
-    )
+    live = tuple(sorted((i, b.addr, b.size, b.stream, where(b.prev), where(b.next)) for i, b in allocator.live.items()))
     waiting = tuple((b.addr, b.size, tuple(sorted(b.pending))) for b in allocator.waiting)
     counters = (allocator.reserved, allocator.allocated, allocator.active, allocator.requested, allocator.retries)
     return pools, live, waiting, counters, tuple(allocator.peaks), allocator.next_addr

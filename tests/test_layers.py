@@ -57,8 +57,8 @@ LAYERS: list[list[str]] = [
     ],
     # step assembly: a job's (or a mesh rank's) moments, and its estimate
     ["quantities", "step", "notes", "parallel.step", "memory"],
-    # allocator replay
-    ["allocator", "alloctrace", "replayed"],
+    # allocator replay, and its answers kept between processes
+    ["allocator", "replaycache", "alloctrace", "replayed"],
     # the estimate entry point, and the inputs that build jobs
     ["totals", "request", "inputs", "module", "calibration", "throughput", "search"],
     # decide

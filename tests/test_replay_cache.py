@@ -1,12 +1,17 @@
 """The replay's caches (memplan.alloctrace's trace shapes, totals.fits's stage-by-stage check,
-the sweep's per-group caches) give the answers of the uncached path."""
+the sweep's per-group caches, the answers kept on disk between processes) give the answers of the
+uncached path."""
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from memplan import alloctrace, grid, totals
-from memplan.allocator import replay
+from memplan import alloctrace, grid, replaycache, totals
+from memplan.allocator import DEFAULT_CONF, AllocConf, replay
 from memplan.inputs import build_jobs
 from memplan.layout import Layout
 from memplan.memory import Step
@@ -85,3 +90,135 @@ def test_a_sweep_asked_again_replays_nothing_and_gives_the_same_rows():
     again = grid.sweep(**kwargs)
     assert (alloctrace._excess.cache_info().misses, totals.final.cache_info().misses) == misses
     assert first.equals(again)
+
+
+# -- answers kept on disk (memplan.replaycache) ---------------------------------------------------
+
+
+def _gpt2_steps() -> list[Step]:
+    _, jobs = build_jobs(model="gpt2", gpus=2, gpu="a100-80gb", seq_len=512, micro_batch=2)
+    return [Step(job) for job in jobs]
+
+
+@pytest.fixture
+def disk(tmp_path, monkeypatch) -> Path:
+    """The answers kept under a folder of this test's own."""
+    monkeypatch.setenv(replaycache.ENV, str(tmp_path))
+    alloctrace._excess.cache_clear()
+    yield tmp_path
+    alloctrace._excess.cache_clear()
+
+
+def test_an_answer_kept_is_read_back_by_a_later_process_without_a_replay(disk, monkeypatch):
+    steps = _gpt2_steps()
+    first = [alloctrace.excess_bytes(s) for s in steps]
+    assert first == [_uncached_excess(s) for s in steps]
+    shapes = {alloctrace.trace_shape(s) for s in steps}
+    assert len(list(disk.glob("replay-*/*"))) == len(shapes)
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("replayed although its answer was kept")
+
+    alloctrace._excess.cache_clear()  # as a new process starts
+    monkeypatch.setattr(alloctrace, "replay", no_replay)
+    assert [alloctrace.excess_bytes(s) for s in steps] == first
+
+
+def test_another_key_in_the_same_file_or_a_broken_file_is_a_miss_never_a_number(disk):
+    shape = alloctrace.trace_shape(_gpt2_steps()[0])
+    key, other = (shape, DEFAULT_CONF), (shape, AllocConf(expandable_segments=True))
+    replaycache.store(key, 123)
+    assert replaycache.load(key) == 123
+    path, _ = replaycache._path(key)
+    path.write_text(f"456\n{other!r}")  # another key whose file name met this one's
+    assert replaycache.load(key) is None
+    path.write_text("not a number\n" + repr(key))
+    assert replaycache.load(key) is None
+
+
+@pytest.mark.parametrize("setting", ["none", "NONE", ""])
+def test_none_keeps_nothing(setting, monkeypatch, tmp_path):
+    monkeypatch.setenv(replaycache.ENV, setting)
+    monkeypatch.chdir(tmp_path)
+    assert replaycache.cache_root() is None
+    replaycache.store(("key",), 1)
+    assert replaycache.load(("key",)) is None
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_folder_that_cannot_be_written_is_passed_over(monkeypatch, tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv(replaycache.ENV, str(blocked))  # a file where the folder would go
+    replaycache.store(("key",), 1)
+    assert replaycache.load(("key",)) is None
+    alloctrace._excess.cache_clear()
+    step = _gpt2_steps()[0]
+    assert alloctrace.excess_bytes(step) == _uncached_excess(step)
+
+
+def test_the_default_folder_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv(replaycache.ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert replaycache.cache_root() == tmp_path / "memplan"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert replaycache.cache_root() == tmp_path / ".cache" / "memplan"
+
+
+def test_edited_replay_code_reads_none_of_the_old_answers(monkeypatch, tmp_path):
+    """The folder is named by the sources that turn a shape into its answer: a copy of them gives
+    the same name, one edited byte another."""
+    here = Path(replaycache.__file__).parent
+    for name in replaycache._SOURCES:
+        (tmp_path / name).write_bytes((here / name).read_bytes())
+    root = tmp_path / "cache"
+    replaycache._folder.cache_clear()
+    installed = replaycache._folder(root)
+    monkeypatch.setattr(replaycache, "__file__", str(tmp_path / "replaycache.py"))
+    replaycache._folder.cache_clear()
+    assert replaycache._folder(root) == installed
+    edited = tmp_path / replaycache._SOURCES[1]
+    edited.write_bytes(edited.read_bytes() + b"# edited\n")
+    replaycache._folder.cache_clear()
+    assert replaycache._folder(root) != installed
+    replaycache._folder.cache_clear()
+
+
+def test_a_shape_names_the_same_file_in_every_process(disk):
+    """The file name is the key's hash(), which Python salts for str and bytes but not for the
+    ints, bools, floats and tuples of a trace shape and an AllocConf: processes started with two
+    hash seeds name it as this one does."""
+    code = (
+        "from memplan import alloctrace, replaycache\n"
+        "from memplan.allocator import DEFAULT_CONF\n"
+        "from memplan.inputs import build_jobs\n"
+        "from memplan.memory import Step\n"
+        "_, jobs = build_jobs(model='gpt2', gpus=2, gpu='a100-80gb', seq_len=512, micro_batch=2)\n"
+        "print(replaycache._path((alloctrace.trace_shape(Step(jobs[0])), DEFAULT_CONF))[0].name)"
+    )
+    names = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        for seed in ("1", "2")
+    }
+    mine = replaycache._path((alloctrace.trace_shape(_gpt2_steps()[0]), DEFAULT_CONF))[0].name
+    assert names == {mine}
+
+
+def test_the_main_job_prints_the_same_from_a_cold_and_a_warm_folder(tmp_path):
+    """Two processes of `memplan estimate`: the first replays and keeps its answers, the second
+    reads them; the same table."""
+    env = {**os.environ, replaycache.ENV: str(tmp_path)}
+    args = [sys.executable, "-m", "memplan.cli", "estimate", "--model", "gpt2", "--gpus", "2", "--gpu-mem", "24"]
+    cold = subprocess.run(args, env=env, check=True, capture_output=True, text=True).stdout
+    kept = sorted(tmp_path.glob("replay-*/*"))
+    assert kept
+    warm = subprocess.run(args, env=env, check=True, capture_output=True, text=True).stdout
+    assert warm == cold
+    assert sorted(tmp_path.glob("replay-*/*")) == kept  # nothing new to keep

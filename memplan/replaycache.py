@@ -1,0 +1,84 @@
+"""The allocator replay's answers kept on disk, so that a job replayed once is not replayed again
+by the next command, process or notebook kernel: ``memplan estimate`` asked twice, with another
+``--gpu-mem``, ``--priority`` or format, or ``recommend`` after ``estimate``, replays nothing.
+
+One file per trace shape and allocator configuration, under a folder named by a checksum of the
+code that turns a shape into its answer (``alloctrace.py``, ``allocator.py``): an edited or
+upgraded replay never reads an older one's answers. Each file holds the answer and the key it
+answers, compared on reading, so that two keys meeting in one file name cost a replay, never a
+wrong number. The folder is ``$MEMPLAN_CACHE_DIR``, else ``$XDG_CACHE_HOME/memplan``, else
+``~/.cache/memplan``; ``MEMPLAN_CACHE_DIR=none`` keeps nothing. A folder that cannot be read or
+written is passed over in silence: the replay runs as without it.
+
+Deliberately small: no hashing module (hashlib and zlib take 2–5 ms to import, a sizeable part of
+the main job's start-up), as the key's file name is its ``hash()``: a trace shape and an
+``AllocConf`` hold ints, bools and floats only, whose hashes Python does not salt per process."""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from pathlib import Path
+
+ENV = "MEMPLAN_CACHE_DIR"
+OFF = "none"
+_CHECKSUM_MODULUS = 2**61 - 1
+_SOURCES = ("alloctrace.py", "allocator.py")
+
+
+def cache_root() -> Path | None:
+    """The folder the answers go under (None: keep nothing)."""
+    chosen = os.environ.get(ENV)
+    if chosen is not None:
+        return None if chosen.strip().lower() in ("", OFF) else Path(chosen).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "memplan"
+
+
+@cache
+def _folder(root: Path) -> Path | None:
+    """``root``'s folder for this replay code: named by its sources' checksum (their bytes read
+    as one integer, modulo a Mersenne prime); None where the sources cannot be read."""
+    here = Path(__file__).parent
+    try:
+        data = b"".join((here / name).read_bytes() for name in _SOURCES)
+    except OSError:
+        return None
+    return root / f"replay-{int.from_bytes(data, 'little') % _CHECKSUM_MODULUS:016x}"
+
+
+def _path(key: object) -> tuple[Path, str] | None:
+    root = cache_root()
+    folder = _folder(root) if root is not None else None
+    if folder is None:
+        return None
+    return folder / f"{hash(key) & (2**64 - 1):016x}", repr(key)
+
+
+def load(key: object) -> int | None:
+    """The answer kept for ``key``; None: none kept (or unreadable)."""
+    found = _path(key)
+    if found is None:
+        return None
+    path, text = found
+    try:
+        value, _, kept = path.read_text().partition("\n")
+        return int(value) if kept == text else None
+    except (OSError, ValueError):
+        return None
+
+
+def store(key: object, value: int) -> None:
+    """Keep ``value`` as ``key``'s answer: written beside, then renamed into place (readers in
+    other processes see the whole file or none)."""
+    found = _path(key)
+    if found is None:
+        return
+    path, text = found
+    part = path.with_name(f"{path.name}.{os.getpid()}.part")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part.write_text(f"{value}\n{text}")
+        os.replace(part, path)
+    except OSError:
+        return
