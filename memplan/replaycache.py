@@ -31,8 +31,9 @@ def cache_root() -> Path | None:
     chosen = os.environ.get(ENV)
     if chosen is not None:
         return None if chosen.strip().lower() in ("", OFF) else Path(chosen).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "memplan"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path("~", ".cache").expanduser()  # XDG ignores a relative one
+    return base / "memplan" if base.is_absolute() else None  # no home to expand: keep nothing
 
 
 @cache

@@ -164,6 +164,8 @@ def test_the_default_folder_follows_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert replaycache.cache_root() == tmp_path / ".cache" / "memplan"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # the XDG spec: a relative one is ignored
+    assert replaycache.cache_root() == tmp_path / ".cache" / "memplan"
 
 
 def test_edited_replay_code_reads_none_of_the_old_answers(monkeypatch, tmp_path):
