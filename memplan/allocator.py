@@ -642,9 +642,9 @@ class CachingAllocator:
                 size = (request + MIN_BLOCK_BYTES - 1) // MIN_BLOCK_BYTES * MIN_BLOCK_BYTES or MIN_BLOCK_BYTES
                 small = size <= SMALL_SIZE_BYTES
                 if small:
-                    pool, streams, blocks = small_pool, small_streams, small_blocks
+                    streams, blocks = small_streams, small_blocks
                 else:
-                    pool, streams, blocks = large_pool, large_streams, large_blocks
+                    streams, blocks = large_streams, large_blocks
                 if waiting:
                     done = [b for b in waiting if not b.pending]
                     if done:  # process_events: their blocks return to the pool (free_block)
@@ -684,7 +684,7 @@ class CachingAllocator:
                     else:
                         self.reserved, self.active, self.next_addr = reserved, active, next_addr
                         peaks[0] = peak_reserved
-                        block = self._new_segment(pool, size, stream)
+                        block = self._new_segment(small_pool if small else large_pool, size, stream)
                         reserved, active, next_addr = self.reserved, self.active, self.next_addr
                         peak_reserved, waiting = peaks[0], self.waiting
                         if block is None:
@@ -730,12 +730,12 @@ class CachingAllocator:
                 nbytes = block.size
                 allocated -= nbytes
                 requested -= block.request
-                if used_on:
+                if used_on:  # else its pending set is the empty one it was allocated with
                     block.pending = {s for s in used_on if s != block.stream} or _NO_STREAMS
-                if block.pending:
-                    block.waiting = True
-                    waiting.append(block)
-                    continue
+                    if block.pending:
+                        block.waiting = True
+                        waiting.append(block)
+                        continue
                 # free_block: merge with the free neighbours (try_merge_blocks), then cache
                 active -= nbytes
                 if block.small:
