@@ -70,13 +70,14 @@ def load(key: object) -> int | None:
 
 
 def store(key: object, value: int) -> None:
-    """Keep ``value`` as ``key``'s answer: written beside, then renamed into place (readers in
-    other processes see the whole file or none)."""
+    """Keep ``value`` as ``key``'s answer: written beside under a name of its own, then renamed
+    into place (readers in other processes, other hosts on a shared home too, see the whole file
+    or none)."""
     found = _path(key)
     if found is None:
         return
     path, text = found
-    part = path.with_name(f"{path.name}.{os.getpid()}.part")
+    part = path.with_name(f"{path.name}.{os.urandom(8).hex()}.part")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         part.write_text(f"{value}\n{text}")
