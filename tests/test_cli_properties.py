@@ -17,6 +17,7 @@ stopping at the first).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -33,7 +34,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, assume, currently_in_test_context, example, given, note, settings
 from hypothesis import strategies as st
 
-from memplan import layout, loop, specs
+from memplan import alloctrace, layout, loop, replaycache, specs, totals
 from memplan.catalog import models as preset_models
 from memplan.checkpointing import offload_stash_blocks
 from memplan.cli import main
@@ -655,6 +656,41 @@ def test_the_layout_search_refuses_nothing_data_parallel_answers(args):
         return
     searched = Run(["recommend", *args, "--format", "json"])
     assert searched.ok, f"the layout search refuses what data parallel answers: {searched.err.strip()}"
+
+
+# ----------------------------------------------------------------------------- answers kept on disk
+
+
+@contextlib.contextmanager
+def _replays_kept_in(folder: str):
+    """The replays' answers kept in ``folder`` (memplan.replaycache), and none held in this
+    process: each run under it starts as a new process would."""
+    os.environ[replaycache.ENV] = folder
+    try:
+        yield
+    finally:
+        os.environ[replaycache.ENV] = "none"
+
+
+def _as_a_new_process() -> None:
+    for cached in (totals.final, totals.bound, alloctrace.reserved, alloctrace._excess):
+        cached.cache_clear()
+
+
+@examples(100)
+@given(args=jobs())
+def test_a_later_run_reading_the_kept_replays_answers_the_same(args):
+    """The recommendation with every option it weighed, rejected ones included: its first run
+    replays and keeps each answer; a later one reads them back and prints the same bytes."""
+    with tempfile.TemporaryDirectory() as folder, _replays_kept_in(folder):
+        _as_a_new_process()
+        first = Run(["recommend", *args, "--format", "json"])
+        _as_a_new_process()
+        again = Run(["recommend", *args, "--format", "json"])
+        kept = list(Path(folder).glob("replay-*/*"))
+    _as_a_new_process()
+    assert (again.code, again.out, again.err) == (first.code, first.out, first.err)
+    assert kept or not first.ok or flag_value(args, "--device") == "cpu"  # a CPU job replays no CUDA allocator
 
 
 # ----------------------------------------------------------------------------- the installed script
