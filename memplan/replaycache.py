@@ -16,6 +16,7 @@ the main job's start-up), as the key's file name is its ``hash()``: a trace shap
 
 from __future__ import annotations
 
+import contextlib
 import os
 from functools import cache
 from pathlib import Path
@@ -83,4 +84,5 @@ def store(key: object, value: int) -> None:
         part.write_text(f"{value}\n{text}")
         os.replace(part, path)
     except OSError:
-        return
+        with contextlib.suppress(OSError):
+            part.unlink()  # a disk full midway leaves no part behind

@@ -157,6 +157,16 @@ def test_a_folder_that_cannot_be_written_is_passed_over(monkeypatch, tmp_path):
     assert alloctrace.excess_bytes(step) == _uncached_excess(step)
 
 
+def test_a_write_that_fails_midway_leaves_nothing_behind(disk, monkeypatch):
+    def full(*args):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(replaycache.os, "replace", full)
+    replaycache.store(("key",), 1)
+    assert [p for p in disk.rglob("*") if p.is_file()] == []
+    assert replaycache.load(("key",)) is None
+
+
 def test_the_default_folder_follows_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv(replaycache.ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
