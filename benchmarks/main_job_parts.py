@@ -11,13 +11,11 @@ the parts: the interpreter's own start and the modules the probe imports before 
 """
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
-from fresh import reference_line
+from fresh import reference_line, run
 
 # one fresh process of the console script's own path (memplan.cli.run): the parts timed by
 # wrapping the functions that do them (timers only), reported as the process ends
@@ -53,12 +51,8 @@ memplan.cli.run()
 
 
 def parts(runs: int, cache_dir: str) -> dict[str, float]:
-    """The median of each part over ``runs`` fresh processes."""
-    env = {**os.environ, "MEMPLAN_CACHE_DIR": cache_dir}
-    found = []
-    for _ in range(runs):
-        out = subprocess.run([sys.executable, "-c", PROBE], check=True, capture_output=True, text=True, env=env).stdout
-        found.append(json.loads(out.splitlines()[-1]))
+    """The median of each part over ``runs`` fresh processes (``fresh.run``'s, ``cache_dir`` theirs)."""
+    found = [json.loads(run([sys.executable, "-c", PROBE], cache_dir)[2].splitlines()[-1]) for _ in range(runs)]
     return {k: statistics.median(r[k] for r in found) for k in found[0]}
 
 
