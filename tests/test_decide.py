@@ -6,6 +6,8 @@ import dataclasses
 import json
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from memplan import api, catalog, search
 from memplan.decide import FRAMEWORKS, PRIORITIES, framework_strategies, recommend_job, rules, size_class
@@ -565,3 +567,30 @@ def test_a_rule_s_layout_the_job_cannot_take_is_not_judged():
         assert result.exit_code == 0, result.output
     rec = json.loads(CliRunner().invoke(main, ["recommend", *args[1:], "--format", "json"]).output)
     assert "s001-pp-bubble" not in {r["id"] for r in rec["rules"]}
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    params=st.sampled_from(["125M", "1.3e9", "7e9", "13e9", "34e9", "70e9", "405e9"]),
+    gpus=st.sampled_from([1, 2, 8, 16, 64, 512]),
+    gpu=st.sampled_from(["a100-40gb", "a100-80gb", "h100-sxm", "h200", "l40s"]),
+    seq_len=st.sampled_from([1024, 2048, 8192]),
+    priority=st.sampled_from(PRIORITIES),
+    fixed=st.sampled_from([{}, {"precision": "mixed-bf16"}, {"ac": "full"}, {"strategy": "fsdp-full-shard"}]),
+)
+@example(params="13e9", gpus=8, gpu="h100-sxm", seq_len=2048, priority="speed", fixed={})
+def test_the_summary_agreement_is_the_verdicts(params, gpus, gpu, seq_len, priority, fixed):
+    """``estimate``'s summary counts ``Recommendation.agreement``, which settles a rule by the
+    bound where it can (no replay): on a fresh copy of the recommendation, before any verdict
+    is read, it is each verdict's rule and agreement, in order."""
+    inputs = dict(params=params, gpus=gpus, gpu=gpu, seq_len=seq_len, priority=priority)
+    inputs.update(
+        {"precision": fixed.get("precision"), "activation_checkpointing": fixed.get("ac")} if fixed else {},
+        **({"strategy": fixed["strategy"]} if "strategy" in fixed else {}),
+    )
+    try:
+        _, rec = api.recommend(**{k: v for k, v in inputs.items() if v is not None})
+    except MemplanError:
+        return  # a job the search refuses (one line at the CLI) has no summary
+    fresh = dataclasses.replace(rec)
+    assert fresh.agreement == tuple((v.rule, v.agrees) for v in rec.rules)

@@ -207,7 +207,7 @@ def _with(job: Job, layout: Layout, strategy: str, ac: str, micro: int) -> Job:
 
 
 @dataclass(frozen=True)
-class _Group:
+class LayoutGroup:
     """One layout and data-parallel strategy of the search: its settings in the order tried,
     from the first whose bound fits (none fits before it; none at all where even the least
     memory's bound does not fit)."""
@@ -231,19 +231,21 @@ class _Group:
         return next(o for o in self.candidates if o.fits)
 
 
-def _group(job: Job, layout: Layout, strategy: str, link: Link, order: int = 0) -> _Group:
-    """A layout and strategy's settings walked by the bound (no replay). A setting the model
+@lru_cache(maxsize=256)
+def layout_group(job: Job, layout: Layout, strategy: str, link: Link, order: int = 0) -> LayoutGroup:
+    """A layout and strategy's settings walked by the bound (no replay); cached, as the rules'
+    bound (``rules.agrees``) walks the group ``best_of_layout`` then confirms. A setting the model
     cannot take (MLA under selective AC, say) is skipped; where it cannot take the least-memory
     one, this raises (``search_layouts`` skips the layout and strategy)."""
     settings = _settings()
     least = _option(_with(job, layout, strategy, *settings[0]), link)
     if not _bound_fits(least.job):
-        return _Group(order, least, (), 1)
+        return LayoutGroup(order, least, (), 1)
     built = [least.job, *(_built(job, layout, strategy, s) for s in settings[1:])]
     # the last setting is the least-memory one again: its bound fits
     first = next(i for i in range(1, len(settings)) if _fits_by_bound(built[i]))
     rest = (_option(j, link) for j in built[first:] if j is not None)
-    return _Group(order, least, tuple(rest), 1 + first)
+    return LayoutGroup(order, least, tuple(rest), 1 + first)
 
 
 def _built(job: Job, layout: Layout, strategy: str, setting: tuple[str, int]) -> Job | None:
@@ -265,7 +267,7 @@ def _fits_by_bound(job: Job | None) -> bool:
 def best_of_layout(job: Job, layout: Layout, link: Link) -> tuple[LayoutOption | None, LayoutOption]:
     """One layout under ``job``'s strategy, its AC and micro-batch searched as ``search_layouts``
     does: the fastest setting that fits (None: none does) and the least-memory one."""
-    group = _group(job, layout, job.plan.strategy, link)
+    group = layout_group(job, layout, job.plan.strategy, link)
     return group.pick(), group.least
 
 
@@ -278,14 +280,14 @@ def search_layouts(job: Job, link: Link) -> LayoutPick:
     replay), and the groups are confirmed (replayed) from the fastest any of their settings
     could be, until none left could beat a pick with the safe margin free. Cached:
     ``recommend`` asks whether the pick wins, then prints it."""
-    groups: list[_Group] = []
+    groups: list[LayoutGroup] = []
     searched, skipped = 0, []
     for layout in _layouts(job):
         for strategy in DP_STRATEGIES:
             if strategy == "fsdp-hybrid-shard" and job.cluster.num_nodes == 1:
                 continue
             try:
-                group = _group(job, layout, strategy, link, len(groups))
+                group = layout_group(job, layout, strategy, link, len(groups))
             except MemplanError as error:
                 skipped.append(str(error))
                 continue

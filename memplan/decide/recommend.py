@@ -33,7 +33,7 @@ from .options import (
     smallest,
     unmodelled,
 )
-from .rules import Rule, RuleVerdict, judge, rules, size_class
+from .rules import Rule, RuleVerdict, agrees, judge, rules, size_class
 from .whatifs import ModeOutcome, finetune_modes
 
 
@@ -104,12 +104,12 @@ class Recommendation:
         return tuple(axis for axis, _ in self.fixed)
 
     @cached_property
-    def rules(self) -> tuple[RuleVerdict, ...]:
-        """The verdicts of the documented rules that match the job."""
+    def matching(self) -> tuple[Rule, ...]:
+        """The documented rules that match the job (judged in ``rules``)."""
         job, fixed = self.job, dict(self.fixed)
         size, ddp_fits = size_class(job.model.num_params), _ddp_fits(job, fixed, list(self.candidates), self.basis)
-        judged = (
-            judge(r, list(self.candidates), self.best, job, self.basis, self.priority, fixed)
+        return tuple(
+            r
             for r in rules()
             if r.matches(
                 params=size,
@@ -120,7 +120,27 @@ class Recommendation:
                 ddp_fits=ddp_fits,
             )
         )
+
+    @cached_property
+    def rules(self) -> tuple[RuleVerdict, ...]:
+        """The verdicts of the documented rules that match the job."""
+        judged = (judge(r, *self._judging) for r in self.matching)
         return tuple(v for v in judged if v is not None)
+
+    @cached_property
+    def agreement(self) -> tuple[tuple[Rule, bool], ...]:
+        """Each verdict of ``rules`` as its rule and whether it agrees, found without the replays
+        that confirm a rule's own options where a bound settles it (``rules.agrees``):
+        ``estimate``'s summary reads this."""
+        if "rules" in self.__dict__:
+            return tuple((v.rule, v.agrees) for v in self.rules)
+        found = ((r, agrees(r, *self._judging)) for r in self.matching)
+        return tuple((r, a) for r, a in found if a is not None)
+
+    @property
+    def _judging(self) -> tuple:
+        """What ``judge`` and ``agrees`` read besides the rule."""
+        return list(self.candidates), self.best, self.job, self.basis, self.priority, dict(self.fixed)
 
     @cached_property
     def reasons(self) -> tuple[Reason, ...]:
@@ -158,11 +178,9 @@ class Recommendation:
     def documented_penalties(self, job: Job) -> tuple[Rule, ...]:
         """The matching penalty rules that speak about ``job``'s strategy and offload."""
         return tuple(
-            v.rule
-            for v in self.rules
-            if v.rule.kind == "penalty"
-            and job.plan.strategy in v.rule.strategies
-            and (v.rule.offload or "none") == job.plan.offload
+            r
+            for r in self.matching
+            if r.kind == "penalty" and job.plan.strategy in r.strategies and (r.offload or "none") == job.plan.offload
         )
 
     @cached_property

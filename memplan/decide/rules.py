@@ -15,8 +15,8 @@ from ..memory import estimate
 from ..specs import Job
 from ..strategies import STRATEGIES
 from ..throughput import StepTime, bubble_fraction, default, model_parallel_seconds, relative_to_ddp
-from .layouts import MICROBATCHES_PER_STAGE, LayoutOption, best_of_layout, tp_within_node
-from .options import Basis, Option, ranked, search_options, slower_fraction, smallest
+from .layouts import MICROBATCHES_PER_STAGE, LayoutGroup, LayoutOption, layout_group, tp_within_node
+from .options import Basis, Option, fastest_tokens_per_s, ranked, search_options, slower_fraction, smallest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -317,18 +317,68 @@ def judge(
     return _judge_recommend(rule, options, best, job, basis, priority, fixed)
 
 
+def agrees(
+    rule: Rule, options: list[Option], best: Option | None, job: Job, basis: Basis, priority: str, fixed: dict
+) -> bool | None:
+    """``judge``'s verdict on ``rule`` as agrees or not (None: no verdict), without confirming
+    (replaying) the rule's own options where a bound settles it (``_slower_by_bound``)."""
+    if best is not None and _slower_by_bound(rule, options, best, job, basis, priority, fixed):
+        return False
+    verdict = judge(rule, options, best, job, basis, priority, fixed)
+    return None if verdict is None else verdict.agrees
+
+
+def _slower_by_bound(
+    rule: Rule, options: list[Option], best: Option, job: Job, basis: Basis, priority: str, fixed: dict
+) -> bool:
+    """Whether every option of a recommend or recommend-layout rule, at the most tokens/s it could
+    reach, is slower than the pick by more than ``close_fraction``: the rule is then contradicted
+    whichever of them fits, and where none does (``_judge_recommend``'s and ``_judge_layout``'s
+    slower and does_not_fit). A recommend option's most is ``fastest_tokens_per_s`` (at any
+    micro-batch its bound allows), a layout's the fastest of the settings its bound walk kept
+    (the pick is one of them); the fraction is computed as the judges compute it, and a larger
+    speed never gives a larger one. False where the bound does not settle it (by memory, a
+    rule of another kind, a layout the model cannot take: ``judge`` decides)."""
+    close, speed = default("close_fraction"), best.step.tokens_per_s
+    if rule.kind in ("ac-cost", "penalty", "tp-cost", "pp-bubble"):
+        return False
+    if rule.kind == "recommend-layout":
+        if job.plan.ep > 1:
+            return False
+        try:
+            group = _tp_group(rule, best, job, basis)
+        except MemplanError:
+            return False
+        return group is not None and (not group.candidates or 1 - group.most_tokens_per_s / speed > close)
+    if priority == "memory":
+        return False
+    mine = _rule_options(rule, options, job, basis, priority, fixed)
+    # the speeds first (a step time each); then one the model estimates, as judge has a verdict only then
+    return all(1 - fastest_tokens_per_s(o) / speed > close for o in mine) and any(o.modelled for o in mine)
+
+
+def _tp_group(rule: Rule, best: Option | None, job: Job, basis: Basis) -> LayoutGroup | None:
+    """TP over the node (the largest degree that divides the model there; None: none does) under
+    the rule's dp strategy, on the pick's precision (the search's, so that the two compare like
+    for like), its AC and micro-batch walked by the bound as the layout search walks them."""
+    tp = tp_within_node(job)
+    if tp == 1:
+        return None
+    base = job if best is None else replace(job, train=replace(job.train, precision=best.job.train.precision))
+    base = base.with_(strategy=rule.strategies[0])
+    return layout_group(base, Layout(tp=tp), base.plan.strategy, basis.link)
+
+
 def _judge_layout(rule: Rule, best: Option | None, job: Job, basis: Basis) -> RuleVerdict | None:
     """Tensor parallel as the seed's alternative: TP over the node (the largest degree that
     divides the heads, kv-heads, MLP and vocabulary, with SP) under the rule's dp strategy, its
     AC and micro-batch searched as the layout search does; against the data-parallel pick
     (faster or as fast: best; else slower by a fraction of its tokens/s, agreeing within
     ``close_fraction``)."""
-    tp = tp_within_node(job)
-    if tp == 1:
+    group = _tp_group(rule, best, job, basis)
+    if group is None:
         return None  # no TP degree divides this model within the node
-    # on the pick's precision (the search's), so that the two compare like for like
-    base = job if best is None else replace(job, train=replace(job.train, precision=best.job.train.precision))
-    mine, smallest = best_of_layout(base.with_(strategy=rule.strategies[0]), Layout(tp=tp), basis.link)
+    mine, smallest = group.pick(), group.least
     if mine is None:
         return RuleVerdict(
             rule=rule,

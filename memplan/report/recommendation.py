@@ -13,11 +13,11 @@ from .text import gib_text, header, num_gib
 
 def recommendation_summary(rec: Recommendation) -> list[str]:
     """A few lines: the pick, why, and how many documented rules the arithmetic contradicts."""
-    contradicted = [v.rule.id for v in rec.contradicted]
+    contradicted = [r.id for r, agrees in rec.agreement if not agrees]
     rules = (
-        f"Documented rules: {len(rec.rules) - len(contradicted)} agree, {len(contradicted)} contradicted by "
+        f"Documented rules: {len(rec.agreement) - len(contradicted)} agree, {len(contradicted)} contradicted by "
         f"the arithmetic ({', '.join(contradicted)}); `memplan recommend` shows why."
-        if rec.rules
+        if rec.agreement
         else "No documented rule matches these inputs."
     )
     if rec.best is None:
