@@ -637,7 +637,8 @@ class CachingAllocator:
         next_addr = self.next_addr
         oom = False
         for event in events:
-            if type(event) is Alloc:
+            kind = type(event)
+            if kind is Alloc:
                 id_, request, stream = event
                 size = (request + MIN_BLOCK_BYTES - 1) // MIN_BLOCK_BYTES * MIN_BLOCK_BYTES or MIN_BLOCK_BYTES
                 small = size <= SMALL_SIZE_BYTES
@@ -723,7 +724,7 @@ class CachingAllocator:
                     peak_active = active
                 if requested > peak_requested:
                     peak_requested = requested
-            elif type(event) is Free:
+            elif kind is Free:
                 id_, used_on = event
                 block = live.pop(id_)
                 block.allocated = False

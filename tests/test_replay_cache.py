@@ -129,7 +129,7 @@ def test_another_key_in_the_same_file_or_a_broken_file_is_a_miss_never_a_number(
     key, other = (shape, DEFAULT_CONF), (shape, AllocConf(expandable_segments=True))
     replaycache.store(key, 123)
     assert replaycache.load(key) == 123
-    path, _ = replaycache._path(key)
+    path = replaycache._path(key)
     path.write_text(f"456\n{other!r}")  # another key whose file name met this one's
     assert replaycache.load(key) is None
     path.write_text("not a number\n" + repr(key))
@@ -207,7 +207,7 @@ def test_a_shape_names_the_same_file_in_every_process(disk):
         "from memplan.inputs import build_jobs\n"
         "from memplan.memory import Step\n"
         "_, jobs = build_jobs(model='gpt2', gpus=2, gpu='a100-80gb', seq_len=512, micro_batch=2)\n"
-        "print(replaycache._path((alloctrace.trace_shape(Step(jobs[0])), DEFAULT_CONF))[0].name)"
+        "print(replaycache._path((alloctrace.trace_shape(Step(jobs[0])), DEFAULT_CONF)).name)"
     )
     names = {
         subprocess.run(
@@ -219,7 +219,7 @@ def test_a_shape_names_the_same_file_in_every_process(disk):
         ).stdout.strip()
         for seed in ("1", "2")
     }
-    mine = replaycache._path((alloctrace.trace_shape(_gpt2_steps()[0]), DEFAULT_CONF))[0].name
+    mine = replaycache._path((alloctrace.trace_shape(_gpt2_steps()[0]), DEFAULT_CONF)).name
     assert names == {mine}
 
 
