@@ -44,11 +44,11 @@ def _clear() -> None:
         totals.final,
         totals.bound,
         alloctrace.reserved,
-        alloctrace._excess,
         grid._moments,
         grid._cached_jobs,
     ):
         cached.cache_clear()
+    alloctrace.forget_answers()
     grid._REPLAYED.clear()
 
 

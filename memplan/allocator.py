@@ -637,8 +637,7 @@ class CachingAllocator:
         next_addr = self.next_addr
         oom = False
         for event in events:
-            kind = type(event)
-            if kind is Alloc:
+            if type(event) is Alloc:
                 id_, request, stream = event
                 size = (request + MIN_BLOCK_BYTES - 1) // MIN_BLOCK_BYTES * MIN_BLOCK_BYTES or MIN_BLOCK_BYTES
                 small = size <= SMALL_SIZE_BYTES
@@ -724,7 +723,7 @@ class CachingAllocator:
                     peak_active = active
                 if requested > peak_requested:
                     peak_requested = requested
-            elif kind is Free:
+            elif type(event) is Free:
                 id_, used_on = event
                 block = live.pop(id_)
                 block.allocated = False

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from .alloctrace import replay_ahead
 from .breakdown import Estimate
 from .errors import InputError
 from .inputs import ModelChoice, build_jobs
@@ -319,6 +320,7 @@ def estimate(
 
     request = Request.of(request, **inputs)
     choice, jobs = _jobs(request)
+    replay_ahead(jobs)
     estimates = tuple(final(job) for job in jobs)
     decision = Decision(
         priority=priority,

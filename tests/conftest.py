@@ -7,8 +7,11 @@ from memplan.calibration import SHIPPED_DIR
 from memplan.catalog import TABLES_DIR
 
 # Every test replays for itself, its subprocesses too: none reads the answers of another run
-# (memplan.replaycache); tests/test_replay_cache.py points it at a folder of its own.
+# (memplan.replaycache); tests/test_replay_cache.py points it at a folder of its own. And in its
+# own process: a fork of the test process (hundreds of MB, torch loaded) would cost more than the
+# replays it shares (alloctrace.replay_ahead); tests/test_replay_cache.py forks on purpose.
 os.environ["MEMPLAN_CACHE_DIR"] = "none"
+os.environ["MEMPLAN_REPLAY_WORKERS"] = "1"
 
 SHIPPED_CPU_RECORDS = TABLES_DIR / SHIPPED_DIR / "cpu-torch2.13.0.jsonl"
 """Real emulated DDP / FSDP2 steps on this project's CPU, as `memplan calibrate run` wrote them."""

@@ -673,8 +673,9 @@ def _replays_kept_in(folder: str):
 
 
 def _as_a_new_process() -> None:
-    for cached in (totals.final, totals.bound, alloctrace.reserved, alloctrace._excess):
+    for cached in (totals.final, totals.bound, alloctrace.reserved):
         cached.cache_clear()
+    alloctrace.forget_answers()
 
 
 @examples(100)

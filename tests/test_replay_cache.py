@@ -5,6 +5,7 @@ uncached path."""
 import os
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,21 +44,35 @@ def test_a_shape_reads_each_block_as_its_own_index_does(inputs):
         assert shape.transient == tuple(tuple(t.bytes for t in step.transient_terms(i)) for i in range(L))
 
 
-def test_middle_pipeline_stages_share_one_replay_which_is_each_ones_own():
+def _count_replays(monkeypatch) -> list:
+    """The shapes ``alloctrace`` replays from now on (its answers held, read or sent not counted)."""
+    made, replay_here = [], alloctrace._replay
+
+    def counted(shape, conf):
+        made.append(shape)
+        return replay_here(shape, conf)
+
+    monkeypatch.setattr(alloctrace, "_replay", counted)
+    return made
+
+
+def test_middle_pipeline_stages_share_one_replay_which_is_each_ones_own(monkeypatch):
     _, jobs = build_jobs(model="llama-2-7b", gpus=64, gpu="h100-sxm", ac="full", strategy="fsdp-full-shard")
     job = replace(jobs[0], layout=Layout(tp=2, pp=8, pp_microbatches=32))
     stages = pipeline.stages(job.layout, job.model.num_layers)
     steps = [RankStep(job, s) for s in stages]
     shapes = {alloctrace.trace_shape(s) for s in steps}
     assert len(shapes) < len(stages)  # the middle stages differ only in the micro-batches in flight
-    alloctrace._excess.cache_clear()
+    alloctrace.forget_answers()
+    replays = _count_replays(monkeypatch)
     assert [alloctrace.excess_bytes(s) for s in steps] == [_uncached_excess(s) for s in steps]
-    assert alloctrace._excess.cache_info().misses == len(shapes)
+    assert len(replays) == len(shapes)
 
 
 def _clear() -> None:
-    for cached in (totals.final, totals.bound, alloctrace.reserved, alloctrace._excess):
+    for cached in (totals.final, totals.bound, alloctrace.reserved):
         cached.cache_clear()
+    alloctrace.forget_answers()
 
 
 def _pipelined(gpu_mem: float, pp: int, micro: int):
@@ -83,12 +98,14 @@ def test_fits_stage_by_stage_is_the_replayed_totals_answer(pp, micro):
     assert answers == [(True, True), (True, False), (False, False)]
 
 
-def test_a_sweep_asked_again_replays_nothing_and_gives_the_same_rows():
+def test_a_sweep_asked_again_replays_nothing_and_gives_the_same_rows(monkeypatch):
     kwargs = dict(params=[1e9, 3e9], gpus=[1, 8], micro_batch=[1, 2], seq_len=[512, 1024], gpu="h100-sxm")
+    _clear()
+    replays = _count_replays(monkeypatch)
     first = grid.sweep(**kwargs)
-    misses = alloctrace._excess.cache_info().misses, totals.final.cache_info().misses
+    made, misses = len(replays), totals.final.cache_info().misses
     again = grid.sweep(**kwargs)
-    assert (alloctrace._excess.cache_info().misses, totals.final.cache_info().misses) == misses
+    assert made and (len(replays), totals.final.cache_info().misses) == (made, misses)
     assert first.equals(again)
 
 
@@ -104,9 +121,9 @@ def _gpt2_steps() -> list[Step]:
 def disk(tmp_path, monkeypatch) -> Path:
     """The answers kept under a folder of this test's own."""
     monkeypatch.setenv(replaycache.ENV, str(tmp_path))
-    alloctrace._excess.cache_clear()
+    alloctrace.forget_answers()
     yield tmp_path
-    alloctrace._excess.cache_clear()
+    alloctrace.forget_answers()
 
 
 def test_an_answer_kept_is_read_back_by_a_later_process_without_a_replay(disk, monkeypatch):
@@ -119,7 +136,7 @@ def test_an_answer_kept_is_read_back_by_a_later_process_without_a_replay(disk, m
     def no_replay(*args, **kwargs):
         raise AssertionError("replayed although its answer was kept")
 
-    alloctrace._excess.cache_clear()  # as a new process starts
+    alloctrace.forget_answers()  # as a new process starts
     monkeypatch.setattr(alloctrace, "replay", no_replay)
     assert [alloctrace.excess_bytes(s) for s in steps] == first
 
@@ -152,7 +169,7 @@ def test_a_folder_that_cannot_be_written_is_passed_over(monkeypatch, tmp_path):
     monkeypatch.setenv(replaycache.ENV, str(blocked))  # a file where the folder would go
     replaycache.store(("key",), 1)
     assert replaycache.load(("key",)) is None
-    alloctrace._excess.cache_clear()
+    alloctrace.forget_answers()
     step = _gpt2_steps()[0]
     assert alloctrace.excess_bytes(step) == _uncached_excess(step)
 
@@ -234,3 +251,77 @@ def test_the_main_job_prints_the_same_from_a_cold_and_a_warm_folder(tmp_path):
     warm = subprocess.run(args, env=env, check=True, capture_output=True, text=True).stdout
     assert warm == cold
     assert sorted(tmp_path.glob("replay-*/*")) == kept  # nothing new to keep
+
+
+def _rows() -> list:
+    """An estimate's rows: GPT-2 under every strategy on 8 GPUs (seven trace shapes)."""
+    return build_jobs(model="gpt2", gpus=8, gpu="a100-80gb", seq_len=1024)[1]
+
+
+def _keys(jobs) -> set:
+    return {(alloctrace.trace_shape(Step(j)), DEFAULT_CONF) for j in jobs}
+
+
+@pytest.fixture
+def ahead():
+    """No answer held, before and after: each test's replays are its own."""
+    _clear()
+    yield
+    _clear()
+
+
+@pytest.mark.parametrize("workers", ["2", "3", "16"])
+def test_replays_shared_with_forked_workers_answer_as_one_process_does(workers, ahead, monkeypatch):
+    """Each row's answer from this process or a worker is the replay's own, and the estimate that
+    takes them gives the totals of one that replayed them itself."""
+    monkeypatch.setenv(alloctrace.WORKERS_ENV, workers)
+    jobs = _rows()
+    alloctrace.replay_ahead(jobs)
+    keys = _keys(jobs)
+    assert set(alloctrace._ANSWERS) == keys and len(keys) == 7
+    assert all(excess == alloctrace._replay(*key) for key, excess in alloctrace._ANSWERS.items())
+    replays = _count_replays(monkeypatch)
+    shared = [totals.final(j).total_bytes for j in jobs]
+    assert not replays  # the estimate replays none of them again
+    _clear()
+    monkeypatch.setenv(alloctrace.WORKERS_ENV, "1")
+    alloctrace.replay_ahead(jobs)
+    assert not alloctrace._ANSWERS  # one worker: nothing forked, nothing found ahead
+    assert [totals.final(j).total_bytes for j in jobs] == shared
+    assert len(replays) == 7
+
+
+def test_a_worker_that_dies_costs_its_replays_here_never_a_number(ahead, monkeypatch):
+    """A worker that fails sends nothing: its shapes are replayed here when asked."""
+    parent, replay_here = os.getpid(), alloctrace._replay
+
+    def fails_in_a_worker(shape, conf):
+        if os.getpid() != parent:
+            raise MemoryError("the worker is gone")
+        return replay_here(shape, conf)
+
+    monkeypatch.setenv(alloctrace.WORKERS_ENV, "2")
+    monkeypatch.setattr(alloctrace, "_replay", fails_in_a_worker)
+    jobs = _rows()
+    alloctrace.replay_ahead(jobs)
+    assert 0 < len(alloctrace._ANSWERS) < len(_keys(jobs))  # this process's share only
+    got = [alloctrace.excess_bytes(Step(j)) for j in jobs]
+    assert got == [_uncached_excess(Step(j)) for j in jobs]
+
+
+def test_no_worker_is_forked_beside_other_threads_or_where_one_is_asked_for(monkeypatch):
+    monkeypatch.setenv(alloctrace.WORKERS_ENV, "4")
+    assert alloctrace._workers() == 4
+    monkeypatch.setenv(alloctrace.WORKERS_ENV, "1")
+    assert alloctrace._workers() == 1
+    monkeypatch.delenv(alloctrace.WORKERS_ENV)
+    assert alloctrace._workers() == len(os.sched_getaffinity(0))
+    waiting = threading.Event()
+    thread = threading.Thread(target=waiting.wait)
+    thread.start()
+    try:  # a notebook kernel's threads: a forked child would hold none of their locks
+        monkeypatch.setenv(alloctrace.WORKERS_ENV, "4")
+        assert alloctrace._workers() == 1
+    finally:
+        waiting.set()
+        thread.join()
