@@ -375,10 +375,15 @@ def replay_ahead(jobs) -> None:
     workers = min(workers, len(todo))
     if workers < 2:
         return
-    shares = [list(todo)[i::workers] for i in range(workers)]
-    pipes = [_fork_replays(share) for share in shares[1:]]
-    found = {k: _replay(*k) for k in shares[0]}
-    for share, (pid, read) in zip(shares[1:], pipes):
+    mine, *theirs = [list(todo)[i::workers] for i in range(workers)]
+    running = []
+    for share in theirs:
+        try:
+            running.append((share, *_fork_replays(share)))
+        except OSError:  # no process to be had (EAGAIN, ENOMEM): its share is replayed here
+            mine += share
+    found = {k: _replay(*k) for k in mine}
+    for share, pid, read in running:
         with os.fdopen(read, "rb") as answers:
             found.update(zip(share, map(int, answers.read().split())))
         os.waitpid(pid, 0)
@@ -390,7 +395,12 @@ def replay_ahead(jobs) -> None:
 def _fork_replays(share: list) -> tuple[int, int]:
     """A forked worker replaying ``share``: its pid and the pipe its answers come down."""
     read, write = os.pipe()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read)
+        os.close(write)
+        raise
     if pid == 0:  # the worker: its answers, then gone (no exit handlers, no buffers flushed)
         try:
             os.close(read)

@@ -325,3 +325,15 @@ def test_no_worker_is_forked_beside_other_threads_or_where_one_is_asked_for(monk
     finally:
         waiting.set()
         thread.join()
+
+
+def test_where_no_worker_can_be_forked_its_share_is_replayed_here(ahead, monkeypatch):
+    def no_process():
+        raise BlockingIOError(11, "Resource temporarily unavailable")  # fork's EAGAIN
+
+    monkeypatch.setenv(alloctrace.WORKERS_ENV, "3")
+    monkeypatch.setattr(alloctrace.os, "fork", no_process)
+    jobs = _rows()
+    alloctrace.replay_ahead(jobs)
+    assert set(alloctrace._ANSWERS) == _keys(jobs)
+    assert all(excess == alloctrace._replay(*key) for key, excess in alloctrace._ANSWERS.items())
