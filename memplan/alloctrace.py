@@ -30,8 +30,11 @@ real ones.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import gc
 import os
+import signal
 import threading
 from dataclasses import dataclass
 from functools import lru_cache, partial
@@ -300,12 +303,15 @@ def forget_answers() -> None:
 
 def _excess(shape: TraceShape, conf: AllocConf) -> int:
     """One replay per distinct trace shape (hybrid-shard on one node replays full-shard's, the
-    pipeline's middle stages one another's): an answer this process holds, else one another
-    process kept (``replaycache``), else a replay, kept there."""
+    pipeline's middle stages one another's): an answer this process holds, else the one a worker
+    it started is making (``replay_later``), else one another process kept (``replaycache``),
+    else a replay, kept there."""
     key = (shape, conf)
     found = _ANSWERS.get(key)
     if found is None:
-        found = replaycache.load(key)
+        found = _collect(key) if key in _PENDING else None
+        if found is None:
+            found = replaycache.load(key)
         if found is None:
             found = _replay(shape, conf)
             replaycache.store(key, found)
@@ -353,10 +359,11 @@ def replay_ahead(jobs) -> None:
     """The replays of the data-parallel ``jobs`` (an estimate's rows) that no cache answers,
     shared between this process and forked workers (``_workers``: one replay each at least),
     where a first command would otherwise make them one after another: the main job's seven on
-    this project's 2-core machine, 0.026 s less wall time (``benchmarks/compare.py``). Each
-    worker sends its answers down a pipe and exits; one that dies sends fewer, and what it did
-    not send is replayed here when asked. The answers are kept on disk here, as ``_excess``
-    keeps its own."""
+    this project's 2-core machine, its process 1,175 M instructions where it ran 1,339 M making
+    them all (``benchmarks/instructions.py``; 0.016–0.029 s of wall time, ``compare.py``). Each
+    worker keeps its answers on disk (``replaycache``, as ``_excess`` keeps its own), sends them
+    down a pipe and exits; one that dies sends fewer, and what it did not send is replayed here
+    when asked."""
     workers = _workers()
     if workers < 2:
         return
@@ -382,14 +389,62 @@ def replay_ahead(jobs) -> None:
             running.append((share, *_fork_replays(share)))
         except OSError:  # no process to be had (EAGAIN, ENOMEM): its share is replayed here
             mine += share
-    found = {k: _replay(*k) for k in mine}
+    for key in mine:
+        _remember(key, _replay(*key))
+        replaycache.store(key, _ANSWERS[key])
     for share, pid, read in running:
-        with os.fdopen(read, "rb") as answers:
-            found.update(zip(share, map(int, answers.read().split())))
+        for key, excess in zip(share, _answers(pid, read)):
+            _remember(key, excess)
+
+
+def replay_later(job, conf: AllocConf) -> None:
+    """A replay this process will soon ask for but not yet (``replayed.expandable_ahead``: the
+    table's what-if, while the recommendation is searched), made meanwhile by a forked worker
+    where ``_workers`` allows one; ``_excess`` takes its answer when asked (the main job's
+    process: 1,069 M instructions where it ran 1,175 M). One at a time: a
+    worker whose answer was not asked for is stopped when the next starts, or as the process
+    exits."""
+    if _workers() < 2 or job.train.device == "cpu" or not job.layout.is_data_parallel:
+        return
+    key = (trace_shape(step_of(job)), conf)
+    if key in _ANSWERS or key in _PENDING:
+        return
+    kept = replaycache.load(key)
+    if kept is not None:
+        _remember(key, kept)
+        return
+    _stop_pending()
+    with contextlib.suppress(OSError):  # no process to be had: replayed here when asked
+        _PENDING[key] = _fork_replays([key])
+
+
+_PENDING: dict[tuple[TraceShape, AllocConf], tuple[int, int]] = {}
+"""``replay_later``'s worker, by the key it replays: its pid and the pipe its answer comes down."""
+
+
+def _collect(key: tuple[TraceShape, AllocConf]) -> int | None:
+    """The answer of ``key``'s worker (waited for); None where it died without one."""
+    found = _answers(*_PENDING.pop(key))
+    return found[0] if found else None
+
+
+def _answers(pid: int, read: int) -> list[int]:
+    """What a worker sent down its pipe, once it ended (the worker reaped)."""
+    with os.fdopen(read, "rb") as answers:
+        found = [int(x) for x in answers.read().split()]
+    os.waitpid(pid, 0)
+    return found
+
+
+@atexit.register
+def _stop_pending() -> None:
+    """Stop the workers whose answers no one asked for (a table in JSON prints no what-if)."""
+    for pid, read in list(_PENDING.values()):
+        os.close(read)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-    for key, excess in found.items():
-        _remember(key, excess)
-        replaycache.store(key, excess)
+    _PENDING.clear()
 
 
 def _fork_replays(share: list) -> tuple[int, int]:
@@ -401,11 +456,14 @@ def _fork_replays(share: list) -> tuple[int, int]:
         os.close(read)
         os.close(write)
         raise
-    if pid == 0:  # the worker: its answers, then gone (no exit handlers, no buffers flushed)
+    if pid == 0:  # the worker: its answers kept and sent, then gone (no exit handlers, no buffers flushed)
         try:
             os.close(read)
+            found = [_replay(*key) for key in share]
+            for key, excess in zip(share, found):
+                replaycache.store(key, excess)
             with os.fdopen(write, "wb") as out:
-                out.write(" ".join(str(_replay(*k)) for k in share).encode())
+                out.write(" ".join(map(str, found)).encode())
         finally:
             os._exit(0)
     os.close(write)

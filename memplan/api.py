@@ -19,6 +19,7 @@ from .alloctrace import replay_ahead
 from .breakdown import Estimate
 from .errors import InputError
 from .inputs import ModelChoice, build_jobs
+from .replayed import expandable_ahead
 from .request import FIELDS, ClusterRequest, Request, default, unknown_keyword
 from .totals import final
 
@@ -322,6 +323,7 @@ def estimate(
     choice, jobs = _jobs(request)
     replay_ahead(jobs)
     estimates = tuple(final(job) for job in jobs)
+    expandable_ahead(estimates)
     decision = Decision(
         priority=priority,
         interconnect=interconnect,

@@ -7,15 +7,31 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .allocator import AllocConf, parse_alloc_conf
-from .alloctrace import reserved
+from .alloctrace import replay_later, reserved
 from .breakdown import Component, Estimate, Term
-from .overheads import fixed_terms
+from .overheads import fixed_terms, reserved_bytes
 from .specs import Job
+
+EXPANDABLE = AllocConf(expandable_segments=True)
 
 
 def expandable_excess(est: Estimate) -> int:
     """The replay's excess of ``est``'s job under ``expandable_segments:True``."""
-    return reserved(est.job, AllocConf(expandable_segments=True)).excess_bytes
+    return reserved(est.job, EXPANDABLE).excess_bytes
+
+
+def most_fragmented(estimates: list[Estimate] | tuple[Estimate, ...]) -> Estimate:
+    """The estimate whose allocator holds most beyond its tensors (the first of equals)."""
+    return max(estimates, key=lambda e: reserved_bytes(e) - e.allocated_bytes)
+
+
+def expandable_ahead(estimates: list[Estimate] | tuple[Estimate, ...]) -> None:
+    """The what-if a table prints (``decide.whatifs.fragmentation``: ``expandable_excess`` of the
+    most fragmented row) begun in a forked worker, while the recommendation is searched
+    (``alloctrace.replay_later``)."""
+    worst = most_fragmented(estimates)
+    if reserved_bytes(worst) > worst.allocated_bytes:
+        replay_later(worst.job, EXPANDABLE)
 
 
 def _replayed_term(job: Job, conf: AllocConf, stage: int | None) -> Term:

@@ -20,8 +20,8 @@ from memplan.parallel import pipeline
 from memplan.parallel.step import RankStep
 
 
-def _uncached_excess(step) -> int:
-    result = replay(alloctrace.step_trace(step))
+def _uncached_excess(step, conf: AllocConf = DEFAULT_CONF) -> int:
+    result = replay(alloctrace.step_trace(step), conf)
     return max(0, result.peak_reserved_bytes - result.peak_allocated_bytes)
 
 
@@ -337,3 +337,68 @@ def test_where_no_worker_can_be_forked_its_share_is_replayed_here(ahead, monkeyp
     alloctrace.replay_ahead(jobs)
     assert set(alloctrace._ANSWERS) == _keys(jobs)
     assert all(excess == alloctrace._replay(*key) for key, excess in alloctrace._ANSWERS.items())
+
+
+def test_a_replay_begun_later_in_a_worker_is_taken_when_asked(ahead, monkeypatch, tmp_path):
+    """``replay_later``'s worker keeps its answer on disk and sends it; the estimate's what-if
+    takes it (no replay here) and it is the replay's own."""
+    monkeypatch.setenv(alloctrace.WORKERS_ENV, "2")
+    monkeypatch.setenv(replaycache.ENV, str(tmp_path))
+    job = _rows()[1]
+    conf = AllocConf(expandable_segments=True)
+    alloctrace.replay_later(job, conf)
+    (key,) = alloctrace._PENDING
+    replays = _count_replays(monkeypatch)
+    assert alloctrace.excess_bytes(Step(job), conf) == _uncached_excess(Step(job), conf)
+    assert not alloctrace._PENDING and not replays
+    assert replaycache.load(key) == alloctrace._ANSWERS[key]
+
+
+def test_a_worker_begun_later_and_never_asked_is_stopped(ahead, monkeypatch):
+    """The next one stops it, and so does the process's exit (``_stop_pending``): none is left."""
+    monkeypatch.setenv(alloctrace.WORKERS_ENV, "2")
+    first, second = _rows()[:2]
+    conf = AllocConf(expandable_segments=True)
+    alloctrace.replay_later(first, conf)
+    ((pid, _),) = alloctrace._PENDING.values()
+    alloctrace.replay_later(second, conf)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # stopped and reaped
+    ((pid, _),) = alloctrace._PENDING.values()
+    alloctrace._stop_pending()
+    assert not alloctrace._PENDING
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def test_a_worker_begun_later_that_dies_costs_its_replay_here(ahead, monkeypatch):
+    parent, replay_here = os.getpid(), alloctrace._replay
+
+    def fails_in_a_worker(shape, conf):
+        if os.getpid() != parent:
+            raise MemoryError("the worker is gone")
+        return replay_here(shape, conf)
+
+    monkeypatch.setenv(alloctrace.WORKERS_ENV, "2")
+    monkeypatch.setattr(alloctrace, "_replay", fails_in_a_worker)
+    job, conf = _rows()[1], AllocConf(expandable_segments=True)
+    alloctrace.replay_later(job, conf)
+    assert alloctrace._PENDING
+    assert alloctrace.excess_bytes(Step(job), conf) == _uncached_excess(Step(job), conf)
+
+
+@pytest.mark.parametrize("fmt", ["table", "json", "csv"])
+def test_the_main_job_prints_the_same_with_workers_and_without(fmt):
+    """From the command line as a user runs it: workers (the rows', the what-if's) or none."""
+    argv = [sys.executable, "-m", "memplan.cli", "estimate", "--params", "13e9", "--gpus", "8", "--gpu-mem", "80"]
+    printed = [
+        subprocess.run(
+            [*argv, "--format", fmt],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, alloctrace.WORKERS_ENV: workers},
+        ).stdout
+        for workers in ("1", "2", "3")
+    ]
+    assert printed[0] == printed[1] == printed[2]

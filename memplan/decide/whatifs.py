@@ -13,7 +13,7 @@ from ..frameworks import runs_natively
 from ..memory import modes_compared
 from ..notes import paged_state_bytes
 from ..overheads import reserved_bytes
-from ..replayed import expandable_excess
+from ..replayed import expandable_excess, most_fragmented
 from ..specs import Job
 from ..strategies import STRATEGIES
 from ..throughput import link_for, step_time
@@ -64,7 +64,7 @@ class EstimateWhatIfs:
 
 def fragmentation(estimates: list[Estimate] | tuple[Estimate, ...]) -> Fragmentation | None:
     """The estimate with the largest allocator excess, replayed again with expandable segments."""
-    worst = max(estimates, key=lambda e: reserved_bytes(e) - e.allocated_bytes)
+    worst = most_fragmented(estimates)
     excess = reserved_bytes(worst) - worst.allocated_bytes
     if not excess:
         return None
