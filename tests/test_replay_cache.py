@@ -291,8 +291,9 @@ def test_replays_shared_with_forked_workers_answer_as_one_process_does(workers, 
     assert len(replays) == 7
 
 
-def test_a_worker_that_dies_costs_its_replays_here_never_a_number(ahead, monkeypatch):
-    """A worker that fails sends nothing: its shapes are replayed here when asked."""
+@pytest.fixture
+def dying_workers(ahead, monkeypatch):
+    """Two workers at most, and each fails before it sends an answer."""
     parent, replay_here = os.getpid(), alloctrace._replay
 
     def fails_in_a_worker(shape, conf):
@@ -302,6 +303,10 @@ def test_a_worker_that_dies_costs_its_replays_here_never_a_number(ahead, monkeyp
 
     monkeypatch.setenv(alloctrace.WORKERS_ENV, "2")
     monkeypatch.setattr(alloctrace, "_replay", fails_in_a_worker)
+
+
+def test_a_worker_that_dies_costs_its_replays_here_never_a_number(dying_workers):
+    """A worker that fails sends nothing: its shapes are replayed here when asked."""
     jobs = _rows()
     alloctrace.replay_ahead(jobs)
     assert 0 < len(alloctrace._ANSWERS) < len(_keys(jobs))  # this process's share only
@@ -371,16 +376,7 @@ def test_a_worker_begun_later_and_never_asked_is_stopped(ahead, monkeypatch):
         os.waitpid(pid, os.WNOHANG)
 
 
-def test_a_worker_begun_later_that_dies_costs_its_replay_here(ahead, monkeypatch):
-    parent, replay_here = os.getpid(), alloctrace._replay
-
-    def fails_in_a_worker(shape, conf):
-        if os.getpid() != parent:
-            raise MemoryError("the worker is gone")
-        return replay_here(shape, conf)
-
-    monkeypatch.setenv(alloctrace.WORKERS_ENV, "2")
-    monkeypatch.setattr(alloctrace, "_replay", fails_in_a_worker)
+def test_a_worker_begun_later_that_dies_costs_its_replay_here(dying_workers):
     job, conf = _rows()[1], AllocConf(expandable_segments=True)
     alloctrace.replay_later(job, conf)
     assert alloctrace._PENDING
