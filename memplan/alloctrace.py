@@ -367,22 +367,12 @@ def replay_ahead(jobs) -> None:
     workers = _workers()
     if workers < 2:
         return
-    todo: dict[tuple[TraceShape, AllocConf], None] = {}
-    for job in jobs:
-        if job.train.device == "cpu" or not job.layout.is_data_parallel:
-            continue
-        key = (trace_shape(step_of(job)), parse_alloc_conf(job.cluster.alloc_conf))
-        if key in _ANSWERS or key in todo:
-            continue
-        kept = replaycache.load(key)
-        if kept is None:
-            todo[key] = None
-        else:
-            _remember(key, kept)
+    keys = (_unanswered(job, parse_alloc_conf(job.cluster.alloc_conf)) for job in jobs)
+    todo = list(dict.fromkeys(key for key in keys if key is not None))
     workers = min(workers, len(todo))
     if workers < 2:
         return
-    mine, *theirs = [list(todo)[i::workers] for i in range(workers)]
+    mine, *theirs = [todo[i::workers] for i in range(workers)]
     running = []
     for share in theirs:
         try:
@@ -390,8 +380,9 @@ def replay_ahead(jobs) -> None:
         except OSError:  # no process to be had (EAGAIN, ENOMEM): its share is replayed here
             mine += share
     for key in mine:
-        _remember(key, _replay(*key))
-        replaycache.store(key, _ANSWERS[key])
+        excess = _replay(*key)
+        _remember(key, excess)
+        replaycache.store(key, excess)
     for share, pid, read in running:
         for key, excess in zip(share, _answers(pid, read)):
             _remember(key, excess)
@@ -404,18 +395,28 @@ def replay_later(job, conf: AllocConf) -> None:
     process: 1,069 M instructions where it ran 1,175 M). One at a time: a
     worker whose answer was not asked for is stopped when the next starts, or as the process
     exits."""
-    if _workers() < 2 or job.train.device == "cpu" or not job.layout.is_data_parallel:
-        return
-    key = (trace_shape(step_of(job)), conf)
-    if key in _ANSWERS or key in _PENDING:
-        return
-    kept = replaycache.load(key)
-    if kept is not None:
-        _remember(key, kept)
+    key = _unanswered(job, conf) if _workers() > 1 else None
+    if key is None or key in _PENDING:
         return
     _stop_pending()
     with contextlib.suppress(OSError):  # no process to be had: replayed here when asked
         _PENDING[key] = _fork_replays([key])
+
+
+def _unanswered(job, conf: AllocConf) -> tuple[TraceShape, AllocConf] | None:
+    """The key of ``job``'s data-parallel replay under ``conf`` where no answer is held or kept on
+    disk (one found there is held); None where one is, or where ``job`` replays no such step (a
+    CPU job, a layout's ranks)."""
+    if job.train.device == "cpu" or not job.layout.is_data_parallel:
+        return None
+    key = (trace_shape(step_of(job)), conf)
+    if key in _ANSWERS:
+        return None
+    kept = replaycache.load(key)
+    if kept is None:
+        return key
+    _remember(key, kept)
+    return None
 
 
 _PENDING: dict[tuple[TraceShape, AllocConf], tuple[int, int]] = {}

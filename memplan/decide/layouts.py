@@ -234,7 +234,7 @@ class LayoutGroup:
 @lru_cache(maxsize=256)
 def layout_group(job: Job, layout: Layout, strategy: str, link: Link, order: int = 0) -> LayoutGroup:
     """A layout and strategy's settings walked by the bound (no replay); cached, as the rules'
-    bound (``rules.agrees``) walks the group ``best_of_layout`` then confirms. A setting the model
+    bound (``rules.agrees``) walks the group their verdict then confirms (``pick``). A setting the model
     cannot take (MLA under selective AC, say) is skipped; where it cannot take the least-memory
     one, this raises (``search_layouts`` skips the layout and strategy)."""
     settings = _settings()
@@ -262,13 +262,6 @@ def _fits_by_bound(job: Job | None) -> bool:
         return job is not None and _bound_fits(job)
     except MemplanError:
         return False
-
-
-def best_of_layout(job: Job, layout: Layout, link: Link) -> tuple[LayoutOption | None, LayoutOption]:
-    """One layout under ``job``'s strategy, its AC and micro-batch searched as ``search_layouts``
-    does: the fastest setting that fits (None: none does) and the least-memory one."""
-    group = layout_group(job, layout, job.plan.strategy, link)
-    return group.pick(), group.least
 
 
 @lru_cache(maxsize=64)
